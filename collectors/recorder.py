@@ -1,0 +1,214 @@
+"""Record a run: preflight the sources, create the run, sample until done, finish it with its stats.
+
+The CLI and the tests both call `record`; nothing here prints.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+from collectors import engine as engine_mod
+from collectors.nvml import NvmlSource
+from collectors.process_memory import ProcessMemorySource
+from collectors.sampler import Sampler
+from collectors.source import Source, SourceError
+from collectors.store import StoreWriter, create_run, finish_run, open_store
+from collectors.vllm_metrics import VllmMetricsSource, cache_config, model_names
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_TARGET_LOST = 3
+EXIT_INTERRUPTED = 130
+
+
+class PreflightError(Exception):
+    """Bad input found before anything was recorded; one line, names the fix."""
+
+
+@dataclass
+class Target:
+    label: str
+    url: str
+
+
+@dataclass
+class RecordSettings:
+    """Everything one recording needs, built once at the CLI edge."""
+
+    targets: list[Target]
+    store: Path = Path("runs/cancelwatch.db")
+    hz: float = 20.0
+    duration_s: float | None = 30.0
+    nvml: str = "auto"  # auto | on | off
+    name: str | None = None
+    pids: list[int] = field(default_factory=list)
+    lost_after_s: float = 10.0
+    home: Path = Path(".cancelwatch")
+    max_hz: float = 200.0
+
+
+@dataclass
+class RunResult:
+    run_id: int
+    status: str
+    stats: dict
+    exit_code: int
+
+
+def parse_targets(values: list[str]) -> list[Target]:
+    """`URL` or `LABEL=URL`; unlabelled targets are t0, t1, ..."""
+    out: list[Target] = []
+    for i, value in enumerate(values):
+        label, _, url = value.rpartition("=") if "=" in value.split("://", 1)[0] else ("", "", value)
+        url = url.rstrip("/")
+        parsed = urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise PreflightError(f"--target {value!r} is not an http(s) URL: use e.g. --target http://127.0.0.1:8000")
+        out.append(Target(label or f"t{i}", url))
+    labels = [t.label for t in out]
+    if len(set(labels)) != len(labels):
+        raise PreflightError(f"--target labels must be unique, got {labels}: write them as LABEL=URL")
+    return out
+
+
+def embedded_engine_for(url: str, home: Path) -> engine_mod.EngineState | None:
+    parsed = urlparse(url)
+    if parsed.hostname not in ("127.0.0.1", "localhost") or parsed.port is None:
+        return None
+    state = engine_mod.read_state(home, parsed.port)
+    return state if state is not None and engine_mod.is_alive(state) else None
+
+
+def build_sources(settings: RecordSettings, nvml_module=None) -> tuple[list[Source], dict]:
+    """The run's sources and the engine facts to store. Raises PreflightError before any run exists."""
+    if not settings.targets:
+        raise PreflightError("no --target given: pass the vLLM server's URL, e.g. --target http://127.0.0.1:8000")
+    if not (0 < settings.hz <= settings.max_hz):
+        raise PreflightError(f"--hz {settings.hz} is out of range: use a rate in (0, {settings.max_hz:.0f}]")
+    sources: list[Source] = []
+    engine_facts: dict = {"targets": {}}
+    pids = list(settings.pids)
+    for t in settings.targets:
+        src = VllmMetricsSource(t.url, t.label)
+        problem = src.check()
+        if problem:
+            for s in sources:
+                s.close()
+            src.close()
+            raise PreflightError(f"target {t.label} unreachable: {problem}")
+        sources.append(src)
+        state = embedded_engine_for(t.url, settings.home)
+        if state is not None:
+            engine_facts["targets"][t.label] = {
+                "embedded": True, "pid": state.pid, "model": state.model, "shape": state.shape,
+                "command": state.command,
+            }
+            if not settings.pids:
+                pids.append(state.pid)
+    if pids:
+        proc = ProcessMemorySource(pids, target="engine")
+        problem = proc.check()
+        if problem and settings.pids:
+            raise PreflightError(problem)
+        if not problem:
+            sources.append(proc)
+    engine_facts["pids"] = pids
+    if settings.nvml not in ("auto", "on", "off"):
+        raise PreflightError(f"--nvml {settings.nvml!r}: use auto, on or off")
+    if settings.nvml != "off":
+        nv = NvmlSource(nvml=nvml_module, pids=pids)
+        problem = nv.check()
+        if problem is None:
+            sources.append(nv)
+        elif settings.nvml == "on":
+            raise PreflightError(problem)
+        engine_facts["nvml"] = "on" if problem is None else f"off: {problem}"
+    else:
+        engine_facts["nvml"] = "off"
+    return sources, engine_facts
+
+
+def record(
+    settings: RecordSettings,
+    sources: list[Source],
+    engine_facts: dict,
+    stop: threading.Event | None = None,
+    on_tick=None,
+) -> RunResult:
+    """Sample until the duration passes, `stop` is set, a critical target is lost, or Ctrl-C.
+
+    Whatever ends the run, everything sampled so far is written and the run gets its status.
+    """
+    con = open_store(settings.store)  # StoreError names the path
+    wall_ns, mono_ns = time.time_ns(), time.monotonic_ns()
+    run_settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items() if k != "targets"}
+    run_id = create_run(
+        con,
+        name=settings.name,
+        targets=[asdict(t) for t in settings.targets],
+        engine=engine_facts,
+        settings=run_settings,
+        wall_ns=wall_ns,
+        mono_ns=mono_ns,
+    )
+    writer = StoreWriter(con, run_id)
+    caches: dict[str, dict] = {}
+
+    def on_samples(src, samples):
+        # the first scrape of each vLLM target carries its cache config: keep it as run metadata
+        if src.name == "vllm" and src.target not in caches:
+            caches[src.target] = {**cache_config(samples), "model_names": model_names(samples)}
+            writer.set_run_json("cache", dict(caches))
+
+    sampler = Sampler(sources, writer.put, hz=settings.hz, lost_after_s=settings.lost_after_s, on_samples=on_samples)
+    stop = stop or threading.Event()
+    status = "completed"
+    sampler.start(mono_ns)
+    deadline = mono_ns + int(settings.duration_s * 1e9) if settings.duration_s else None
+    try:
+        while not stop.is_set():
+            if sampler.lost.is_set():
+                status = "target_lost"
+                break
+            if deadline is not None and time.monotonic_ns() >= deadline:
+                break
+            if on_tick is not None:
+                on_tick(run_id, sampler)
+            stop.wait(0.1)
+        else:
+            status = "interrupted"
+    except KeyboardInterrupt:
+        status = "interrupted"
+    finally:
+        sampler.stop()
+        error = None
+        try:
+            writer.close()
+        except Exception as exc:  # noqa: BLE001 - recorded in the run's status below
+            error = exc
+            status = "failed"
+        per_source = [st.as_dict() for st in sampler.stats.values()]
+        stats = {
+            "sources": per_source,
+            "samples_taken": sum(s["samples_taken"] for s in per_source),
+            "samples_written": writer.samples_written,
+            "scrapes_written": writer.scrapes_written,
+            "store_error": str(error) if error else None,
+        }
+        finish_run(con, run_id, status, stats)
+        con.close()
+    code = {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED, "target_lost": EXIT_TARGET_LOST}.get(status, EXIT_FAILED)
+    return RunResult(run_id, status, stats, code)
+
+
+def close_sources(sources: list[Source]) -> None:
+    for s in sources:
+        try:
+            s.close()
+        except SourceError:
+            pass

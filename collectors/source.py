@@ -1,0 +1,28 @@
+"""The protocol every source sits behind. Looping, timing, retries and back-off live in the sampler."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from collectors.samples import Sample
+
+
+class SourceError(Exception):
+    """The source could not be read this time (network, process gone, driver error)."""
+
+
+class ParseError(SourceError):
+    """The source answered, but with something that is not what it should be."""
+
+
+class Source(Protocol):
+    name: str  # kind of source: vllm, process, nvml
+    target: str  # label of what it reads, e.g. a replica name or a GPU host
+
+    def check(self) -> str | None:
+        """None when the source can be read now; else one line that says how to fix it."""
+
+    def sample(self, wall_ns: int, mono_ns: int) -> list[Sample]:
+        """Read once. Raise SourceError (or ParseError) on failure; never return made-up zeros."""
+
+    def close(self) -> None: ...

@@ -1,0 +1,106 @@
+"""The sampler's timing and gap bookkeeping, with in-test sources that are slow or fail on purpose."""
+
+from __future__ import annotations
+
+import time
+
+from collectors.samples import Sample
+from collectors.sampler import Sampler
+from collectors.source import ParseError, SourceError
+from collectors.store import GapRecord, ScrapeRecord
+
+
+class TimedSource:
+    """Takes `delay_s` per read; fails with `errors[i]` on read i when given."""
+
+    def __init__(self, name, delay_s=0.0, errors=None):
+        self.name, self.target, self.delay_s = name, "x", delay_s
+        self.errors = errors or {}
+        self.reads = 0
+
+    def check(self):
+        return None
+
+    def sample(self, wall_ns, mono_ns):
+        i = self.reads
+        self.reads += 1
+        time.sleep(self.delay_s)
+        if i in self.errors:
+            raise self.errors[i]
+        return [Sample(self.name, "v", float(i), (), wall_ns, mono_ns)]
+
+    def close(self):
+        pass
+
+
+def run(sources, seconds, hz=20.0, **kw):
+    records = []
+    sampler = Sampler(sources, records.append, hz=hz, **kw)
+    sampler.start()
+    time.sleep(seconds)
+    sampler.stop()
+    return sampler, records
+
+
+def scrapes(records, name, ok=None):
+    return [r for r in records if isinstance(r, ScrapeRecord) and r.source == name and (ok is None or r.ok == ok)]
+
+
+def gaps(records, name, kind=None):
+    return [r for r in records if isinstance(r, GapRecord) and r.source == name and (kind is None or r.kind == kind)]
+
+
+def test_a_slow_source_does_not_delay_the_others():
+    fast, slow = TimedSource("fast"), TimedSource("slow", delay_s=0.12)
+    sampler, records = run([fast, slow], 2.0)
+    n_fast = len(scrapes(records, "fast", ok=True))
+    n_slow = len(scrapes(records, "slow", ok=True))
+    assert n_fast >= 36, n_fast  # 20 Hz for 2 s, whatever the slow one does
+    assert n_slow <= 18, n_slow
+    missed = gaps(records, "slow", "missed")
+    assert missed and sum(g.ticks for g in missed) >= 15
+    assert sampler.stats[id(slow)].missed_ticks == sum(g.ticks for g in missed)
+    assert not gaps(records, "fast")
+    # every sample carries the clocks of its scrape
+    for r in scrapes(records, "fast"):
+        assert all(s.wall_ns == r.wall_ns and s.mono_ns == r.mono_ns for s in r.samples)
+
+
+def test_failures_are_gaps_with_backoff_and_recovery():
+    errors = {i: SourceError("connection refused") for i in range(4)}
+    src = TimedSource("flaky", errors=errors)
+    sampler, records = run([src], 3.0)
+    err = gaps(records, "flaky", "error")
+    # back-off: 4 failed reads spread over 0.1+0.2+0.4+0.8 s; the ticks in between belong to the gap
+    assert len(err) == 1 and err[0].ticks >= 25
+    assert err[0].end_mono_ns - err[0].start_mono_ns >= int(1.3e9)
+    ok = scrapes(records, "flaky", ok=True)
+    assert ok and ok[0].mono_ns >= err[0].end_mono_ns  # picked up again after the gap
+    failed = scrapes(records, "flaky", ok=False)
+    assert len(failed) == 4 and all(not r.samples for r in failed)  # a failure stores no value, never a zero
+    st = sampler.stats[id(src)]
+    assert st.scrape_errors == 4 and st.taken == sum(len(r.samples) for r in ok)
+
+
+def test_parse_errors_are_counted_and_retried_next_tick():
+    src = TimedSource("garbled", errors={3: ParseError("garbage"), 4: ParseError("garbage")})
+    sampler, records = run([src], 1.0)
+    pe = gaps(records, "garbled", "parse_error")
+    assert len(pe) == 1 and pe[0].ticks == 2
+    assert sampler.stats[id(src)].parse_errors == 2
+    assert len(scrapes(records, "garbled", ok=True)) >= 15
+
+
+def test_a_source_failing_past_the_grace_is_lost():
+    src = TimedSource("vllm", errors={i: SourceError("refused") for i in range(1000)})
+    sampler, records = run([src], 1.5, lost_after_s=0.5)
+    assert sampler.lost.is_set()
+    assert gaps(records, "vllm", "lost")
+
+
+def test_a_crashing_source_does_not_kill_the_sampler():
+    src = TimedSource("weird", errors={0: RuntimeError("bug in a source")})
+    sampler, records = run([src], 0.6)
+    assert sampler.stats[id(src)].scrape_errors == 1
+    assert "RuntimeError" in gaps(records, "weird", "error")[0].detail
+    assert scrapes(records, "weird", ok=True)
