@@ -21,7 +21,7 @@ class ProcessMemorySource:
 
     name = SOURCE_NAME
 
-    def __init__(self, pids: list[int], target: str = "engine", tree_refresh_s: float = 1.0):
+    def __init__(self, pids: list[int], target: str = "engine", tree_refresh_s: float = 5.0):
         self.root_pids = list(pids)
         self.target = target
         self.tree_refresh_s = tree_refresh_s

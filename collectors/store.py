@@ -118,10 +118,10 @@ class StoreWriter:
             raise StoreError(f"writing the run store failed: {self.error}") from self.error
 
     def _series_id(self, s: Sample, target: str) -> int:
-        labels = json.dumps(dict(s.labels), sort_keys=True)
-        key = (s.source, target, s.metric, labels)
+        key = (s.source, target, s.metric, s.labels)
         sid = self._series.get(key)
         if sid is None:
+            labels = json.dumps(dict(s.labels), sort_keys=True)
             self.con.execute(
                 "INSERT OR IGNORE INTO series(run_id, source, target, metric, labels) VALUES (?, ?, ?, ?, ?)",
                 (self.run_id, s.source, target, s.metric, labels),

@@ -6,7 +6,11 @@ All Prometheus text goes through prometheus_client's parser.
 
 from __future__ import annotations
 
-import httpx
+import http.client
+import re
+import threading
+from urllib.parse import urlparse
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from collectors.samples import Labels, Sample, freeze_labels
@@ -34,35 +38,67 @@ CACHE_CONFIG_METRIC = "vllm:cache_config_info"
 SOURCE_NAME = "vllm"
 
 
-def _keep_line(line: str) -> bool:
-    # Only vLLM sample lines are kept. Histogram buckets are most of the body and nothing here reads
-    # them at 20 Hz (`_sum`/`_count` stay); `_created` timestamps are not measurements; HELP/TYPE
-    # lines are not needed because series are named by their sample names.
-    if not line.startswith("vllm:"):
-        return False
-    name = line.split("{", 1)[0].split(" ", 1)[0]
-    return not name.endswith(("_bucket", "_created"))
+# One C-speed pass picks the vLLM sample lines out of a ~50 KB body; HELP/TYPE lines are not needed
+# because series are named by their sample names.
+_VLLM_LINE = re.compile(r"^vllm:[^\n]*", re.MULTILINE)
+
+
+def _vllm_lines(text: str) -> list[str]:
+    # Histogram buckets are most of the body and nothing here reads them at 20 Hz (`_sum`/`_count`
+    # stay); `_created` timestamps are not measurements.
+    return [
+        line for line in _VLLM_LINE.findall(text)
+        if not line.split("{", 1)[0].split(" ", 1)[0].endswith(("_bucket", "_created"))
+    ]
+
+
+def _split_value(line: str) -> tuple[str, str] | None:
+    """(series part, value token) of a sample line without a timestamp; None for anything else."""
+    brace = line.rfind("}")
+    if brace >= 0:
+        series, rest = line[: brace + 1], line[brace + 1 :].split()
+        return (series, rest[0]) if len(rest) == 1 else None
+    parts = line.split()
+    return (parts[0], parts[1]) if len(parts) == 2 else None
 
 
 class LineMemo:
-    """Parsed (name, labels, value) per exact sample line, so unchanged lines are not parsed again.
+    """Parsed (name, labels) per series, so only values are read on later scrapes.
 
-    prometheus_client's parser costs about 25 us per line; at 20 Hz a whole vLLM body would cost
-    several percent of a core, while between two scrapes only the lines whose values moved differ.
+    prometheus_client's parser costs about 25 us per line; at 20 Hz, re-parsing the ~70 vLLM lines
+    would cost several percent of a core, while between two scrapes only values change. A series
+    seen for the first time (and any line with a timestamp) goes through the parser whole.
+    Safe to share between reader threads: a lookup that races a clear() falls back to a fresh parse.
     """
 
-    def __init__(self, max_lines: int = 20000):
-        self.max_lines = max_lines
-        self._parsed: dict[str, tuple[str, Labels, float]] = {}
+    def __init__(self, max_series: int = 20000):
+        self.max_series = max_series
+        self._series: dict[str, tuple[str, Labels]] = {}
 
     def parse(self, lines: list[str]) -> list[tuple[str, Labels, float]]:
-        fresh = [line for line in lines if line not in self._parsed]
+        out: list[tuple[str, Labels, float] | None] = []
+        fresh: list[int] = []
+        for line in lines:
+            split = _split_value(line)
+            known = self._series.get(split[0]) if split else None
+            if known is None:
+                fresh.append(len(out))
+                out.append(None)
+                continue
+            try:
+                out.append((known[0], known[1], float(split[1])))
+            except ValueError as exc:
+                raise ParseError(f"unparseable /metrics body: bad value in {line[:80]!r}") from exc
         if fresh:
-            if len(self._parsed) + len(fresh) > self.max_lines:
-                self._parsed.clear()
-            for line, parsed in zip(fresh, _parse_fresh(fresh)):
-                self._parsed[line] = parsed
-        return [self._parsed[line] for line in lines]
+            parsed = _parse_fresh([lines[i] for i in fresh])
+            if len(self._series) + len(fresh) > self.max_series:
+                self._series.clear()
+            for i, item in zip(fresh, parsed):
+                out[i] = item
+                split = _split_value(lines[i])
+                if split is not None:
+                    self._series[split[0]] = (item[0], item[1])
+        return out  # type: ignore[return-value]
 
 
 def _parse_fresh(lines: list[str]) -> list[tuple[str, Labels, float]]:
@@ -85,7 +121,7 @@ def parse_vllm_metrics(
     """
     if not text.endswith("\n"):
         raise ParseError("truncated /metrics body (no final newline)")
-    lines = [line for line in text.splitlines() if _keep_line(line)]
+    lines = _vllm_lines(text)
     parsed = (memo or LineMemo()).parse(lines)
     chosen: dict[tuple, tuple[int, Sample]] = {}
     for name, labels, value in parsed:
@@ -113,30 +149,63 @@ def model_names(samples: list[Sample]) -> list[str]:
 
 
 class VllmMetricsSource:
-    """Scrapes one vLLM server's /metrics with a kept-alive HTTP connection."""
+    """Scrapes one vLLM server's /metrics over kept-alive connections, one per reader thread.
+
+    http.client rather than httpx here: measured on this 2-core machine, httpx spends about 0.85 ms
+    more CPU per request, which at 20 Hz alone is 1.7% of a core of the sampler's 5% budget.
+    """
 
     name = SOURCE_NAME
+    max_in_flight = 4  # a busy API server may answer late; later ticks still start on time
 
-    def __init__(self, url: str, target: str, timeout_s: float = 1.0, client: httpx.Client | None = None):
+    def __init__(self, url: str, target: str, timeout_s: float = 1.0):
         self.base_url = url.rstrip("/")
         self.metrics_url = self.base_url + "/metrics"
         self.target = target
-        self._client = client or httpx.Client(timeout=timeout_s)
+        self.timeout_s = timeout_s
+        parsed = urlparse(self.base_url)
+        self._https = parsed.scheme == "https"
+        self._host, self._port = parsed.hostname, parsed.port
+        self._path = (parsed.path or "") + "/metrics"
+        self._local = threading.local()
+        self._all: list[http.client.HTTPConnection] = []
         self._memo = LineMemo()
 
+    def _connection(self) -> http.client.HTTPConnection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+            conn = cls(self._host, self._port, timeout=self.timeout_s)
+            self._local.conn = conn
+            self._all.append(conn)
+        return conn
+
     def fetch(self) -> str:
+        conn = self._connection()
+        reused = conn.sock is not None
         try:
-            resp = self._client.get(self.metrics_url)
-        except httpx.HTTPError as exc:
-            raise SourceError(f"{self.metrics_url}: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code != 200:
-            raise SourceError(f"{self.metrics_url} answered HTTP {resp.status_code}")
-        return resp.text
+            resp, body = self._get(conn)
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            if not reused:
+                raise SourceError(f"{self.metrics_url}: {type(exc).__name__}: {exc}") from exc
+            try:  # the server may have closed an idle kept-alive connection: one fresh try
+                resp, body = self._get(conn)
+            except (OSError, http.client.HTTPException) as exc2:
+                conn.close()
+                raise SourceError(f"{self.metrics_url}: {type(exc2).__name__}: {exc2}") from exc2
+        if resp.status != 200:
+            raise SourceError(f"{self.metrics_url} answered HTTP {resp.status}")
+        return body.decode("utf-8", errors="replace")
+
+    def _get(self, conn: http.client.HTTPConnection) -> tuple[http.client.HTTPResponse, bytes]:
+        conn.request("GET", self._path, headers={"Accept-Encoding": "identity"})
+        resp = conn.getresponse()
+        return resp, resp.read()
 
     def check(self) -> str | None:
         try:
-            text = self.fetch()
-            parse_vllm_metrics(text, 0, 0)
+            parse_vllm_metrics(self.fetch(), 0, 0)
         except SourceError as exc:
             return f"cannot read {self.metrics_url} ({exc}); start the engine (cancelwatch engine up) or fix --target"
         return None
@@ -145,4 +214,7 @@ class VllmMetricsSource:
         return parse_vllm_metrics(self.fetch(), wall_ns, mono_ns, memo=self._memo)
 
     def close(self) -> None:
-        self._client.close()
+        for conn in self._all:
+            conn.close()
+        self._all.clear()
+        self._local = threading.local()
