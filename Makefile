@@ -27,12 +27,15 @@ $(ENGINE_VENV)/.installed: requirements-engine.txt
 test: venv engine-venv
 	$(VENV)/bin/python -m pytest -v -rs tests
 
-# Engine up, a 30 s sampling run under a small load, the run summary; the engine is stopped at the end.
+# Engine up, a 30 s sampling run under a small load with its summary, then the scripted cancels of the
+# default suite with their report; the engine is stopped at the end.
 demo: venv engine-venv
 	@trap '$(CW) engine down --port $(PORT)' EXIT; \
 	$(CW) engine up --port $(PORT) && \
 	{ $(CW) load --target http://127.0.0.1:$(PORT) --streams 6 --delay 3 & \
-	  $(CW) sample --target http://127.0.0.1:$(PORT) --duration 30 --store $(STORE) --name demo; rc=$$?; wait; exit $$rc; }
+	  $(CW) sample --target http://127.0.0.1:$(PORT) --duration 30 --store $(STORE) --name demo-load; rc=$$?; wait; \
+	  [ $$rc -eq 0 ] || exit $$rc; }; \
+	$(CW) record --target http://127.0.0.1:$(PORT) --scenario default --store $(STORE) --name demo-cancels
 
 bench: venv engine-venv
 	$(VENV)/bin/python bench/sampler.py

@@ -31,7 +31,7 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_
 engine_app = typer.Typer(no_args_is_help=True, help="The embedded vLLM engine (real vLLM, CPU build).")
 app.add_typer(engine_app, name="engine")
 
-out = Console(soft_wrap=True)
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 150)
 err = Console(stderr=True, soft_wrap=True)
 DEFAULT_STORE = Path("runs/cancelwatch.db")
 
@@ -61,7 +61,7 @@ def engine_up(
     """Start the engine on 127.0.0.1 and wait until /health answers."""
     shape = engine_mod.EngineShape(max_num_seqs=max_num_seqs, num_gpu_blocks=num_gpu_blocks or None, block_size=block_size)
     if gpu:
-        shape.dtype, shape.gpu_memory_utilization = "auto", 0.9
+        shape.dtype, shape.gpu_memory_utilization, shape.max_num_batched_tokens = "auto", 0.9, None
     try:
         state = engine_mod.start(home_dir(), port=port, model=model, shape=shape, engine_python=engine_python,
                                  gpu=gpu, extra_args=extra, timeout_s=timeout)
@@ -176,7 +176,7 @@ def _print_summary(store: Path, run_id: int) -> None:
 
     run = load_run(store, run_id)
     table = Table(title=f"run {run_id} ({run.info['status']})")
-    for col in ("source", "target", "scrapes_ok", "scrapes_failed", "effective_hz", "scrape_p50_ms", "scrape_p99_ms", "gaps"):
+    for col in ("source", "target", "ok", "failed", "Hz", "p50 ms", "p99 ms", "gaps"):
         table.add_column(col)
     for row in sampling_stats(run).itertuples(index=False):
         table.add_row(row.source, row.target, str(row.scrapes_ok), str(row.scrapes_failed), f"{row.effective_hz:.1f}",
@@ -264,6 +264,110 @@ def load(
                   f"done after {r.total_s:.2f} s {status}")
     if any(r.error for r in results):
         raise typer.Exit(EXIT_FAILED)
+
+
+def _report_exit(doc: dict) -> int:
+    verdicts = [c["verdict"] for c in doc["cancels"]]
+    if doc["status"] not in ("completed",) and not verdicts:
+        return EXIT_FAILED
+    return 0 if doc["neighbours_ok"] and verdicts and all(v == "released" for v in verdicts) else EXIT_FAILED
+
+
+def _print_report(doc: dict) -> None:
+    colours = {"released": "green", "leaked": "red", "stale_gauge": "yellow", "inconclusive": "magenta"}
+    table = Table(title=f"run {doc['run_id']} ({doc['status']}): cancels")
+    for col in ("scenario", "request", "phase", "verdict", "stop->app ms", "app->abort ms", "abort->left ms",
+                "left->reusable ms", "why"):
+        table.add_column(col)
+    for c in doc["cancels"]:
+        lat = list(c["latencies_ms"].values())
+        fmt = ["" if x is None else f"{x:.0f}" for x in lat]
+        why = c["evidence"].get("why") or c["evidence"].get("race") or ""
+        table.add_row(c["scenario"], c["request_id"][-8:], c["phase_at_cancel"],
+                      f"[{colours.get(c['verdict'], 'white')}]{c['verdict']}[/]", *fmt, why)
+    out.print(table)
+    out.print(f"neighbours ok: {doc['neighbours_ok']}")
+
+
+@app.command("record")
+def record_cmd(
+    target: str = typer.Option(..., help="OpenAI-compatible server the scenarios talk to (engine, gateway or proxy)."),
+    metrics_url: Optional[str] = typer.Option(None, help="vLLM whose /metrics is sampled; default: --target."),
+    scenario: str = typer.Option("default", help="Suite, built-in scenario name, or a TOML file."),
+    hz: float = typer.Option(20.0),
+    nvml: str = typer.Option("auto"),
+    store: Path = typer.Option(DEFAULT_STORE),
+    name: Optional[str] = typer.Option(None),
+    pid: Optional[list[int]] = typer.Option(None),
+    lost_after: float = typer.Option(10.0),
+    grace: float = typer.Option(2.0, help="Seconds the scheduler has to reconcile after an abort."),
+):
+    """Run scripted cancels while sampling; one run holds samples, ledger and events. Prints the report."""
+    import httpx
+
+    from analysis.verdicts import report_document
+    from collectors.driver import Driver
+    from collectors.load import served_model
+    from collectors.recorder import scheduler_reader
+    from collectors.scenarios import ScenarioError, resolve
+    from runstore.reader import load_run
+
+    try:
+        scenarios = resolve(scenario)
+    except ScenarioError as exc:
+        raise fail(str(exc)) from None
+    try:
+        targets = parse_targets([metrics_url or target])
+        parse_targets([target])
+        model = served_model(target)
+    except PreflightError as exc:
+        raise fail(str(exc)) from None
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        raise fail(f"cannot list models at {target}/v1/models ({type(exc).__name__}): start the engine "
+                   "(cancelwatch engine up) or fix --target") from None
+    try:
+        settings = RecordSettings(targets=targets, store=store, hz=hz, duration_s=None, nvml=nvml, name=name,
+                                  pids=list(pid or []), lost_after_s=lost_after, home=home_dir(),
+                                  extra={"driven_target": target, "scenarios": [s.name for s in scenarios],
+                                         "grace_s": grace, "model": model})
+        sources, facts = build_sources(settings)
+    except PreflightError as exc:
+        raise fail(str(exc)) from None
+
+    def driver_factory(emit, sampler):
+        label = targets[0].label
+        return Driver(target, model, emit, scheduler_reader(sampler, label), grace_s=grace).run(scenarios)
+
+    try:
+        result = record(settings, sources, facts, driver_factory=driver_factory)
+    except StoreError as exc:
+        raise fail(str(exc)) from None
+    doc = report_document(load_run(store, result.run_id), grace)
+    _print_report(doc)
+    out.print(f"run {result.run_id} {result.status} -> {store}")
+    raise typer.Exit(result.exit_code if result.exit_code else _report_exit(doc))
+
+
+@app.command()
+def report(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFAULT_STORE),
+           as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+           grace: Optional[float] = typer.Option(None, help="Grace window in s; default: the run's own.")):
+    """The per-cancel table (verdicts with evidence) of a recorded run."""
+    import json
+
+    from analysis.verdicts import report_document
+    from runstore.reader import load_run
+
+    try:
+        r = load_run(store, run)
+    except StoreError as exc:
+        raise fail(str(exc)) from None
+    doc = report_document(r, grace if grace is not None else r.info.get("settings", {}).get("extra", {}).get("grace_s", 2.0))
+    if as_json:
+        print(json.dumps(doc, indent=1, default=str))
+    else:
+        _print_report(doc)
+    raise typer.Exit(_report_exit(doc))
 
 
 def main() -> None:

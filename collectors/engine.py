@@ -46,6 +46,9 @@ class EngineShape:
     num_gpu_blocks: int | None = 64
     block_size: int = 128
     max_model_len: int = 4096
+    # Prefill in chunks of 512 tokens: an abort lands between engine steps, and one 3000-token
+    # prefill step takes seconds on two cores, which would hide a release behind the step.
+    max_num_batched_tokens: int | None = 512
     dtype: str = "float32"
     # On the CPU build this is the share of the NUMA node's RAM vLLM may claim at start-up.
     gpu_memory_utilization: float = 0.3
@@ -122,6 +125,8 @@ def build_command(
     ]
     if shape.num_gpu_blocks:
         cmd += ["--num-gpu-blocks-override", str(shape.num_gpu_blocks)]
+    if shape.max_num_batched_tokens:
+        cmd += ["--max-num-batched-tokens", str(shape.max_num_batched_tokens)]
     if dummy_weights:
         cmd += ["--load-format", "dummy"]
     if not gpu:

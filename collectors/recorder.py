@@ -5,6 +5,7 @@ The CLI and the tests both call `record`; nothing here prints.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -50,6 +51,7 @@ class RecordSettings:
     lost_after_s: float = 10.0
     home: Path = Path(".cancelwatch")
     max_hz: float = 200.0
+    extra: dict = field(default_factory=dict)  # stored with the run's settings (e.g. driven target, scenarios)
 
 
 @dataclass
@@ -139,9 +141,12 @@ def record(
     engine_facts: dict,
     stop: threading.Event | None = None,
     on_tick=None,
+    driver_factory=None,
 ) -> RunResult:
     """Sample until the duration passes, `stop` is set, a critical target is lost, or Ctrl-C.
 
+    With `driver_factory(emit, sampler) -> coroutine`, the coroutine (the scripted cancels) runs in
+    this thread while the sampler samples, and the run ends when it is done.
     Whatever ends the run, everything sampled so far is written and the run gets its status.
     """
     con = open_store(settings.store)  # StoreError names the path
@@ -171,6 +176,11 @@ def record(
     sampler.start(mono_ns)
     deadline = mono_ns + int(settings.duration_s * 1e9) if settings.duration_s else None
     try:
+        if driver_factory is not None:
+            asyncio.run(_drive(driver_factory(writer.put, sampler), sampler))
+            if sampler.lost.is_set():
+                status = "target_lost"
+            stop.set()
         while not stop.is_set():
             if sampler.lost.is_set():
                 status = "target_lost"
@@ -181,7 +191,7 @@ def record(
                 on_tick(run_id, sampler)
             stop.wait(0.1)
         else:
-            status = "interrupted"
+            status = "interrupted" if driver_factory is None else status
     except KeyboardInterrupt:
         status = "interrupted"
     finally:
@@ -204,6 +214,29 @@ def record(
         con.close()
     code = {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED, "target_lost": EXIT_TARGET_LOST}.get(status, EXIT_FAILED)
     return RunResult(run_id, status, stats, code)
+
+
+async def _drive(coro, sampler: Sampler) -> None:
+    """Run the driver, but give up when the target is lost."""
+    task = asyncio.ensure_future(coro)
+    while not task.done():
+        if sampler.lost.is_set():
+            task.cancel()
+        await asyncio.wait([task], timeout=0.2)
+    if not task.cancelled():
+        task.result()
+
+
+def scheduler_reader(sampler: Sampler, target: str):
+    """() -> (running, waiting) from the latest sample of one vLLM target; NaN-free, 0 before any sample."""
+
+    def now() -> tuple[float, float]:
+        latest = sampler.latest.get(("vllm", target), [])
+        running = sum(s.value for s in latest if s.metric == "requests_running")
+        waiting = sum(s.value for s in latest if s.metric == "requests_waiting")
+        return running, waiting
+
+    return now
 
 
 def close_sources(sources: list[Source]) -> None:

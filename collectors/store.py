@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import sqlite3
@@ -83,6 +84,29 @@ class EventRecord:
     data: dict = field(default_factory=dict)
 
 
+@dataclass
+class LedgerRecord:
+    """What the client knows of one request. Times are time.monotonic_ns()."""
+
+    request_id: str
+    scenario: str
+    role: str  # target | neighbour | probe | filler
+    n: int = 1
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    sent_mono_ns: int | None = None
+    first_token_mono_ns: int | None = None
+    chunks: int = 0
+    tokens_after_cancel: int = 0
+    cancel_mono_ns: int | None = None
+    closed_mono_ns: int | None = None
+    terminal_state: str | None = None
+    reason: str | None = None
+    error: str | None = None
+
+
+_LEDGER_COLUMNS = [f.name for f in dataclasses.fields(LedgerRecord)]
+
 _STOP = object()
 
 
@@ -105,7 +129,7 @@ class StoreWriter:
         self._thread = threading.Thread(target=self._loop, name="store-writer", daemon=True)
         self._thread.start()
 
-    def put(self, record: ScrapeRecord | GapRecord | EventRecord) -> None:
+    def put(self, record: ScrapeRecord | GapRecord | EventRecord | LedgerRecord) -> None:
         self._q.put(record)
 
     def set_run_json(self, column: str, value: dict) -> None:
@@ -161,6 +185,13 @@ class StoreWriter:
             con.execute(
                 "INSERT INTO events(run_id, request_id, kind, wall_ns, mono_ns, data) VALUES (?, ?, ?, ?, ?, ?)",
                 (self.run_id, rec.request_id, rec.kind, rec.wall_ns, rec.mono_ns, json.dumps(rec.data)),
+            )
+        elif isinstance(rec, LedgerRecord):
+            cols = ", ".join(_LEDGER_COLUMNS)
+            marks = ", ".join("?" for _ in _LEDGER_COLUMNS)
+            con.execute(
+                f"INSERT OR REPLACE INTO ledger(run_id, {cols}) VALUES (?, {marks})",
+                (self.run_id, *(getattr(rec, c) for c in _LEDGER_COLUMNS)),
             )
         elif isinstance(rec, tuple) and rec[0] == "json":
             _, column, value = rec

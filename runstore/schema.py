@@ -83,14 +83,17 @@ CREATE TABLE IF NOT EXISTS ledger (
     request_id TEXT NOT NULL,
     scenario TEXT,
     role TEXT,                       -- target | neighbour | probe | filler
+    n INTEGER NOT NULL DEFAULT 1,    -- sequences the server runs for it (the n of a completion)
+    prompt_tokens INTEGER,
+    max_tokens INTEGER,
     sent_mono_ns INTEGER,
     first_token_mono_ns INTEGER,
     chunks INTEGER,
     tokens_after_cancel INTEGER,
     cancel_mono_ns INTEGER,
     closed_mono_ns INTEGER,
-    terminal_state TEXT,
-    reason TEXT,
+    terminal_state TEXT,             -- completed | cancelled | error
+    reason TEXT,                     -- finish_reason, or how it was cancelled
     error TEXT,
     PRIMARY KEY (run_id, request_id)
 );

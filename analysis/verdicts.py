@@ -1,0 +1,248 @@
+"""Per-cancel verdicts: reconcile what the client knows (the ledger) with what the scheduler reports.
+
+Timepoints of a cancel, in seconds since the run started:
+  user_stop      the driver decided to cancel (event)
+  app_received   the cancel reached the request's task (event)
+  engine_abort   the connection to the engine was closed / abort() returned (event)
+  left_scheduler first sample at or after engine_abort where the server's running+waiting is no more
+                 than the ledger's in-flight requests, and, for a request that held KV (prefill,
+                 decode), KV usage is below its level at user_stop
+  reusable       the probe's first token: the freed capacity was handed out again
+
+Verdicts: released (left_scheduler within the grace window), leaked (the server still counts more
+than the ledger after the grace while the engine keeps stepping), stale_gauge (the same, but
+generation_tokens_total is flat: gauges pinned between steps), inconclusive (foreign traffic before
+the cancel, or too few samples). Never judged by request_success_total{finished_reason="abort"}:
+vLLM does not count client disconnects there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from analysis.summary import series_frame
+from runstore.reader import Run
+
+GRACE_S = 2.0
+MIN_SAMPLES = 5
+TIMEPOINTS = ("user_stop", "app_received", "engine_abort", "left_scheduler", "reusable")
+
+
+@dataclass
+class CancelVerdict:
+    request_id: str
+    scenario: str
+    phase_at_cancel: str
+    timepoints: dict
+    verdict: str
+    evidence: dict = field(default_factory=dict)
+    terminal_state: str | None = None
+
+    def latencies(self) -> dict:
+        out = {}
+        for a, b in zip(TIMEPOINTS, TIMEPOINTS[1:]):
+            ta, tb = self.timepoints.get(a), self.timepoints.get(b)
+            out[f"{a}->{b}_ms"] = None if ta is None or tb is None else round((tb - ta) * 1000, 1)
+        return out
+
+
+def _metric_frame(run: Run, metric: str, target: str | None) -> pd.DataFrame:
+    df = series_frame(run, metric)
+    if target is not None and not df.empty:
+        df = df[df["target"] == target]
+    return df.sort_values("t_s").reset_index(drop=True)
+
+
+def scheduler_frame(run: Run, target: str | None = None) -> pd.DataFrame:
+    """Per scrape: t_s, running, waiting, count (= running + waiting), kv, gen_tokens."""
+    parts = {}
+    for col, metric in (("running", "requests_running"), ("waiting", "requests_waiting"),
+                        ("kv", "kv_cache_usage_ratio"), ("gen_tokens", "generation_tokens_total")):
+        df = _metric_frame(run, metric, target)
+        parts[col] = df.set_index("t_s")["value"] if not df.empty else pd.Series(dtype=float)
+    frame = pd.DataFrame(parts).sort_index()
+    frame.index.name = "t_s"
+    frame = frame.reset_index()
+    if frame.empty:
+        return pd.DataFrame(columns=["t_s", "running", "waiting", "count", "kv", "gen_tokens"])
+    frame["count"] = frame["running"] + frame["waiting"]
+    return frame
+
+
+def ledger_inflight(ledger: pd.DataFrame, t0_ns: int, times_s: np.ndarray, abort_s: dict[str, float]) -> np.ndarray:
+    """Sequences the client believes are in the server at each time: sent and not yet closed/aborted."""
+    counts = np.zeros(len(times_s))
+    for row in ledger.itertuples(index=False):
+        if row.sent_mono_ns is None or (isinstance(row.sent_mono_ns, float) and math.isnan(row.sent_mono_ns)):
+            continue
+        start = (row.sent_mono_ns - t0_ns) / 1e9
+        end = abort_s.get(row.request_id)
+        if end is None:
+            closed = row.closed_mono_ns
+            end = math.inf if closed is None or (isinstance(closed, float) and math.isnan(closed)) else (closed - t0_ns) / 1e9
+        n = int(row.n) if row.n == row.n else 1
+        counts += n * ((times_s >= start) & (times_s < end))
+    return counts
+
+
+def _events(run: Run, kind: str) -> pd.DataFrame:
+    ev = run.events
+    return ev[ev["kind"] == kind] if not ev.empty else ev
+
+
+def judge_run(run: Run, grace_s: float = GRACE_S, metrics_target: str | None = None) -> list[CancelVerdict]:
+    t0 = run.info["started_mono_ns"]
+    targets = [t["label"] for t in run.info.get("targets", [])]
+    target = metrics_target or (targets[0] if targets else None)
+    sched = scheduler_frame(run, target)
+    ledger = run.ledger
+    stops = _events(run, "user_stop")
+    if stops.empty or ledger.empty:
+        return []
+
+    def event_time(kind: str, cancel_id: str) -> float | None:
+        ev = _events(run, kind)
+        if ev.empty:
+            return None
+        hit = ev[ev["data"].map(lambda d: json.loads(d).get("cancel_id")) == cancel_id]
+        return float(hit["t_s"].iloc[0]) if len(hit) else None
+
+    abort_s = {}
+    for row in stops.itertuples(index=False):
+        cid = json.loads(row.data).get("cancel_id")
+        t = event_time("engine_abort", cid)
+        if t is not None:
+            abort_s[row.request_id] = t
+    times = sched["t_s"].to_numpy()
+    inflight = ledger_inflight(ledger, t0, times, abort_s) if len(times) else np.array([])
+    rows = ledger.set_index("request_id")
+    out = []
+    for stop in stops.itertuples(index=False):
+        data = json.loads(stop.data)
+        cid, rid, scenario, phase = data.get("cancel_id"), stop.request_id, data.get("scenario"), data.get("phase")
+        t_stop = float(stop.t_s)
+        t_app, t_abort = event_time("app_received", cid), event_time("engine_abort", cid)
+        lrow = rows.loc[rid] if rid in rows.index else None
+        terminal = None if lrow is None else lrow["terminal_state"]
+        same = ledger[(ledger["scenario"] == scenario)]
+        probe = same[(same["role"] == "probe") & (same["sent_mono_ns"] >= (lrow["cancel_mono_ns"] if lrow is not None else 0))]
+        t_probe = None
+        if len(probe) and probe["first_token_mono_ns"].notna().any():
+            t_probe = float((probe["first_token_mono_ns"].dropna().min() - t0) / 1e9)
+        tp = {"user_stop": t_stop, "app_received": t_app, "engine_abort": t_abort, "left_scheduler": None,
+              "reusable": t_probe}
+        ev: dict = {"grace_s": grace_s, "metrics_target": target}
+        # the request finished on its own before the cancel took effect: it left like any completion
+        t_ref = t_abort if t_abort is not None else (
+            (lrow["closed_mono_ns"] - t0) / 1e9 if lrow is not None and terminal == "completed" else None)
+        if terminal == "completed":
+            ev["race"] = "completed before the cancel took effect"
+        window = (times >= t_stop - 1.0) & (times <= (t_ref or t_stop) + grace_s)
+        ev["samples_in_window"] = int(window.sum())
+        if t_ref is None or ev["samples_in_window"] < MIN_SAMPLES:
+            ev["why"] = "no abort recorded" if t_ref is None else "too few samples around the cancel"
+            out.append(CancelVerdict(rid, scenario, phase, tp, "inconclusive", ev, terminal))
+            continue
+        before = (times >= t_stop - 1.0) & (times < t_stop)
+        foreign = (sched["count"].to_numpy() > inflight + 0.5) & before
+        ev["count_before"] = float(sched["count"][before].iloc[-1]) if before.any() else None
+        ev["ledger_before"] = float(inflight[before][-1]) if before.any() else None
+        kv_before = float(sched["kv"][before].iloc[-1]) if before.any() else math.nan
+        ev["kv_before"] = kv_before
+        if foreign.sum() >= 2:
+            ev["why"] = f"the server counted more requests than the ledger before the cancel ({int(foreign.sum())} samples): foreign traffic"
+            out.append(CancelVerdict(rid, scenario, phase, tp, "inconclusive", ev, terminal))
+            continue
+        after = np.nonzero(times >= t_ref)[0]
+        needs_kv_drop = phase in ("prefill", "decode", "in_flight") and terminal != "completed" and not math.isnan(kv_before)
+        n_target = int(lrow["n"]) if lrow is not None and lrow["n"] == lrow["n"] else 1
+        others_before = (ev["ledger_before"] or 0) - n_target
+        count_ok_all = sched["count"].to_numpy() <= inflight + 1e-9
+        # gauges refresh only on an engine step: a release is only shown by a sample that moved
+        # (count, KV or generated tokens) since the last one before the abort
+        pre = np.nonzero(times < t_ref)[0]
+        moved = np.zeros(len(times), dtype=bool)
+        if len(pre):
+            p = pre[-1]
+            for col in ("count", "kv", "gen_tokens"):
+                vals = sched[col].to_numpy()
+                moved |= ~np.isclose(vals, vals[p], equal_nan=True)
+        moved = np.maximum.accumulate(moved & (times >= t_ref)) if len(times) else moved
+        grace_end = np.searchsorted(times, t_ref + grace_s, side="right")
+        left = None
+        for i in after:
+            # the count must stay reconciled to the end of the grace: a probe sent right after the
+            # abort can stand in for a request that never left until the server counts the probe too
+            count_ok = count_ok_all[i:max(grace_end, i + 1)].all()
+            # KV must fall below its level at the stop, unless other requests (the probe) arrived
+            # meanwhile and may hold the freed blocks: then the count alone decides
+            others_arrived = inflight[i] > others_before + 1e-9
+            kv_ok = (not needs_kv_drop) or others_arrived or sched["kv"].iloc[i] < kv_before
+            if count_ok and kv_ok and (moved[i] or not len(pre)):
+                left = i
+                break
+        if left is not None and times[left] - t_ref <= grace_s:
+            tp["left_scheduler"] = float(times[left])
+            ev.update(count_after=float(sched["count"].iloc[left]), ledger_after=float(inflight[left]),
+                      kv_after=float(sched["kv"].iloc[left]),
+                      release_ms=round((times[left] - t_ref) * 1000, 1),
+                      samples_to_release=int(left - after[0]) + 1 if len(after) else None)
+            if left is not None and tp["left_scheduler"] is not None and t_probe is None:
+                ev["probe"] = "not admitted"
+            out.append(CancelVerdict(rid, scenario, phase, tp, "released", ev, terminal))
+            continue
+        if left is not None:
+            tp["left_scheduler"] = float(times[left])
+        in_grace = (times >= t_ref) & (times <= t_ref + grace_s)
+        gen = sched["gen_tokens"][in_grace].dropna()
+        stepping = len(gen) >= 2 and gen.iloc[-1] > gen.iloc[0]
+        excess = sched["count"].to_numpy()[in_grace] - inflight[in_grace]
+        ev.update(excess_max=float(excess.max()) if len(excess) else None, engine_stepping=bool(stepping),
+                  generation_tokens_delta=float(gen.iloc[-1] - gen.iloc[0]) if len(gen) >= 2 else None)
+        if not len(excess) or excess.max() <= 0:
+            refreshed = bool(moved[in_grace].any())
+            ev["gauges_refreshed"] = refreshed
+            if not refreshed:
+                ev["why"] = "no engine step refreshed the gauges within the grace: they are stale until the next step"
+                out.append(CancelVerdict(rid, scenario, phase, tp, "stale_gauge", ev, terminal))
+            else:
+                ev["why"] = "the count reconciled but KV usage did not fall within the grace"
+                out.append(CancelVerdict(rid, scenario, phase, tp, "inconclusive", ev, terminal))
+            continue
+        verdict = "leaked" if stepping else "stale_gauge"
+        ev["why"] = ("the server still counts the request after the grace while it keeps generating"
+                     if stepping else "gauges stayed up but no tokens were generated: stale until the next step")
+        out.append(CancelVerdict(rid, scenario, phase, tp, verdict, ev, terminal))
+    return out
+
+
+def neighbours_ok(run: Run) -> bool:
+    nb = run.ledger[run.ledger["role"] == "neighbour"] if not run.ledger.empty else run.ledger
+    return bool(len(nb)) and bool((nb["terminal_state"] == "completed").all())
+
+
+def report_document(run: Run, grace_s: float = GRACE_S) -> dict:
+    from analysis.summary import sampling_stats
+
+    verdicts = judge_run(run, grace_s)
+    stats = sampling_stats(run)
+    driven = run.info.get("settings", {}).get("extra", {}).get("driven_target")
+    return {
+        "run_id": run.id,
+        "name": run.info.get("name"),
+        "target": driven or (run.info["targets"][0]["url"] if run.info.get("targets") else None),
+        "metrics_url": run.info["targets"][0]["url"] if run.info.get("targets") else None,
+        "status": run.info["status"],
+        "neighbours_ok": neighbours_ok(run),
+        "sampling": json.loads(stats.to_json(orient="records")) if not stats.empty else [],
+        "cancels": [
+            {**{k: v for k, v in asdict(v).items() if k != "terminal_state"}, "terminal_state": v.terminal_state,
+             "latencies_ms": v.latencies()}
+            for v in verdicts
+        ],
+    }

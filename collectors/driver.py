@@ -1,0 +1,303 @@
+"""Drives scenarios against an OpenAI-compatible server and records the ledger and the cancel trace.
+
+Per cancel it stores three of the five timepoints as events (the other two come from the samples
+and the ledger, in analysis): `user_stop` (the driver decides to cancel), `app_received` (the
+cancel reached the request's task), `engine_abort` (the connection to the engine is closed).
+Every request loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import httpx
+
+from collectors.load import make_prompt
+from collectors.scenarios import Scenario
+from collectors.store import EventRecord, LedgerRecord
+
+REQUEST_TIMEOUT_S = 120.0
+IDLE_WAIT_S = 30.0
+
+
+def now_ns() -> int:
+    return time.monotonic_ns()
+
+
+@dataclass
+class Request:
+    """One request in flight: its ledger row plus what the trigger watchers look at."""
+
+    row: LedgerRecord
+    api: str
+    body: dict
+    stream: bool = True
+    timeout_s: float = REQUEST_TIMEOUT_S
+    tokens: int = 0
+    finished_choices: set = field(default_factory=set)
+    response: httpx.Response | None = None
+    task: asyncio.Task | None = None
+    cancel_requested: bool = False
+    app_received_ns: int | None = None
+    abort_done_ns: int | None = None
+
+
+class Driver:
+    """Runs scenarios one after another; `emit` receives EventRecords and LedgerRecords.
+
+    `scheduler_now()` returns the latest sampled (running, waiting) of the metrics target, used by
+    the `while_queued` trigger and to wait for the engine to go idle between scenarios.
+    """
+
+    def __init__(self, base_url: str, model: str, emit, scheduler_now, grace_s: float = 2.0):
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.emit = emit
+        self.scheduler_now = scheduler_now
+        self.grace_s = grace_s
+        self.client: httpx.AsyncClient | None = None
+
+    # ------------------------------------------------------------------ events
+    def event(self, kind: str, request_id: str | None = None, at_ns: int | None = None, **data) -> None:
+        mono = at_ns or now_ns()
+        wall = time.time_ns() - (now_ns() - mono)
+        self.emit(EventRecord(kind=kind, wall_ns=wall, mono_ns=mono, request_id=request_id, data=data))
+
+    # ------------------------------------------------------------------ requests
+    def new_request(self, scenario: Scenario, role: str, prompt_tokens: int, max_tokens: int, seed: int,
+                    *, n: int = 1, api: str = "completions", stream: bool = True, prompt: str | None = None,
+                    timeout_s: float = REQUEST_TIMEOUT_S) -> Request:
+        rid = f"cw-{scenario.name}-{role}-{uuid.uuid4().hex[:8]}"
+        prompt = prompt or make_prompt(prompt_tokens, seed)
+        body: dict = {"model": self.model, "max_tokens": max_tokens, "stream": stream, "ignore_eos": True, "n": n}
+        if api == "chat":
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        row = LedgerRecord(request_id=rid, scenario=scenario.name, role=role, n=n, prompt_tokens=prompt_tokens,
+                           max_tokens=max_tokens)
+        return Request(row=row, api=api, body=body, stream=stream, timeout_s=timeout_s)
+
+    def send(self, req: Request) -> Request:
+        req.task = asyncio.create_task(self._run(req))
+        return req
+
+    async def _run(self, req: Request) -> None:
+        path = "/v1/chat/completions" if req.api == "chat" else "/v1/completions"
+        row = req.row
+        row.sent_mono_ns = now_ns()
+        try:
+            if req.stream:
+                await self._stream(req, path)
+            else:
+                await self._plain(req, path)
+        except asyncio.CancelledError:
+            # the app-side cancel: the task got it; closing the response closes the engine connection
+            req.app_received_ns = req.app_received_ns or now_ns()
+            if req.response is not None:
+                await req.response.aclose()
+            req.abort_done_ns = now_ns()
+            row.terminal_state, row.reason = "cancelled", "task cancelled"
+        except httpx.TimeoutException as exc:
+            req.app_received_ns = now_ns()
+            row.terminal_state, row.reason = ("cancelled", "client timeout") if req.cancel_requested else ("error", "timeout")
+            row.error = type(exc).__name__
+            req.abort_done_ns = now_ns()  # httpx has dropped the connection by the time it raises
+        except (httpx.HTTPError, json.JSONDecodeError) as exc:
+            if req.cancel_requested:
+                row.terminal_state, row.reason = "cancelled", "stream closed by client"
+            else:
+                row.terminal_state, row.error = "error", f"{type(exc).__name__}: {exc}"
+        finally:
+            row.closed_mono_ns = now_ns()
+            if row.terminal_state is None:
+                row.terminal_state = "error"
+
+    def _count(self, req: Request, payload: dict) -> None:
+        for choice in payload.get("choices", []):
+            text = choice.get("text")
+            if text is None:
+                text = (choice.get("delta") or {}).get("content")
+            if text:
+                req.tokens += 1
+                if req.row.first_token_mono_ns is None:
+                    req.row.first_token_mono_ns = now_ns()
+                if req.cancel_requested:
+                    req.row.tokens_after_cancel += 1
+            if choice.get("finish_reason"):
+                req.finished_choices.add(choice.get("index", 0))
+                req.row.reason = choice["finish_reason"]
+        req.row.chunks = req.tokens
+
+    async def _stream(self, req: Request, path: str) -> None:
+        async with self.client.stream("POST", self.base_url + path, json=req.body,
+                                      headers={"X-Request-Id": req.row.request_id}) as resp:
+            req.response = resp
+            if resp.status_code != 200:
+                await resp.aread()
+                req.row.terminal_state, req.row.error = "error", f"HTTP {resp.status_code}: {resp.text[:200]}"
+                return
+            try:
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        break
+                    self._count(req, json.loads(data))
+            except asyncio.CancelledError:
+                req.app_received_ns = now_ns()  # before the response (and its connection) is closed
+                raise
+        done = len(req.finished_choices) >= req.row.n
+        req.row.terminal_state = "completed" if done else ("cancelled" if req.cancel_requested else "error")
+
+    async def _plain(self, req: Request, path: str) -> None:
+        resp = await self.client.post(self.base_url + path, json=req.body, timeout=req.timeout_s,
+                                      headers={"X-Request-Id": req.row.request_id})
+        if resp.status_code != 200:
+            req.row.terminal_state, req.row.error = "error", f"HTTP {resp.status_code}: {resp.text[:200]}"
+            return
+        payload = resp.json()
+        req.row.first_token_mono_ns = now_ns()
+        req.tokens = req.row.chunks = int(payload.get("usage", {}).get("completion_tokens", 0))
+        req.row.terminal_state, req.row.reason = "completed", payload["choices"][0].get("finish_reason")
+
+    # ------------------------------------------------------------------ triggers
+    async def _until(self, cond, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if cond():
+                return True
+            await asyncio.sleep(0.005)
+        return cond()
+
+    async def _wait_trigger(self, s: Scenario, targets: list[Request]) -> None:
+        first = targets[0]
+        v = s.trigger_value
+        if s.trigger == "after_ms":
+            await asyncio.sleep(v / 1000.0)
+        elif s.trigger == "after_tokens":
+            await self._until(lambda: all(t.tokens >= v or t.task.done() for t in targets), 60)
+        elif s.trigger == "near_completion_tokens":
+            await self._until(lambda: all(t.tokens >= t.row.max_tokens - v or t.task.done() for t in targets), 60)
+        elif s.trigger == "before_first_token":
+            await asyncio.sleep(v / 1000.0)
+        elif s.trigger == "while_queued":
+            def queued() -> bool:
+                running, waiting = self.scheduler_now()
+                return waiting >= 1 and first.row.first_token_mono_ns is None
+            await asyncio.sleep(0.1)
+            await self._until(queued, 20)
+
+    def _phase(self, s: Scenario, req: Request) -> str:
+        if req.task.done():
+            return "completed"
+        if req.tokens > 0 or req.row.first_token_mono_ns is not None:
+            return "decode"
+        if s.trigger == "while_queued":
+            return "queued"
+        return "prefill"
+
+    async def _cancel(self, s: Scenario, req: Request, cancel_id: str) -> None:
+        phase = self._phase(s, req)
+        t_stop = now_ns()
+        req.cancel_requested = True
+        req.row.cancel_mono_ns = t_stop
+        self.event("user_stop", req.row.request_id, t_stop, scenario=s.name, phase=phase, cancel_id=cancel_id,
+                   mode=s.mode, tokens_at_cancel=req.tokens)
+        if s.mode == "disconnect":
+            # no cancel call: the client just closes the stream under the reader
+            req.app_received_ns = now_ns()
+            if req.response is not None:
+                await req.response.aclose()
+            req.abort_done_ns = now_ns()
+        elif s.mode == "cancel":
+            req.task.cancel()
+        try:
+            await asyncio.wait_for(asyncio.shield(req.task), REQUEST_TIMEOUT_S)
+        except (asyncio.CancelledError, asyncio.TimeoutError):
+            pass
+        if req.row.terminal_state == "completed":
+            req.app_received_ns = req.abort_done_ns = None  # the request won the race
+        if req.app_received_ns:
+            self.event("app_received", req.row.request_id, req.app_received_ns, cancel_id=cancel_id)
+        if req.abort_done_ns:
+            self.event("engine_abort", req.row.request_id, req.abort_done_ns, cancel_id=cancel_id)
+
+    async def wait_idle(self, timeout_s: float = IDLE_WAIT_S) -> bool:
+        def idle() -> bool:
+            running, waiting = self.scheduler_now()
+            return running == 0 and waiting == 0
+        await asyncio.sleep(0.2)
+        return await self._until(idle, timeout_s)
+
+    # ------------------------------------------------------------------ scenarios
+    async def run_scenario(self, s: Scenario, repeat: int) -> list[Request]:
+        self.event("scenario_start", None, scenario=s.name, repeat=repeat, proves=s.proves)
+        seed = hash((s.name, repeat, uuid.uuid4().hex)) % 10_000
+        reqs: list[Request] = []
+        neighbour = self.send(self.new_request(s, "neighbour", 200, s.neighbour_max_tokens, seed + 1))
+        reqs.append(neighbour)
+        await self._until(lambda: neighbour.tokens > 0 or neighbour.task.done(), 30)
+        for i in range(s.fillers):
+            reqs.append(self.send(self.new_request(s, "filler", 100, s.filler_max_tokens, seed + 10 + i)))
+        if s.fillers:
+            await self._until(lambda: all(r.tokens > 0 or r.task.done() for r in reqs), 30)
+        targets = [
+            self.send(self.new_request(s, "target", s.prompt_tokens, s.max_tokens, seed + 100 + i, n=s.n, api=s.api,
+                                       stream=s.stream, timeout_s=s.timeout_s if s.mode == "timeout" else REQUEST_TIMEOUT_S))
+            for i in range(s.concurrency)
+        ]
+        reqs += targets
+        chosen = targets[: s.cancel_count]
+        if s.mode == "timeout":
+            for t in chosen:
+                t.cancel_requested = True
+            t_stop = chosen[0].row.sent_mono_ns or now_ns()
+            await asyncio.gather(*(asyncio.shield(t.task) for t in chosen), return_exceptions=True)
+            for t in chosen:
+                cid = uuid.uuid4().hex[:8]
+                stop_at = (t.row.sent_mono_ns or t_stop) + int(s.timeout_s * 1e9)
+                t.row.cancel_mono_ns = stop_at
+                # a non-streaming client sees no tokens: the request was somewhere in the engine
+                self.event("user_stop", t.row.request_id, stop_at, scenario=s.name, phase="in_flight",
+                           cancel_id=cid, mode=s.mode, tokens_at_cancel=0)
+                if t.app_received_ns:
+                    self.event("app_received", t.row.request_id, t.app_received_ns, cancel_id=cid)
+                if t.abort_done_ns:
+                    self.event("engine_abort", t.row.request_id, t.abort_done_ns, cancel_id=cid)
+        else:
+            await self._wait_trigger(s, targets)
+            await asyncio.gather(*(self._cancel(s, t, uuid.uuid4().hex[:8]) for t in chosen))
+        # the probe: must be admitted into the capacity the cancel freed
+        probe_prompt = chosen[0].body.get("prompt") if s.resubmit else None
+        probe = self.send(self.new_request(s, "probe", s.prompt_tokens if s.resubmit else 100,
+                                           s.probe_max_tokens, seed + 999, prompt=probe_prompt))
+        reqs.append(probe)
+        self.event("probe_sent", probe.row.request_id, scenario=s.name)
+        rest = [r.task for r in reqs if r not in chosen]
+        await asyncio.wait(rest, timeout=REQUEST_TIMEOUT_S)
+        for r in reqs:
+            if not r.task.done():
+                r.task.cancel()
+        await asyncio.gather(*(r.task for r in reqs), return_exceptions=True)
+        for r in reqs:
+            self.emit(r.row)
+        await self.wait_idle()
+        await asyncio.sleep(max(0.0, self.grace_s - 0.2))  # the verdict's grace window is sampled, not guessed
+        self.event("scenario_end", None, scenario=s.name, repeat=repeat)
+        return reqs
+
+    async def run(self, scenarios: list[Scenario]) -> None:
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
+        timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=5.0)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            self.client = client
+            await self.wait_idle()
+            for s in scenarios:
+                for repeat in range(s.repeats):
+                    await self.run_scenario(s, repeat)

@@ -1,0 +1,159 @@
+"""Scripted cancels: what to send, when to cancel, and what each scenario proves.
+
+Built-ins cover the phases a cancel can hit; users add their own in TOML files:
+
+    [[scenario]]
+    name = "long_decode"
+    prompt_tokens = 800
+    max_tokens = 1500
+    trigger = "after_tokens"     # after_ms | after_tokens | while_queued | before_first_token | near_completion_tokens
+    trigger_value = 50
+    repeats = 2
+
+A bad file is rejected before any request is sent, with the key named.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+TRIGGERS = ("after_ms", "after_tokens", "while_queued", "before_first_token", "near_completion_tokens")
+MODES = ("cancel", "disconnect", "timeout")  # task cancel | close the stream | non-streaming client timeout
+APIS = ("completions", "chat")
+
+
+class ScenarioError(Exception):
+    """A scenario definition that cannot run; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    proves: str = ""
+    trigger: str = "after_tokens"
+    trigger_value: float = 20
+    mode: str = "cancel"
+    api: str = "completions"
+    stream: bool = True
+    prompt_tokens: int = 600
+    max_tokens: int = 1500
+    n: int = 1
+    concurrency: int = 1  # target requests sent together
+    cancel_count: int = 1  # how many of them are cancelled
+    fillers: int = 0  # requests that occupy the batch before the targets are sent
+    filler_max_tokens: int = 200
+    neighbour_max_tokens: int = 250
+    probe_max_tokens: int = 8
+    resubmit: bool = False  # the probe resends the cancelled prompt (prefix-cache reuse)
+    repeats: int = 1
+    timeout_s: float = 1.0  # client timeout of mode = "timeout"
+
+
+BUILTIN: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario("queued", "a waiting request is cancelled: waiting drops, running and KV usage do not",
+                 trigger="while_queued", trigger_value=0, fillers=3, filler_max_tokens=180, prompt_tokens=300,
+                 max_tokens=200),
+        Scenario("prefill", "cancelled before its first token: the long prompt's blocks are freed",
+                 trigger="before_first_token", trigger_value=250, prompt_tokens=3000, max_tokens=200),
+        Scenario("decode", "cancelled after streamed tokens: KV usage drops",
+                 trigger="after_tokens", trigger_value=20, prompt_tokens=1200, max_tokens=1500),
+        Scenario("race", "cancelled within the last tokens: exactly one terminal state wins",
+                 trigger="near_completion_tokens", trigger_value=2, prompt_tokens=200, max_tokens=40),
+        Scenario("disconnect", "the client closes the stream, no cancel call: the server still aborts",
+                 mode="disconnect", trigger="after_tokens", trigger_value=20, prompt_tokens=1200, max_tokens=1500),
+        Scenario("nonstream_timeout", "a non-streaming request whose client times out is aborted",
+                 mode="timeout", stream=False, trigger="after_ms", trigger_value=1000, timeout_s=1.0,
+                 prompt_tokens=1200, max_tokens=1500),
+        Scenario("chat", "a chat completion cancelled mid-stream leaves like a completion",
+                 api="chat", trigger="after_tokens", trigger_value=20, prompt_tokens=1200, max_tokens=1500),
+        Scenario("n2", "a completion with n=2: both sequences leave",
+                 n=2, trigger="after_tokens", trigger_value=20, prompt_tokens=1000, max_tokens=1500),
+        Scenario("burst", "K of M concurrent requests cancelled at once; the others go on",
+                 concurrency=3, cancel_count=2, trigger="after_tokens", trigger_value=15, prompt_tokens=800,
+                 max_tokens=1500),
+        Scenario("resubmit", "cancel, then the same prompt again: prefix-cache hits rise (KV reuse after cancel)",
+                 resubmit=True, trigger="after_tokens", trigger_value=20, prompt_tokens=1024, max_tokens=1500),
+    )
+}
+
+SUITES = {"default": list(BUILTIN)}
+
+_TYPES = {f.name: f.type for f in fields(Scenario)}
+_PY_TYPES = {"str": str, "float": (int, float), "int": int, "bool": bool}
+
+
+def _check(s: Scenario, where: str) -> Scenario:
+    def bad(key: str, why: str) -> ScenarioError:
+        return ScenarioError(f"{where}: key '{key}' {why}")
+
+    if s.trigger not in TRIGGERS:
+        raise bad("trigger", f"is {s.trigger!r}; use one of {', '.join(TRIGGERS)}")
+    if s.mode not in MODES:
+        raise bad("mode", f"is {s.mode!r}; use one of {', '.join(MODES)}")
+    if s.api not in APIS:
+        raise bad("api", f"is {s.api!r}; use one of {', '.join(APIS)}")
+    for key in ("prompt_tokens", "max_tokens", "n", "concurrency", "repeats"):
+        if getattr(s, key) < 1:
+            raise bad(key, "must be >= 1")
+    for key in ("cancel_count", "fillers"):
+        if getattr(s, key) < 0:
+            raise bad(key, "must be >= 0")
+    if s.cancel_count > s.concurrency:
+        raise bad("cancel_count", f"({s.cancel_count}) is more than concurrency ({s.concurrency})")
+    if s.trigger_value < 0:
+        raise bad("trigger_value", "must be >= 0")
+    if s.mode == "timeout" and s.stream:
+        raise bad("stream", "must be false with mode = \"timeout\" (a streaming client does not time out)")
+    if not s.stream and s.trigger in ("after_tokens", "near_completion_tokens", "before_first_token"):
+        raise bad("trigger", f"{s.trigger!r} needs stream = true")
+    if s.repeats > 20 or s.concurrency > 16 or s.fillers > 16:
+        raise bad("repeats", "/ concurrency / fillers are bounded (20 / 16 / 16) to keep a run short")
+    return s
+
+
+def load_file(path: str | Path) -> list[Scenario]:
+    p = Path(path)
+    try:
+        doc = tomllib.loads(p.read_text())
+    except OSError as exc:
+        raise ScenarioError(f"cannot read scenario file {p}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ScenarioError(f"{p}: not valid TOML ({exc})") from exc
+    entries = doc.get("scenario")
+    extra = set(doc) - {"scenario"}
+    if extra:
+        raise ScenarioError(f"{p}: key '{sorted(extra)[0]}' is unknown; put scenarios under [[scenario]]")
+    if not isinstance(entries, list) or not entries:
+        raise ScenarioError(f"{p}: key 'scenario' is missing; add at least one [[scenario]] table")
+    out = []
+    for i, entry in enumerate(entries):
+        where = f"{p} scenario #{i + 1}"
+        if "name" not in entry:
+            raise ScenarioError(f"{where}: key 'name' is missing")
+        for key, value in entry.items():
+            if key not in _TYPES:
+                raise ScenarioError(f"{where}: key '{key}' is unknown; known keys: {', '.join(_TYPES)}")
+            want = _PY_TYPES[_TYPES[key]]
+            if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+                raise ScenarioError(f"{where}: key '{key}' must be {_TYPES[key]}, not {type(value).__name__}")
+        out.append(_check(Scenario(**entry), f"{p} scenario '{entry['name']}'"))
+    return out
+
+
+def resolve(spec: str) -> list[Scenario]:
+    """A suite name, a built-in scenario name, a TOML file, or a comma-separated list of those."""
+    if "," in spec:
+        return [s for part in spec.split(",") if part.strip() for s in resolve(part.strip())]
+    if spec in SUITES:
+        return [BUILTIN[n] for n in SUITES[spec]]
+    if spec in BUILTIN:
+        return [BUILTIN[spec]]
+    if spec.endswith(".toml") or Path(spec).exists():
+        return load_file(spec)
+    known = ", ".join([*SUITES, *BUILTIN])
+    raise ScenarioError(f"--scenario {spec!r} is neither a suite, a built-in ({known}) nor a .toml file")
+

@@ -1,0 +1,80 @@
+"""A test-only HTTP proxy that forwards to the engine but keeps reading upstream after its client
+disconnects: the lost cancel of a gateway that never passes the disconnect on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+
+HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "accept-encoding"}
+
+
+class LeakyProxy:
+    def __init__(self, upstream: str, port: int):
+        self.upstream = upstream.rstrip("/")
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.client_gone = 0
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            writer.close()
+            return
+        lines = head.decode("latin-1").split("\r\n")
+        method, path, _ = lines[0].split(" ", 2)
+        headers = {}
+        for line in lines[1:]:
+            if ":" in line:
+                k, v = line.split(":", 1)
+                headers[k.strip().lower()] = v.strip()
+        body = await reader.readexactly(int(headers.get("content-length", "0")))
+        fwd = {k: v for k, v in headers.items() if k not in HOP_HEADERS}
+        gone = False
+        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+            async with client.stream(method, self.upstream + path, content=body, headers=fwd) as resp:
+                ctype = resp.headers.get("content-type", "application/octet-stream")
+                writer.write(f"HTTP/1.1 {resp.status_code} OK\r\nContent-Type: {ctype}\r\nConnection: close\r\n\r\n".encode())
+                async for chunk in resp.aiter_raw():
+                    if gone:
+                        continue  # the leak: the client is gone, upstream keeps being read to the end
+                    try:
+                        writer.write(chunk)
+                        await writer.drain()
+                        if writer.is_closing() or reader.at_eof():
+                            raise ConnectionResetError
+                    except (ConnectionError, RuntimeError):
+                        gone = True
+                        self.client_gone += 1
+        try:
+            writer.close()
+        except (ConnectionError, RuntimeError):
+            pass
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", self.port))
+        self._ready.set()
+        self._loop.run_forever()
+
+    def start(self) -> "LeakyProxy":
+        self._thread.start()
+        self._ready.wait(10)
+        return self
+
+    def stop(self) -> None:
+        async def close():
+            self._server.close()
+            await self._server.wait_closed()
+
+        if self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
