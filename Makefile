@@ -22,10 +22,13 @@ $(ENGINE_VENV)/.installed: requirements-engine.txt
 	$(ENGINE_VENV)/bin/pip install -q -r requirements-engine.txt
 	# PyPI's torchvision/torchaudio/torchcodec do not match torch 2.13.0+cpu ("torchvision::nms does not exist")
 	$(ENGINE_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	# the relay's tests run beside AsyncLLM, in this venv
+	$(ENGINE_VENV)/bin/pip install -q pytest==9.2.0
 	touch $@
 
 test: venv engine-venv
 	$(VENV)/bin/python -m pytest -v -rs tests
+	$(ENGINE_VENV)/bin/python -m pytest -v -rs -p no:cacheprovider tests_engine
 
 # Engine up, a 30 s sampling run under a small load with its summary, then the scripted cancels of the
 # default suite with their report; the engine is stopped at the end.

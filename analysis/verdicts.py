@@ -98,8 +98,8 @@ def _events(run: Run, kind: str) -> pd.DataFrame:
 def judge_run(run: Run, grace_s: float = GRACE_S, metrics_target: str | None = None) -> list[CancelVerdict]:
     t0 = run.info["started_mono_ns"]
     targets = [t["label"] for t in run.info.get("targets", [])]
-    target = metrics_target or (targets[0] if targets else None)
-    sched = scheduler_frame(run, target)
+    default_target = metrics_target or (targets[0] if targets else None)
+    frames: dict = {}
     ledger = run.ledger
     stops = _events(run, "user_stop")
     if stops.empty or ledger.empty:
@@ -118,13 +118,23 @@ def judge_run(run: Run, grace_s: float = GRACE_S, metrics_target: str | None = N
         t = event_time("engine_abort", cid)
         if t is not None:
             abort_s[row.request_id] = t
-    times = sched["t_s"].to_numpy()
-    inflight = ledger_inflight(ledger, t0, times, abort_s) if len(times) else np.array([])
+    def frame_for(target):
+        if target not in frames:
+            sched = scheduler_frame(run, target)
+            times = sched["t_s"].to_numpy()
+            inflight = ledger_inflight(ledger, t0, times, abort_s) if len(times) else np.array([])
+            frames[target] = (sched, times, inflight)
+        return frames[target]
+
     rows = ledger.set_index("request_id")
     out = []
     for stop in stops.itertuples(index=False):
         data = json.loads(stop.data)
         cid, rid, scenario, phase = data.get("cancel_id"), stop.request_id, data.get("scenario"), data.get("phase")
+        target = data.get("metrics_target") or default_target
+        if target not in targets and default_target is not None:
+            target = default_target
+        sched, times, inflight = frame_for(target)
         t_stop = float(stop.t_s)
         t_app, t_abort = event_time("app_received", cid), event_time("engine_abort", cid)
         lrow = rows.loc[rid] if rid in rows.index else None
@@ -160,8 +170,14 @@ def judge_run(run: Run, grace_s: float = GRACE_S, metrics_target: str | None = N
             continue
         after = np.nonzero(times >= t_ref)[0]
         needs_kv_drop = phase in ("prefill", "decode", "in_flight") and terminal != "completed" and not math.isnan(kv_before)
-        n_target = int(lrow["n"]) if lrow is not None and lrow["n"] == lrow["n"] else 1
-        others_before = (ev["ledger_before"] or 0) - n_target
+        # requests sent after the stop (the probe) may take the freed blocks once they run; before
+        # their first token the KV drop must show on its own
+        later = same[(same["sent_mono_ns"] >= (lrow["cancel_mono_ns"] if lrow is not None else 0))]
+        firsts = later["first_token_mono_ns"].dropna()
+        others_in_s = float((firsts.min() - t0) / 1e9) if len(firsts) else math.inf
+        kv_vals = sched["kv"].to_numpy()
+        drop = [i for i in after if kv_vals[i] < kv_before] if not math.isnan(kv_before) else []
+        ev["kv_drop_s"] = float(times[drop[0]]) if drop else None
         count_ok_all = sched["count"].to_numpy() <= inflight + 1e-9
         # gauges refresh only on an engine step: a release is only shown by a sample that moved
         # (count, KV or generated tokens) since the last one before the abort
@@ -179,10 +195,7 @@ def judge_run(run: Run, grace_s: float = GRACE_S, metrics_target: str | None = N
             # the count must stay reconciled to the end of the grace: a probe sent right after the
             # abort can stand in for a request that never left until the server counts the probe too
             count_ok = count_ok_all[i:max(grace_end, i + 1)].all()
-            # KV must fall below its level at the stop, unless other requests (the probe) arrived
-            # meanwhile and may hold the freed blocks: then the count alone decides
-            others_arrived = inflight[i] > others_before + 1e-9
-            kv_ok = (not needs_kv_drop) or others_arrived or sched["kv"].iloc[i] < kv_before
+            kv_ok = (not needs_kv_drop) or times[i] >= others_in_s or kv_vals[i] < kv_before
             if count_ok and kv_ok and (moved[i] or not len(pre)):
                 left = i
                 break

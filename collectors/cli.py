@@ -55,6 +55,7 @@ def engine_up(
     block_size: int = typer.Option(128, help="Tokens per KV block."),
     gpu: bool = typer.Option(False, help="Run `vllm serve` of a GPU vLLM install (engine python = this one)."),
     engine_python: Optional[str] = typer.Option(None, help="Python that has vllm; default .venv-engine."),
+    relay: bool = typer.Option(False, help="Serve through cancelwatch's relay app (in-process AsyncLLM, POST /cancel)."),
     timeout: float = typer.Option(600.0, help="Seconds to wait for /health."),
     extra: Optional[list[str]] = typer.Argument(None, help="Extra vLLM flags, after --."),
 ):
@@ -64,7 +65,7 @@ def engine_up(
         shape.dtype, shape.gpu_memory_utilization, shape.max_num_batched_tokens = "auto", 0.9, None
     try:
         state = engine_mod.start(home_dir(), port=port, model=model, shape=shape, engine_python=engine_python,
-                                 gpu=gpu, extra_args=extra, timeout_s=timeout)
+                                 gpu=gpu, extra_args=extra, timeout_s=timeout, relay=relay)
     except engine_mod.PortBusy as exc:
         raise fail(str(exc), EXIT_USAGE) from None
     except engine_mod.EngineError as exc:
@@ -266,6 +267,14 @@ def load(
         raise typer.Exit(EXIT_FAILED)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _report_exit(doc: dict) -> int:
     verdicts = [c["verdict"] for c in doc["cancels"]]
     if doc["status"] not in ("completed",) and not verdicts:
@@ -301,6 +310,7 @@ def record_cmd(
     pid: Optional[list[int]] = typer.Option(None),
     lost_after: float = typer.Option(10.0),
     grace: float = typer.Option(2.0, help="Seconds the scheduler has to reconcile after an abort."),
+    relay_url: Optional[str] = typer.Option(None, help="Relay app for in-process scenarios (inproc); default: start one."),
 ):
     """Run scripted cancels while sampling; one run holds samples, ledger and events. Prints the report."""
     import httpx
@@ -308,6 +318,8 @@ def record_cmd(
     from analysis.verdicts import report_document
     from collectors.driver import Driver
     from collectors.load import served_model
+    from collectors.process_memory import ProcessMemorySource
+    from collectors.vllm_metrics import VllmMetricsSource
     from collectors.recorder import scheduler_reader
     from collectors.scenarios import ScenarioError, resolve
     from runstore.reader import load_run
@@ -325,23 +337,54 @@ def record_cmd(
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         raise fail(f"cannot list models at {target}/v1/models ({type(exc).__name__}): start the engine "
                    "(cancelwatch engine up) or fix --target") from None
+    relay_state: dict = {}
     try:
         settings = RecordSettings(targets=targets, store=store, hz=hz, duration_s=None, nvml=nvml, name=name,
                                   pids=list(pid or []), lost_after_s=lost_after, home=home_dir(),
                                   extra={"driven_target": target, "scenarios": [s.name for s in scenarios],
-                                         "grace_s": grace, "model": model})
+                                         "grace_s": grace, "model": model, "relay_url": relay_url})
         sources, facts = build_sources(settings)
+
+        def driver_factory(writer, sampler):
+            async def start_relay():
+                # the in-process scenarios need an app that owns an AsyncLLM: cancelwatch's relay app,
+                # started only now (an idle second engine would cost CPU through the whole run)
+                url = relay_url
+                if url is None:
+                    state = await asyncio.to_thread(engine_mod.start, home_dir(), _free_port(), relay=True)
+                    relay_state["state"] = state
+                    url = state.url
+                    proc = ProcessMemorySource([state.pid], target="relay")
+                    sampler.add_source(proc)
+                    relay_state["sources"] = [proc]
+                src = VllmMetricsSource(url, "relay", critical=False)
+                sampler.add_source(src)
+                relay_state.setdefault("sources", []).append(src)
+                all_targets = [*({"label": t.label, "url": t.url} for t in targets), {"label": "relay", "url": url}]
+                writer.set_run_json("targets", all_targets)
+                return Driver(url, await asyncio.to_thread(served_model, url), writer.put,
+                              scheduler_reader(sampler, "relay"), grace_s=grace, metrics_target="relay")
+
+            async def stop_relay():
+                for src in relay_state.get("sources", []):
+                    await asyncio.to_thread(sampler.remove_source, src)
+                if "state" in relay_state:
+                    await asyncio.to_thread(engine_mod.stop, home_dir(), relay_state["state"].port)
+
+            return Driver(target, model, writer.put, scheduler_reader(sampler, targets[0].label), grace_s=grace,
+                          metrics_target=targets[0].label, relay_factory=start_relay,
+                          relay_cleanup=stop_relay).run(scenarios)
+
+        result = record(settings, sources, facts, driver_factory=driver_factory)
     except PreflightError as exc:
         raise fail(str(exc)) from None
-
-    def driver_factory(emit, sampler):
-        label = targets[0].label
-        return Driver(target, model, emit, scheduler_reader(sampler, label), grace_s=grace).run(scenarios)
-
-    try:
-        result = record(settings, sources, facts, driver_factory=driver_factory)
+    except engine_mod.EngineError as exc:
+        raise fail(f"could not start the relay app for in-process scenarios: {exc}", EXIT_FAILED) from None
     except StoreError as exc:
         raise fail(str(exc)) from None
+    finally:
+        if "state" in relay_state:  # also after Ctrl-C or a lost target
+            engine_mod.stop(home_dir(), relay_state["state"].port)
     doc = report_document(load_run(store, result.run_id), grace)
     _print_report(doc)
     out.print(f"run {result.run_id} {result.status} -> {store}")

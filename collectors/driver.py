@@ -21,6 +21,7 @@ from collectors.scenarios import Scenario
 from collectors.store import EventRecord, LedgerRecord
 
 REQUEST_TIMEOUT_S = 120.0
+OWNER = "cancelwatch-driver"
 IDLE_WAIT_S = 30.0
 
 
@@ -53,16 +54,23 @@ class Driver:
     the `while_queued` trigger and to wait for the engine to go idle between scenarios.
     """
 
-    def __init__(self, base_url: str, model: str, emit, scheduler_now, grace_s: float = 2.0):
+    def __init__(self, base_url: str, model: str, emit, scheduler_now, grace_s: float = 2.0,
+                 metrics_target: str = "t0", relay: "Driver | None" = None, relay_factory=None, relay_cleanup=None):
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.emit = emit
         self.scheduler_now = scheduler_now
         self.grace_s = grace_s
+        self.metrics_target = metrics_target
+        self.relay = relay  # the driver of the relay app, for scenarios with via_relay
+        # started on first need and stopped at the end: an idle second engine costs CPU all run long
+        self.relay_factory = relay_factory
+        self.relay_cleanup = relay_cleanup
         self.client: httpx.AsyncClient | None = None
 
     # ------------------------------------------------------------------ events
     def event(self, kind: str, request_id: str | None = None, at_ns: int | None = None, **data) -> None:
+        data.setdefault("metrics_target", self.metrics_target)
         mono = at_ns or now_ns()
         wall = time.time_ns() - (now_ns() - mono)
         self.emit(EventRecord(kind=kind, wall_ns=wall, mono_ns=mono, request_id=request_id, data=data))
@@ -135,7 +143,7 @@ class Driver:
 
     async def _stream(self, req: Request, path: str) -> None:
         async with self.client.stream("POST", self.base_url + path, json=req.body,
-                                      headers={"X-Request-Id": req.row.request_id}) as resp:
+                                      headers={"X-Request-Id": req.row.request_id, "X-Owner": OWNER}) as resp:
             req.response = resp
             if resp.status_code != 200:
                 await resp.aread()
@@ -208,8 +216,16 @@ class Driver:
         req.cancel_requested = True
         req.row.cancel_mono_ns = t_stop
         self.event("user_stop", req.row.request_id, t_stop, scenario=s.name, phase=phase, cancel_id=cancel_id,
-                   mode=s.mode, tokens_at_cancel=req.tokens)
-        if s.mode == "disconnect":
+                   mode=s.mode, tokens_at_cancel=req.tokens, metrics_target=self.metrics_target)
+        if s.mode == "explicit":
+            # the app's own cancel call: the relay checks the owner, cancels the serving task, whose
+            # finally awaits AsyncLLM.abort(); the answer carries the relay's clock readings
+            resp = await self.client.post(f"{self.base_url}/cancel/{req.row.request_id}", headers={"X-Owner": OWNER})
+            status = (resp.json() or {}).get("status") or {}
+            req.app_received_ns = status.get("cancel_received_ns")
+            req.abort_done_ns = status.get("abort_returned_ns")
+            explicit = (req.app_received_ns, req.abort_done_ns)
+        elif s.mode == "disconnect":
             # no cancel call: the client just closes the stream under the reader
             req.app_received_ns = now_ns()
             if req.response is not None:
@@ -221,6 +237,8 @@ class Driver:
             await asyncio.wait_for(asyncio.shield(req.task), REQUEST_TIMEOUT_S)
         except (asyncio.CancelledError, asyncio.TimeoutError):
             pass
+        if s.mode == "explicit":
+            req.app_received_ns, req.abort_done_ns = explicit  # not the client's view of the closing stream
         if req.row.terminal_state == "completed":
             req.app_received_ns = req.abort_done_ns = None  # the request won the race
         if req.app_received_ns:
@@ -265,7 +283,7 @@ class Driver:
                 t.row.cancel_mono_ns = stop_at
                 # a non-streaming client sees no tokens: the request was somewhere in the engine
                 self.event("user_stop", t.row.request_id, stop_at, scenario=s.name, phase="in_flight",
-                           cancel_id=cid, mode=s.mode, tokens_at_cancel=0)
+                           cancel_id=cid, mode=s.mode, tokens_at_cancel=0, metrics_target=self.metrics_target)
                 if t.app_received_ns:
                     self.event("app_received", t.row.request_id, t.app_received_ns, cancel_id=cid)
                 if t.abort_done_ns:
@@ -273,7 +291,14 @@ class Driver:
         else:
             await self._wait_trigger(s, targets)
             await asyncio.gather(*(self._cancel(s, t, uuid.uuid4().hex[:8]) for t in chosen))
-        # the probe: must be admitted into the capacity the cancel freed
+        # the probe: must be admitted into the capacity the cancel freed. It is sent once the server's
+        # count matches the client's in-flight requests (or the grace is over), so that while the
+        # verdict is open no request of unknown whereabouts stands in for one that never left
+        def reconciled() -> bool:
+            running, waiting = self.scheduler_now()
+            return running + waiting <= sum(r.row.n for r in reqs if r not in chosen and not r.task.done())
+
+        await self._until(reconciled, self.grace_s)
         probe_prompt = chosen[0].body.get("prompt") if s.resubmit else None
         probe = self.send(self.new_request(s, "probe", s.prompt_tokens if s.resubmit else 100,
                                            s.probe_max_tokens, seed + 999, prompt=probe_prompt))
@@ -297,7 +322,20 @@ class Driver:
         timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=5.0)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             self.client = client
-            await self.wait_idle()
-            for s in scenarios:
-                for repeat in range(s.repeats):
-                    await self.run_scenario(s, repeat)
+            try:
+                await self.wait_idle()
+                for s in scenarios:
+                    driver = self
+                    if s.via_relay:
+                        if self.relay is None and self.relay_factory is not None:
+                            self.relay = await self.relay_factory()
+                        if self.relay is None:
+                            raise RuntimeError(f"scenario {s.name} needs the relay app (--relay-url)")
+                        self.relay.client = client
+                        driver = self.relay
+                        await driver.wait_idle()
+                    for repeat in range(s.repeats):
+                        await driver.run_scenario(s, repeat)
+            finally:
+                if self.relay_cleanup is not None:
+                    await self.relay_cleanup()

@@ -103,10 +103,14 @@ def build_command(
     *,
     dummy_weights: bool,
     gpu: bool = False,
+    relay: bool = False,
     extra_args: list[str] | None = None,
 ) -> list[str]:
     """The server command line. Pure, so the GPU variant is testable without a GPU."""
-    if gpu:
+    if relay:
+        # cancelwatch's relay app: AsyncLLM in process, cancels through collectors.relay
+        cmd = [engine_python, "-m", "collectors.relay_app", "--model", model]
+    elif gpu:
         # A GPU user's vllm: the CLI entry point works there (its distribution is named vllm).
         cmd = [engine_python, "-m", "vllm.entrypoints.cli.main", "serve", model]
     else:
@@ -121,15 +125,16 @@ def build_command(
         "--block-size", str(shape.block_size),
         "--dtype", shape.dtype,
         "--gpu-memory-utilization", str(shape.gpu_memory_utilization),
-        "--enable-log-requests",
     ]
+    if not relay:
+        cmd += ["--enable-log-requests"]
     if shape.num_gpu_blocks:
         cmd += ["--num-gpu-blocks-override", str(shape.num_gpu_blocks)]
     if shape.max_num_batched_tokens:
         cmd += ["--max-num-batched-tokens", str(shape.max_num_batched_tokens)]
     if dummy_weights:
         cmd += ["--load-format", "dummy"]
-    if not gpu:
+    if not gpu or relay:
         # torch.compile warm-up costs a minute on two cores and buys nothing for a tiny model
         cmd += ["--enforce-eager"]
     return cmd + list(extra_args or [])
@@ -192,6 +197,7 @@ def start(
     gpu: bool = False,
     extra_args: list[str] | None = None,
     timeout_s: float = 600.0,
+    relay: bool = False,
 ) -> EngineState:
     """Start the engine and wait for /health. Raises PortBusy when the port is taken."""
     home = Path(home).resolve()
@@ -207,11 +213,13 @@ def start(
     if not dummy and Path(model).exists():
         model = str(Path(model).resolve())  # the server runs in `home`; a relative path would turn into a hub id
     model_path = str(ensure_tiny_model(home, engine_python)) if dummy else model
-    cmd = build_command(engine_python, model_path, port, shape, dummy_weights=dummy, gpu=gpu, extra_args=extra_args)
+    cmd = build_command(engine_python, model_path, port, shape, dummy_weights=dummy, gpu=gpu, relay=relay,
+                        extra_args=extra_args)
     log_path = home / f"engine-{port}.log"
     log = open(log_path, "w")  # noqa: SIM115 - handed to the child, closed below
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)} if relay else None  # collectors.relay_app
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, cwd=str(home))
+                            start_new_session=True, cwd=str(home), env=env)
     log.close()
     state = EngineState(
         pid=proc.pid, port=port, url=f"http://127.0.0.1:{port}", log_path=str(log_path), model=model_path,

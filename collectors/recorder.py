@@ -145,7 +145,7 @@ def record(
 ) -> RunResult:
     """Sample until the duration passes, `stop` is set, a critical target is lost, or Ctrl-C.
 
-    With `driver_factory(emit, sampler) -> coroutine`, the coroutine (the scripted cancels) runs in
+    With `driver_factory(writer, sampler) -> coroutine`, the coroutine (the scripted cancels) runs in
     this thread while the sampler samples, and the run ends when it is done.
     Whatever ends the run, everything sampled so far is written and the run gets its status.
     """
@@ -177,7 +177,7 @@ def record(
     deadline = mono_ns + int(settings.duration_s * 1e9) if settings.duration_s else None
     try:
         if driver_factory is not None:
-            asyncio.run(_drive(driver_factory(writer.put, sampler), sampler))
+            asyncio.run(_drive(driver_factory(writer, sampler), sampler))
             if sampler.lost.is_set():
                 status = "target_lost"
             stop.set()

@@ -123,6 +123,7 @@ class Sampler:
         self.lost = threading.Event()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._source_stops: dict[int, threading.Event] = {}
         self.t0_mono_ns: int = 0
 
     def start(self, t0_mono_ns: int | None = None) -> None:
@@ -131,21 +132,38 @@ class Sampler:
         sys.setswitchinterval(min(sys.getswitchinterval(), 0.001))
         self.t0_mono_ns = t0_mono_ns or time.monotonic_ns()
         for src in self.sources:
-            t = threading.Thread(target=self._tick_source, args=(src,), name=f"tick-{src.name}-{src.target}", daemon=True)
-            t.start()
-            self._threads.append(t)
+            self._start_source(src)
+
+    def _start_source(self, src: Source) -> None:
+        self._source_stops[id(src)] = threading.Event()
+        t = threading.Thread(target=self._tick_source, args=(src,), name=f"tick-{src.name}-{src.target}", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def add_source(self, src: Source) -> None:
+        """Start sampling one more source on the run's tick grid (e.g. an app server started mid-run)."""
+        self.sources.append(src)
+        self.stats[id(src)] = SourceStats(src.name, src.target)
+        self._start_source(src)
+
+    def remove_source(self, src: Source, timeout_s: float = 5.0) -> None:
+        """Stop sampling one source before the run ends (its server is about to go away on purpose)."""
+        self._source_stops[id(src)].set()
+        for t in self._threads:
+            if t.name == f"tick-{src.name}-{src.target}":
+                t.join(timeout_s)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         for t in self._threads:
             t.join(timeout_s)
 
-    def _wait_until(self, mono_ns: int) -> bool:
+    def _wait_until(self, mono_ns: int, own_stop: threading.Event | None = None) -> bool:
         """Sleep until the monotonic instant; False when stopped meanwhile."""
         delay = (mono_ns - time.monotonic_ns()) / 1e9
         if delay > 0:
-            return not self._stop.wait(delay)
-        return not self._stop.is_set()
+            self._stop.wait(delay)
+        return not (self._stop.is_set() or (own_stop is not None and own_stop.is_set()))
 
     def _emit_gap(self, src: Source, gap: _Gap | None, end_mono_ns: int) -> None:
         if gap is not None:
@@ -173,7 +191,8 @@ class Sampler:
         period = self.period_ns
         tick = 0
         last_start = None
-        while self._wait_until(self.t0_mono_ns + tick * period):
+        own_stop = self._source_stops[id(src)]
+        while self._wait_until(self.t0_mono_ns + tick * period, own_stop):
             scheduled = self.t0_mono_ns + tick * period
             wall_ns, mono_ns = time.time_ns(), time.monotonic_ns()
             if mono_ns < state.backoff_until_ns:
@@ -251,7 +270,8 @@ class Sampler:
         if state.fail_gap is None:
             state.fail_gap = _Gap(kind, wall_ns, mono_ns, str(error))
         state.fail_gap.ticks += 1
-        if src.name in self.critical_sources and not st.lost and end - state.fail_gap.mono_ns >= self.lost_after_ns:
+        critical = getattr(src, "critical", src.name in self.critical_sources)
+        if critical and not st.lost and end - state.fail_gap.mono_ns >= self.lost_after_ns:
             st.lost = True
             self.sink(GapRecord(src.name, src.target, "lost", state.fail_gap.wall_ns, state.fail_gap.mono_ns, end, 0, str(error)))
             self.lost.set()

@@ -20,7 +20,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 TRIGGERS = ("after_ms", "after_tokens", "while_queued", "before_first_token", "near_completion_tokens")
-MODES = ("cancel", "disconnect", "timeout")  # task cancel | close the stream | non-streaming client timeout
+# task cancel | close the stream | non-streaming client timeout | POST /cancel to the relay app
+MODES = ("cancel", "disconnect", "timeout", "explicit")
 APIS = ("completions", "chat")
 
 
@@ -49,6 +50,7 @@ class Scenario:
     resubmit: bool = False  # the probe resends the cancelled prompt (prefix-cache reuse)
     repeats: int = 1
     timeout_s: float = 1.0  # client timeout of mode = "timeout"
+    via_relay: bool = False  # sent to the relay app (in-process AsyncLLM) instead of the target
 
 
 BUILTIN: dict[str, Scenario] = {
@@ -77,6 +79,9 @@ BUILTIN: dict[str, Scenario] = {
                  max_tokens=1500),
         Scenario("resubmit", "cancel, then the same prompt again: prefix-cache hits rise (KV reuse after cancel)",
                  resubmit=True, trigger="after_tokens", trigger_value=20, prompt_tokens=1024, max_tokens=1500),
+        Scenario("inproc", "in-process AsyncLLM: an explicit cancel through the relay awaits abort(request_id)",
+                 mode="explicit", via_relay=True, trigger="after_tokens", trigger_value=20, prompt_tokens=1200,
+                 max_tokens=1500),
     )
 }
 
@@ -106,6 +111,8 @@ def _check(s: Scenario, where: str) -> Scenario:
         raise bad("cancel_count", f"({s.cancel_count}) is more than concurrency ({s.concurrency})")
     if s.trigger_value < 0:
         raise bad("trigger_value", "must be >= 0")
+    if (s.mode == "explicit") != s.via_relay:
+        raise bad("mode", "\"explicit\" goes with via_relay = true (only the relay app takes POST /cancel)")
     if s.mode == "timeout" and s.stream:
         raise bad("stream", "must be false with mode = \"timeout\" (a streaming client does not time out)")
     if not s.stream and s.trigger in ("after_tokens", "near_completion_tokens", "before_first_token"):

@@ -195,7 +195,7 @@ class StoreWriter:
             )
         elif isinstance(rec, tuple) and rec[0] == "json":
             _, column, value = rec
-            if column not in ("engine", "cache", "settings", "stats"):
+            if column not in ("targets", "engine", "cache", "settings", "stats"):
                 raise ValueError(f"not a JSON column of runs: {column}")
             con.execute(f"UPDATE runs SET {column} = ? WHERE id = ?", (json.dumps(value), self.run_id))
         return None

@@ -158,7 +158,8 @@ class VllmMetricsSource:
     name = SOURCE_NAME
     max_in_flight = 4  # a busy API server may answer late; later ticks still start on time
 
-    def __init__(self, url: str, target: str, timeout_s: float = 1.0):
+    def __init__(self, url: str, target: str, timeout_s: float = 1.0, critical: bool = True):
+        self.critical = critical  # losing it ends the run (target_lost)
         self.base_url = url.rstrip("/")
         self.metrics_url = self.base_url + "/metrics"
         self.target = target

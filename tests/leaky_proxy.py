@@ -38,15 +38,16 @@ class LeakyProxy:
         body = await reader.readexactly(int(headers.get("content-length", "0")))
         fwd = {k: v for k, v in headers.items() if k not in HOP_HEADERS}
         gone = False
-        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
-            async with client.stream(method, self.upstream + path, content=body, headers=fwd) as resp:
+        if True:
+            async with self._client.stream(method, self.upstream + path, content=body, headers=fwd) as resp:
                 ctype = resp.headers.get("content-type", "application/octet-stream")
-                writer.write(f"HTTP/1.1 {resp.status_code} OK\r\nContent-Type: {ctype}\r\nConnection: close\r\n\r\n".encode())
+                writer.write(f"HTTP/1.1 {resp.status_code} OK\r\nContent-Type: {ctype}\r\n"
+                             "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n".encode())
                 async for chunk in resp.aiter_raw():
-                    if gone:
+                    if gone or not chunk:
                         continue  # the leak: the client is gone, upstream keeps being read to the end
                     try:
-                        writer.write(chunk)
+                        writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                         await writer.drain()
                         if writer.is_closing() or reader.at_eof():
                             raise ConnectionResetError
@@ -54,12 +55,17 @@ class LeakyProxy:
                         gone = True
                         self.client_gone += 1
         try:
+            if not gone:
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
             writer.close()
         except (ConnectionError, RuntimeError):
             pass
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self._loop)
+        # one client for all requests: building one per request (SSL context, pool) blocks the loop
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=httpx.Limits(max_keepalive_connections=0))
         self._server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", self.port))
         self._ready.set()
         self._loop.run_forever()
@@ -72,7 +78,7 @@ class LeakyProxy:
     def stop(self) -> None:
         async def close():
             self._server.close()
-            await self._server.wait_closed()
+            await self._client.aclose()
 
         if self._loop.is_running():
             asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)

@@ -57,7 +57,7 @@ def test_every_builtin_scenario_is_released(default_run):
     assert doc["status"] == "completed" and doc["neighbours_ok"] is True
     names = {c["scenario"] for c in doc["cancels"]}
     assert names == {"queued", "prefill", "decode", "race", "disconnect", "nonstream_timeout", "chat", "n2",
-                     "burst", "resubmit"}
+                     "burst", "resubmit", "inproc"}
     assert len(by_scenario(doc, "burst")) == 2
     for c in doc["cancels"]:
         assert c["verdict"] == "released", c
@@ -145,3 +145,17 @@ def test_a_proxy_that_keeps_reading_leaks_and_direct_releases(engine, engine_hom
     assert res.returncode == 0, res.stdout + res.stderr
     doc = json.loads(cli("report", "latest", "--json", "--store", str(direct)).stdout)
     assert [c["verdict"] for c in doc["cancels"]] == ["released", "released"]
+
+
+def test_inproc_through_the_relay_app_is_released(default_run):
+    """The default suite's inproc scenario: record started the relay app (AsyncLLM in process) itself."""
+    res, doc, run, _, _ = default_run
+    (c,) = by_scenario(doc, "inproc")
+    assert c["verdict"] == "released", c
+    assert c["evidence"]["metrics_target"] == "relay"
+    tp = c["timepoints"]
+    # app_received and engine_abort are the relay's own clock readings: cancel seen, then abort() returned
+    assert tp["user_stop"] <= tp["app_received"] <= tp["engine_abort"] <= tp["left_scheduler"]
+    assert {t["label"] for t in run.info["targets"]} == {"t0", "relay"}
+    relay_running = series_frame(run, "requests_running")
+    assert (relay_running["target"] == "relay").any()

@@ -55,3 +55,9 @@ def test_tiny_model_is_built_once_and_sized_for_a_visible_kv_pool(tmp_path):
         res = subprocess.run([python, "-c", code, str(out)], capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, res.stderr
         assert int(res.stdout.strip().splitlines()[-1]) in (1450, 1451)  # + BOS when the tokenizer adds it
+
+
+def test_relay_command_runs_the_relay_app():
+    cmd = build_command("/py", "/m/tiny", 8100, EngineShape(), dummy_weights=True, relay=True)
+    assert cmd[1:3] == ["-m", "collectors.relay_app"] and "--enable-log-requests" not in cmd
+    assert flag(cmd, "--num-gpu-blocks-override") == "64" and "--enforce-eager" in cmd

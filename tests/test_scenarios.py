@@ -34,6 +34,7 @@ def test_a_user_file_loads(tmp_path):
         ('[[scenario]]\nname = "x"\nmax_tokens = "many"\n', "max_tokens"),
         ('[[scenario]]\nname = "x"\nconcurrency = 1\ncancel_count = 3\n', "cancel_count"),
         ('[[scenario]]\nname = "x"\nmode = "timeout"\n', "stream"),
+        ('[[scenario]]\nname = "x"\nmode = "explicit"\n', "mode"),
         ('[[scenario]]\ntrigger = "after_ms"\n', "name"),
         ('[scenarios]\nname = "x"\n', "scenarios"),
     ],

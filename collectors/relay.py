@@ -1,0 +1,185 @@
+"""The cancel relay: how an app should pass a user's "stop" on to an in-process engine.
+
+Importable on its own (standard library only) as an example for app authors. It keeps this contract:
+- a registry maps the app's request id to the engine request id, its owner and the task serving it;
+- a cancel checks the owner before acting;
+- a cancel that arrives before its request is registered is kept, and the request is then never
+  started (or, with `early_cancel="reject"`, the cancel is rejected explicitly);
+- completion and cancel race through one terminal transition: whichever comes first wins;
+- the `finally` path of a stream awaits `abort()` and closes the engine's iterator;
+- an abort that fails is retried a bounded number of times with a logged alert, and such a request
+  is never reported as released;
+- a duplicate cancel is idempotent and touches no other request;
+- a cancelled request is never retried automatically.
+
+`generate(engine_request_id, payload)` must return an async iterator of outputs (vLLM:
+`AsyncLLM.generate`), and `abort(engine_request_id)` a coroutine (vLLM: `AsyncLLM.abort`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+log = logging.getLogger("cancelwatch.relay")
+
+TERMINAL = ("completed", "cancelled", "error")
+
+
+class RelayError(Exception):
+    pass
+
+
+class RequestCancelled(RelayError):
+    """The request was cancelled (possibly before it started) and will not run."""
+
+
+class AlreadyRan(RelayError):
+    """The request id has been served before; a cancelled request is never retried automatically."""
+
+
+@dataclass
+class Entry:
+    request_id: str
+    owner: str
+    engine_request_id: str
+    task: asyncio.Task | None = None
+    state: str = "running"  # running -> completed | cancelled | error
+    registered_ns: int = field(default_factory=time.monotonic_ns)
+    cancel_received_ns: int | None = None
+    abort_returned_ns: int | None = None
+    abort_attempts: int = 0
+    abort_ok: bool | None = None  # None: no abort needed (completed) or not yet tried
+    outputs: int = 0
+
+    @property
+    def released(self) -> bool:
+        """True only when the engine was told to drop the request and said so."""
+        return self.state == "cancelled" and self.abort_ok is True
+
+
+class Relay:
+    def __init__(self, generate, abort, *, max_abort_attempts: int = 3, abort_retry_s: float = 0.05,
+                 early_cancel: str = "keep", on_event=None):
+        if early_cancel not in ("keep", "reject"):
+            raise ValueError("early_cancel must be 'keep' or 'reject'")
+        self._generate = generate
+        self._abort = abort
+        self.max_abort_attempts = max_abort_attempts
+        self.abort_retry_s = abort_retry_s
+        self.early_cancel = early_cancel
+        self.on_event = on_event or (lambda kind, entry, **data: None)
+        self.entries: dict[str, Entry] = {}
+        self.early: dict[str, str] = {}  # request id -> owner of a cancel that came first
+
+    # ------------------------------------------------------------------ the one terminal transition
+    def _finish(self, entry: Entry, state: str) -> bool:
+        """Move to a terminal state once; False when another transition already won."""
+        if entry.state in TERMINAL:
+            return False
+        entry.state = state
+        self.on_event(state, entry)
+        return True
+
+    # ------------------------------------------------------------------ serving
+    async def stream(self, request_id: str, owner: str, payload):
+        """Serve one request: yields the engine's outputs until it completes or is cancelled."""
+        prior = self.entries.get(request_id)
+        if prior is not None:
+            if prior.state == "cancelled":
+                raise RequestCancelled(f"{request_id} was cancelled; a cancelled request is not retried")
+            raise AlreadyRan(f"{request_id} has already been served")
+        early_owner = self.early.pop(request_id, None)
+        entry = Entry(request_id, owner, f"{request_id}-{uuid.uuid4().hex[:8]}", task=asyncio.current_task())
+        self.entries[request_id] = entry
+        if early_owner == owner:
+            entry.cancel_received_ns = time.monotonic_ns()
+            self._finish(entry, "cancelled")
+            entry.abort_ok = True  # nothing reached the engine, nothing to release
+            raise RequestCancelled(f"{request_id} was cancelled before it started")
+        outputs = self._generate(entry.engine_request_id, payload)
+        completed = False
+        try:
+            async for out in outputs:
+                entry.outputs += 1
+                if getattr(out, "finished", False):
+                    completed = self._finish(entry, "completed")
+                yield out
+                if entry.state == "cancelled":
+                    break  # a cancel won while the consumer held this output
+            else:
+                completed = completed or self._finish(entry, "completed")
+        except Exception:
+            self._finish(entry, "error")
+            raise
+        finally:
+            # cancelled, failed, or the consumer went away: the engine must drop the request
+            if not completed:
+                self._finish(entry, "cancelled")
+                await self._abort_with_retries(entry)
+            await _aclose(outputs)
+
+    async def _abort_with_retries(self, entry: Entry) -> bool:
+        last = None
+        for attempt in range(1, self.max_abort_attempts + 1):
+            entry.abort_attempts = attempt
+            try:
+                await self._abort(entry.engine_request_id)
+            except Exception as exc:  # noqa: BLE001 - any failure is retried, then alerted
+                last = exc
+                log.warning("abort of %s failed (attempt %d/%d): %s", entry.engine_request_id, attempt,
+                            self.max_abort_attempts, exc)
+                await asyncio.sleep(self.abort_retry_s * attempt)
+                continue
+            entry.abort_returned_ns = time.monotonic_ns()
+            entry.abort_ok = True
+            self.on_event("abort_returned", entry, attempts=attempt)
+            return True
+        entry.abort_ok = False
+        log.error("ALERT: abort of %s failed %d times (%s): the engine may still hold it",
+                  entry.engine_request_id, self.max_abort_attempts, last)
+        self.on_event("abort_failed", entry, error=str(last))
+        return False
+
+    # ------------------------------------------------------------------ cancelling
+    async def cancel(self, request_id: str, owner: str) -> str:
+        """Cancel on behalf of `owner`. Returns what happened; never touches another request."""
+        entry = self.entries.get(request_id)
+        if entry is None:
+            if self.early_cancel == "reject":
+                return "rejected_unknown"
+            if request_id in self.early and self.early[request_id] != owner:
+                return "rejected_not_owner"
+            self.early[request_id] = owner
+            return "kept_until_registered"
+        if entry.owner != owner:
+            return "rejected_not_owner"
+        if entry.cancel_received_ns is None:
+            entry.cancel_received_ns = time.monotonic_ns()
+        if not self._finish(entry, "cancelled"):
+            return f"already_{entry.state}"
+        task = entry.task
+        if task is not None and task is not asyncio.current_task() and not task.done():
+            task.cancel()
+        return "cancelled"
+
+    def status(self, request_id: str) -> dict | None:
+        e = self.entries.get(request_id)
+        if e is None:
+            return None
+        return {"request_id": e.request_id, "engine_request_id": e.engine_request_id, "owner": e.owner,
+                "state": e.state, "released": e.released, "abort_ok": e.abort_ok, "abort_attempts": e.abort_attempts,
+                "cancel_received_ns": e.cancel_received_ns, "abort_returned_ns": e.abort_returned_ns,
+                "outputs": e.outputs}
+
+
+async def _aclose(it) -> None:
+    close = getattr(it, "aclose", None)
+    if close is not None:
+        try:
+            await close()
+        except (RuntimeError, asyncio.CancelledError):
+            pass

@@ -1,0 +1,128 @@
+"""An app server that owns an in-process vLLM AsyncLLM and passes cancels on through the Relay.
+
+It is the `inproc` scenario's target and an example for app authors: streaming completions
+(OpenAI-shaped SSE), an explicit `POST /cancel/{request_id}` (owner in `X-Owner`) that goes through
+the relay to `AsyncLLM.abort()`, and the engine's Prometheus metrics on `/metrics`.
+Runs under the engine's Python:
+
+    python -m collectors.relay_app --model DIR --port 8100 [--load-format dummy] [shape flags]
+"""
+# no `from __future__ import annotations` here: FastAPI reads the handlers' annotations at run time
+
+
+import argparse
+import asyncio
+import json
+import time
+import uuid
+
+from collectors.relay import Relay, RequestCancelled
+
+
+def build_app(llm, served_name: str):
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    relay = Relay(generate=lambda engine_id, p: llm.generate(p["prompt"], p["params"], engine_id), abort=llm.abort)
+    app = FastAPI()
+    app.state.relay = relay
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_name, "object": "model"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        owner = request.headers.get("x-owner", "anonymous")
+        params = SamplingParams(max_tokens=int(body.get("max_tokens", 16)), ignore_eos=bool(body.get("ignore_eos")),
+                                temperature=float(body.get("temperature", 1.0)), output_kind=RequestOutputKind.DELTA)
+        payload = {"prompt": body["prompt"], "params": params}
+
+        async def sse():
+            try:
+                async for out in relay.stream(rid, owner, payload):
+                    c = out.outputs[0]
+                    chunk = {"id": rid, "object": "text_completion", "model": served_name,
+                             "choices": [{"index": 0, "text": c.text, "finish_reason": c.finish_reason}]}
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                yield "data: [DONE]\n\n"
+            except RequestCancelled:
+                return
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    @app.post("/cancel/{rid}")
+    async def cancel(rid: str, request: Request):
+        owner = request.headers.get("x-owner", "anonymous")
+        result = await relay.cancel(rid, owner)
+        if result == "cancelled":
+            # answer once the serving task's finally has awaited abort() (bounded)
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline and relay.status(rid)["abort_ok"] is None:
+                await asyncio.sleep(0.002)
+        return JSONResponse({"result": result, "status": relay.status(rid)})
+
+    @app.get("/relay/{rid}")
+    async def status(rid: str):
+        st = relay.status(rid)
+        return JSONResponse(st or {}, status_code=200 if st else 404)
+
+    return app
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="cancelwatch relay app: AsyncLLM + Relay over HTTP")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8100)
+    ap.add_argument("--served-model-name", default="tiny")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--max-num-seqs", type=int, default=4)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--enforce-eager", action="store_true")
+    args = ap.parse_args()
+
+    import uvicorn
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine_args = AsyncEngineArgs(
+        model=args.model, load_format=args.load_format, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, block_size=args.block_size,
+        num_gpu_blocks_override=args.num_gpu_blocks_override, max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+        disable_log_stats=False, served_model_name=[args.served_model_name],
+    )
+
+    async def serve():
+        llm = AsyncLLM.from_engine_args(engine_args)
+        try:
+            config = uvicorn.Config(build_app(llm, args.served_model_name), host=args.host, port=args.port,
+                                    log_level="warning")
+            await uvicorn.Server(config).serve()
+        finally:
+            llm.shutdown()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""The relay's contract, one test per point, on vLLM's real in-process AsyncLLM where the point involves the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from vllm import SamplingParams
+
+from collectors.relay import AlreadyRan, Relay, RequestCancelled
+
+
+def prompt(n: int, seed: int = 0) -> str:
+    return " ".join(f"w{(seed * 31 + i) % 1000}" for i in range(n))
+
+
+def params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+
+
+class Engine:
+    """The real AsyncLLM behind the relay, counting what the relay asks of it."""
+
+    def __init__(self, llm, abort_failures: int = 0):
+        self.llm = llm
+        self.generated: list[str] = []
+        self.aborts: list[str] = []
+        self.abort_failures = abort_failures
+
+    def generate(self, engine_id, payload):
+        self.generated.append(engine_id)
+        text, max_tokens = payload
+        return self.llm.generate(text, params(max_tokens), engine_id)
+
+    async def abort(self, engine_id):
+        self.aborts.append(engine_id)
+        if self.abort_failures > 0:
+            self.abort_failures -= 1
+            raise ConnectionError("engine core unreachable (injected)")
+        await self.llm.abort(engine_id)
+
+    def in_engine(self, engine_id: str) -> bool:
+        """The engine front end still tracks it (vLLM appends its own suffix to the external id)."""
+        op = self.llm.output_processor
+        return any(i in op.request_states for i in op.external_req_ids.get(engine_id, []))
+
+
+def make_relay(engine: Engine, **kw):
+    events = []
+    relay = Relay(engine.generate, engine.abort, on_event=lambda kind, e, **d: events.append((kind, e.request_id)), **kw)
+    return relay, events
+
+
+async def consume(relay, rid, owner, payload, after=None, got=None):
+    n = 0
+    async for _ in relay.stream(rid, owner, payload):
+        n += 1
+        if got is not None:
+            got.append(n)
+        if after is not None and n == after:
+            await asyncio.sleep(0)
+    return n
+
+
+async def until(cond, timeout=10.0):
+    for _ in range(int(timeout / 0.01)):
+        if cond():
+            return True
+        await asyncio.sleep(0.01)
+    return cond()
+
+
+def test_registry_maps_the_request_to_its_engine_id_and_owner(loop, llm):
+    async def go():
+        eng = Engine(llm)
+        relay, _ = make_relay(eng)
+        got = []
+        task = asyncio.create_task(consume(relay, "reg-1", "alice", (prompt(50), 400), got=got))
+        assert await until(lambda: len(got) >= 3)
+        entry = relay.entries["reg-1"]
+        assert entry.owner == "alice" and entry.task is task
+        assert entry.engine_request_id.startswith("reg-1-") and eng.in_engine(entry.engine_request_id)
+        assert await relay.cancel("reg-1", "alice") == "cancelled"
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    loop.run_until_complete(go())
+
+
+def test_a_cancel_from_another_owner_is_refused(loop, llm):
+    async def go():
+        eng = Engine(llm)
+        relay, _ = make_relay(eng)
+        got = []
+        task = asyncio.create_task(consume(relay, "own-1", "alice", (prompt(50), 60), got=got))
+        assert await until(lambda: len(got) >= 3)
+        assert await relay.cancel("own-1", "mallory") == "rejected_not_owner"
+        assert await task == 60  # ran to the end
+        assert relay.entries["own-1"].state == "completed" and eng.aborts == []
+    loop.run_until_complete(go())
+
+
+def test_a_cancel_before_registration_is_kept_and_the_request_never_starts(loop, llm):
+    async def go():
+        eng = Engine(llm)
+        relay, events = make_relay(eng)
+        assert await relay.cancel("early-1", "alice") == "kept_until_registered"
+        with pytest.raises(RequestCancelled, match="before it started"):
+            await consume(relay, "early-1", "alice", (prompt(50), 50))
+        assert eng.generated == [] and eng.aborts == []  # the engine never saw it
+        assert ("cancelled", "early-1") in events and relay.entries["early-1"].released
+        strict, _ = make_relay(eng, early_cancel="reject")
+        assert await strict.cancel("early-2", "alice") == "rejected_unknown"
+    loop.run_until_complete(go())
+
+
+def test_completion_and_cancel_race_through_one_terminal_transition(loop, llm):
+    async def go():
+        outcomes = set()
+        for i in range(6):
+            eng = Engine(llm)
+            relay, events = make_relay(eng)
+            got = []
+            rid = f"race-{i}"
+            task = asyncio.create_task(consume(relay, rid, "alice", (prompt(20, i), 12), got=got))
+            await until(lambda: len(got) >= 10 + (i % 3) or task.done())
+            answer = await relay.cancel(rid, "alice")
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            terminal = [k for k, r in events if r == rid and k in ("completed", "cancelled", "error")]
+            assert len(terminal) == 1, events
+            state = relay.entries[rid].state
+            assert answer == ("cancelled" if state == "cancelled" else f"already_{state}")
+            assert (eng.aborts != []) == (state == "cancelled")
+            outcomes.add(state)
+        assert outcomes <= {"completed", "cancelled"}
+    loop.run_until_complete(go())
+
+
+def test_the_finally_path_awaits_abort_and_closes_the_iterator(loop, llm):
+    async def go():
+        eng = Engine(llm)
+        relay, events = make_relay(eng)
+        got = []
+        task = asyncio.create_task(consume(relay, "fin-1", "alice", (prompt(100), 1000), got=got))
+        assert await until(lambda: len(got) >= 5)
+        engine_id = relay.entries["fin-1"].engine_request_id
+        assert eng.in_engine(engine_id)
+        await relay.cancel("fin-1", "alice")
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        entry = relay.entries["fin-1"]
+        # by the time the serving task is done, abort() has returned and the engine dropped it
+        assert eng.aborts == [engine_id] and entry.abort_ok and entry.released
+        assert entry.abort_returned_ns >= entry.cancel_received_ns
+        assert not eng.in_engine(engine_id)
+        assert ("abort_returned", "fin-1") in events
+        # and the engine really stopped: no outputs arrive after the abort
+        n = len(got)
+        await asyncio.sleep(0.3)
+        assert len(got) == n
+    loop.run_until_complete(go())
+
+
+def test_a_failing_abort_is_retried_alerted_and_never_released(loop, llm, caplog):
+    async def go():
+        eng = Engine(llm, abort_failures=5)
+        relay, events = make_relay(eng, max_abort_attempts=3, abort_retry_s=0.01)
+        got = []
+        task = asyncio.create_task(consume(relay, "fail-1", "alice", (prompt(50), 1000), got=got))
+        assert await until(lambda: len(got) >= 3)
+        await relay.cancel("fail-1", "alice")
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        entry = relay.entries["fail-1"]
+        assert entry.abort_attempts == 3 and entry.abort_ok is False and not entry.released
+        assert relay.status("fail-1")["released"] is False
+        assert ("abort_failed", "fail-1") in events
+        await llm.abort(entry.engine_request_id)  # clean up behind the injected failure
+        # a transient failure: retried until it goes through, then released
+        eng2 = Engine(llm, abort_failures=2)
+        relay2, _ = make_relay(eng2, max_abort_attempts=3, abort_retry_s=0.01)
+        got2 = []
+        task2 = asyncio.create_task(consume(relay2, "fail-2", "alice", (prompt(50), 1000), got=got2))
+        assert await until(lambda: len(got2) >= 3)
+        await relay2.cancel("fail-2", "alice")
+        with pytest.raises(asyncio.CancelledError):
+            await task2
+        assert relay2.entries["fail-2"].abort_attempts == 3 and relay2.entries["fail-2"].released
+    with caplog.at_level(logging.WARNING, logger="cancelwatch.relay"):
+        loop.run_until_complete(go())
+    assert any("ALERT" in r.message for r in caplog.records if r.levelno == logging.ERROR)
+    assert sum("attempt" in r.message for r in caplog.records if r.levelno == logging.WARNING) >= 3
+
+
+def test_a_duplicate_cancel_is_idempotent_and_touches_no_other_request(loop, llm):
+    async def go():
+        eng = Engine(llm)
+        relay, _ = make_relay(eng)
+        got_a, got_b = [], []
+        a = asyncio.create_task(consume(relay, "dup-a", "alice", (prompt(50, 1), 1000), got=got_a))
+        b = asyncio.create_task(consume(relay, "dup-b", "alice", (prompt(50, 2), 80), got=got_b))
+        assert await until(lambda: len(got_a) >= 3 and len(got_b) >= 3)
+        assert await relay.cancel("dup-a", "alice") == "cancelled"
+        assert await relay.cancel("dup-a", "alice") == "already_cancelled"
+        with pytest.raises(asyncio.CancelledError):
+            await a
+        assert await relay.cancel("dup-a", "alice") == "already_cancelled"
+        assert await b == 80 and relay.entries["dup-b"].state == "completed"
+        assert eng.aborts == [relay.entries["dup-a"].engine_request_id]
+    loop.run_until_complete(go())
+
+
+def test_a_cancelled_request_is_never_retried(loop, llm):
+    async def go():
+        eng = Engine(llm)
+        relay, _ = make_relay(eng)
+        got = []
+        task = asyncio.create_task(consume(relay, "once-1", "alice", (prompt(50), 1000), got=got))
+        assert await until(lambda: len(got) >= 3)
+        await relay.cancel("once-1", "alice")
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        calls = len(eng.generated)
+        with pytest.raises(RequestCancelled, match="not retried"):
+            await consume(relay, "once-1", "alice", (prompt(50), 10))
+        assert len(eng.generated) == calls
+        await consume(relay, "once-2", "alice", (prompt(10), 3))
+        with pytest.raises(AlreadyRan):
+            await consume(relay, "once-2", "alice", (prompt(10), 3))
+    loop.run_until_complete(go())
