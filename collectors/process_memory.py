@@ -20,6 +20,7 @@ class ProcessMemorySource:
     """
 
     name = SOURCE_NAME
+    max_in_flight = 2  # the periodic /proc walk can outlast one tick
 
     def __init__(self, pids: list[int], target: str = "engine", tree_refresh_s: float = 5.0):
         self.root_pids = list(pids)

@@ -24,6 +24,19 @@ BACKOFF_MAX_S = 2.0
 TICK_NICE = -10
 
 
+def make_thread_realtime() -> bool:
+    """Best effort: SCHED_FIFO (lowest real-time priority) for the calling thread, else a lower nice.
+
+    Only tickers ask for it: they sleep between ticks and only hand a read to a worker, so they
+    cannot starve anything, while a woken ticker no longer queues behind a saturated engine.
+    """
+    try:
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_FIFO, os.sched_param(1))
+        return True
+    except (OSError, AttributeError):
+        return raise_thread_priority()
+
+
 def raise_thread_priority(nice: int = TICK_NICE) -> bool:
     """Best effort: give the calling thread a lower nice value (Linux: per thread id).
 
@@ -182,7 +195,7 @@ class Sampler:
 
     def _tick_source(self, src: Source) -> None:
         if self.boost_priority:
-            raise_thread_priority()
+            make_thread_realtime()
         state = _SourceState(src, self.stats[id(src)])
         st = state.stats
         workers = max(1, int(getattr(src, "max_in_flight", 1)))

@@ -117,7 +117,7 @@ class StoreWriter:
     handful of commits a second, and a reader in another process sees the run grow.
     """
 
-    def __init__(self, con: sqlite3.Connection, run_id: int, flush_s: float = 0.25):
+    def __init__(self, con: sqlite3.Connection, run_id: int, flush_s: float = 0.5):
         self.con = con
         self.run_id = run_id
         self.flush_s = flush_s

@@ -9,7 +9,8 @@ from __future__ import annotations
 import http.client
 import re
 import threading
-from urllib.parse import urlparse
+import time
+from urllib.parse import urlencode, urlparse
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -35,6 +36,12 @@ ALIASES: dict[str, tuple[str, int]] = {
 }
 
 CACHE_CONFIG_METRIC = "vllm:cache_config_info"
+
+
+class HTTPStatusError(SourceError):
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 SOURCE_NAME = "vllm"
 
 
@@ -171,6 +178,13 @@ class VllmMetricsSource:
         self._local = threading.local()
         self._all: list[http.client.HTTPConnection] = []
         self._memo = LineMemo()
+        # prometheus_client's exposition app (vLLM mounts it at /metrics/) honours `name[]` filters:
+        # asking for the sample names we keep cuts a ~50 KB body (mostly histogram buckets) to a few
+        # KB, for the server as much as for us. A full body every `full_every_s` picks up new series.
+        self.full_every_s = 10.0
+        self._filtered_path: str | None = None
+        self._filter_ok = True
+        self._full_at = -1e9
 
     def _connection(self) -> http.client.HTTPConnection:
         conn = getattr(self._local, "conn", None)
@@ -181,26 +195,27 @@ class VllmMetricsSource:
             self._all.append(conn)
         return conn
 
-    def fetch(self) -> str:
+    def fetch(self, path: str | None = None) -> str:
+        path = path or self._path
         conn = self._connection()
         reused = conn.sock is not None
         try:
-            resp, body = self._get(conn)
+            resp, body = self._get(conn, path)
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
             if not reused:
                 raise SourceError(f"{self.metrics_url}: {type(exc).__name__}: {exc}") from exc
             try:  # the server may have closed an idle kept-alive connection: one fresh try
-                resp, body = self._get(conn)
+                resp, body = self._get(conn, path)
             except (OSError, http.client.HTTPException) as exc2:
                 conn.close()
                 raise SourceError(f"{self.metrics_url}: {type(exc2).__name__}: {exc2}") from exc2
         if resp.status != 200:
-            raise SourceError(f"{self.metrics_url} answered HTTP {resp.status}")
+            raise HTTPStatusError(f"{self.metrics_url} answered HTTP {resp.status}", resp.status)
         return body.decode("utf-8", errors="replace")
 
-    def _get(self, conn: http.client.HTTPConnection) -> tuple[http.client.HTTPResponse, bytes]:
-        conn.request("GET", self._path, headers={"Accept-Encoding": "identity"})
+    def _get(self, conn: http.client.HTTPConnection, path: str) -> tuple[http.client.HTTPResponse, bytes]:
+        conn.request("GET", path, headers={"Accept-Encoding": "identity"})
         resp = conn.getresponse()
         return resp, resp.read()
 
@@ -212,7 +227,23 @@ class VllmMetricsSource:
         return None
 
     def sample(self, wall_ns: int, mono_ns: int) -> list[Sample]:
-        return parse_vllm_metrics(self.fetch(), wall_ns, mono_ns, memo=self._memo)
+        now = time.monotonic()
+        filtered = self._filter_ok and self._filtered_path is not None and now - self._full_at < self.full_every_s
+        if filtered:
+            try:
+                text = self.fetch(self._filtered_path)
+            except HTTPStatusError as exc:
+                if exc.status in (301, 302, 307, 308, 400, 404):
+                    self._filter_ok = False  # a server without the filterable route: full bodies from now on
+                    return self.sample(wall_ns, mono_ns)
+                raise
+        else:
+            text = self.fetch()
+            names = sorted({line.split("{", 1)[0].split(" ", 1)[0] for line in _vllm_lines(text)})
+            if names:
+                self._filtered_path = self._path + "/?" + urlencode([("name[]", n) for n in names])
+                self._full_at = now
+        return parse_vllm_metrics(text, wall_ns, mono_ns, memo=self._memo)
 
     def close(self) -> None:
         for conn in self._all:

@@ -58,7 +58,7 @@ class MetricsProxy:
                 with proxy._lock:
                     index = proxy.count
                     proxy.count += 1
-                fault = proxy.faults.get(index, "ok") if self.path == "/metrics" else "ok"
+                fault = proxy.faults.get(index, "ok") if self.path.startswith("/metrics") else "ok"
                 with proxy._lock:
                     proxy.served[fault] = proxy.served.get(fault, 0) + 1
                 if fault == "500":

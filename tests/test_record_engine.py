@@ -258,3 +258,17 @@ def test_engine_killed_mid_run_ends_target_lost_then_engine_down_cleans_up(priva
     left = [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not left, f"processes left after engine down: {left}"
     assert json.loads(json.dumps(engine_mod.all_states(home), default=str)) == []
+
+
+def test_filtered_scrapes_give_the_same_series_as_full_bodies(engine):
+    """After one full body the source asks /metrics/ for just the sample names it keeps."""
+    from collectors.vllm_metrics import VllmMetricsSource
+
+    src = VllmMetricsSource(engine.url, "t0")
+    full = src.sample(1, 2)
+    assert src._filtered_path is not None and "name%5B%5D=vllm%3Anum_requests_running" in src._filtered_path
+    filtered_body = src.fetch(src._filtered_path)
+    assert len(filtered_body) < len(src.fetch()) / 2
+    again = src.sample(3, 4)
+    assert sorted((s.metric, s.labels) for s in again) == sorted((s.metric, s.labels) for s in full)
+    src.close()
