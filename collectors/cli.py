@@ -166,6 +166,8 @@ def sample(
         if live is not None:
             live.stop()
     _print_summary(store, result.run_id)
+    if result.stats.get("store_error"):
+        err.print(f"[bold red]error:[/] {result.stats['store_error']}", highlight=False)
     out.print(f"run {result.run_id} {result.status}: {result.stats['samples_written']} samples written "
               f"of {result.stats['samples_taken']} taken -> {store}")
     raise typer.Exit(result.exit_code)
@@ -387,6 +389,8 @@ def record_cmd(
             engine_mod.stop(home_dir(), relay_state["state"].port)
     doc = report_document(load_run(store, result.run_id), grace)
     _print_report(doc)
+    if result.stats.get("store_error"):
+        err.print(f"[bold red]error:[/] {result.stats['store_error']}", highlight=False)
     out.print(f"run {result.run_id} {result.status} -> {store}")
     raise typer.Exit(result.exit_code if result.exit_code else _report_exit(doc))
 

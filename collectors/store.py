@@ -24,6 +24,13 @@ def open_store(path: str | Path) -> sqlite3.Connection:
         con = sqlite3.connect(str(p), timeout=10.0, check_same_thread=False)
         con.execute("PRAGMA journal_mode=WAL")
         con.execute("PRAGMA synchronous=NORMAL")
+        con.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        if row is not None and row[0] != str(SCHEMA_VERSION):
+            con.close()
+            # checked before any DDL: a store of another version is left exactly as it was
+            raise StoreError(f"the run store at {p} has schema {row[0]}, this cancelwatch writes {SCHEMA_VERSION}: "
+                             "record into a new file with --store")
         con.executescript(DDL)
         con.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         con.commit()

@@ -6,7 +6,7 @@ duration, and a `samples` row is just (series, scrape, value). Gaps (missed tick
 unparseable scrapes, a lost target) are rows of their own, never zeros in `samples`.
 """
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: ledger gained n, prompt_tokens, max_tokens
 
 DDL = """
 CREATE TABLE IF NOT EXISTS meta (

@@ -272,3 +272,15 @@ def test_filtered_scrapes_give_the_same_series_as_full_bodies(engine):
     again = src.sample(3, 4)
     assert sorted((s.metric, s.labels) for s in again) == sorted((s.metric, s.labels) for s in full)
     src.close()
+
+
+def test_a_store_of_another_schema_is_refused_before_recording(engine, engine_home, tmp_path):
+    store = tmp_path / "old.db"
+    with sqlite3.connect(store) as con:
+        con.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        con.execute("INSERT INTO meta VALUES ('schema_version', '1')")
+    res = cli("sample", "--target", engine.url, "--duration", "1", "--store", str(store), home=engine_home)
+    assert res.returncode == 2
+    assert len(res.stderr.strip().splitlines()) == 1 and "schema 1" in res.stderr and "--store" in res.stderr
+    with sqlite3.connect(store) as con:  # left exactly as it was
+        assert [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")] == ["meta"]
