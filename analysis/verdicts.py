@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pandas as pd
 
-from analysis.summary import series_frame
+from analysis.summary import sampling_stats, series_frame
 from runstore.reader import Run
 
 GRACE_S = 2.0
@@ -105,19 +105,21 @@ def judge_run(run: Run, grace_s: float = GRACE_S, metrics_target: str | None = N
     if stops.empty or ledger.empty:
         return []
 
+    # (kind, cancel id) -> first time, read once from the events' JSON
+    trace: dict[tuple[str, str], float] = {}
+    for row in run.events.itertuples(index=False):
+        key = (row.kind, json.loads(row.data).get("cancel_id"))
+        trace.setdefault(key, float(row.t_s))
+
     def event_time(kind: str, cancel_id: str) -> float | None:
-        ev = _events(run, kind)
-        if ev.empty:
-            return None
-        hit = ev[ev["data"].map(lambda d: json.loads(d).get("cancel_id")) == cancel_id]
-        return float(hit["t_s"].iloc[0]) if len(hit) else None
+        return trace.get((kind, cancel_id))
 
     abort_s = {}
     for row in stops.itertuples(index=False):
-        cid = json.loads(row.data).get("cancel_id")
-        t = event_time("engine_abort", cid)
+        t = event_time("engine_abort", json.loads(row.data).get("cancel_id"))
         if t is not None:
             abort_s[row.request_id] = t
+
     def frame_for(target):
         if target not in frames:
             sched = scheduler_frame(run, target)
@@ -140,7 +142,9 @@ def judge_run(run: Run, grace_s: float = GRACE_S, metrics_target: str | None = N
         lrow = rows.loc[rid] if rid in rows.index else None
         terminal = None if lrow is None else lrow["terminal_state"]
         same = ledger[(ledger["scenario"] == scenario)]
-        probe = same[(same["role"] == "probe") & (same["sent_mono_ns"] >= (lrow["cancel_mono_ns"] if lrow is not None else 0))]
+        # requests sent after the stop: the probe, and whatever may take the freed blocks
+        later = same[same["sent_mono_ns"] >= (lrow["cancel_mono_ns"] if lrow is not None else 0)]
+        probe = later[later["role"] == "probe"]
         t_probe = None
         if len(probe) and probe["first_token_mono_ns"].notna().any():
             t_probe = float((probe["first_token_mono_ns"].dropna().min() - t0) / 1e9)
@@ -170,9 +174,8 @@ def judge_run(run: Run, grace_s: float = GRACE_S, metrics_target: str | None = N
             continue
         after = np.nonzero(times >= t_ref)[0]
         needs_kv_drop = phase in ("prefill", "decode", "in_flight") and terminal != "completed" and not math.isnan(kv_before)
-        # requests sent after the stop (the probe) may take the freed blocks once they run; before
-        # their first token the KV drop must show on its own
-        later = same[(same["sent_mono_ns"] >= (lrow["cancel_mono_ns"] if lrow is not None else 0))]
+        # requests sent after the stop may take the freed blocks once they run; before their first
+        # token the KV drop must show on its own
         firsts = later["first_token_mono_ns"].dropna()
         others_in_s = float((firsts.min() - t0) / 1e9) if len(firsts) else math.inf
         kv_vals = sched["kv"].to_numpy()
@@ -204,8 +207,8 @@ def judge_run(run: Run, grace_s: float = GRACE_S, metrics_target: str | None = N
             ev.update(count_after=float(sched["count"].iloc[left]), ledger_after=float(inflight[left]),
                       kv_after=float(sched["kv"].iloc[left]),
                       release_ms=round((times[left] - t_ref) * 1000, 1),
-                      samples_to_release=int(left - after[0]) + 1 if len(after) else None)
-            if left is not None and tp["left_scheduler"] is not None and t_probe is None:
+                      samples_to_release=int(left - after[0]) + 1)
+            if t_probe is None:
                 ev["probe"] = "not admitted"
             out.append(CancelVerdict(rid, scenario, phase, tp, "released", ev, terminal))
             continue
@@ -240,8 +243,6 @@ def neighbours_ok(run: Run) -> bool:
 
 
 def report_document(run: Run, grace_s: float = GRACE_S) -> dict:
-    from analysis.summary import sampling_stats
-
     verdicts = judge_run(run, grace_s)
     stats = sampling_stats(run)
     driven = run.info.get("settings", {}).get("extra", {}).get("driven_target")

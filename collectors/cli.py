@@ -166,11 +166,15 @@ def sample(
         if live is not None:
             live.stop()
     _print_summary(store, result.run_id)
-    if result.stats.get("store_error"):
-        err.print(f"[bold red]error:[/] {result.stats['store_error']}", highlight=False)
+    _print_store_error(result.stats)
     out.print(f"run {result.run_id} {result.status}: {result.stats['samples_written']} samples written "
               f"of {result.stats['samples_taken']} taken -> {store}")
     raise typer.Exit(result.exit_code)
+
+
+def _print_store_error(stats: dict) -> None:
+    if stats.get("store_error"):
+        err.print(f"[bold red]error:[/] {stats['store_error']}", highlight=False)
 
 
 def _print_summary(store: Path, run_id: int) -> None:
@@ -269,18 +273,8 @@ def load(
         raise typer.Exit(EXIT_FAILED)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _report_exit(doc: dict) -> int:
     verdicts = [c["verdict"] for c in doc["cancels"]]
-    if doc["status"] not in ("completed",) and not verdicts:
-        return EXIT_FAILED
     return 0 if doc["neighbours_ok"] and verdicts and all(v == "released" for v in verdicts) else EXIT_FAILED
 
 
@@ -353,7 +347,7 @@ def record_cmd(
                 # started only now (an idle second engine would cost CPU through the whole run)
                 url = relay_url
                 if url is None:
-                    state = await asyncio.to_thread(engine_mod.start, home_dir(), _free_port(), relay=True)
+                    state = await asyncio.to_thread(engine_mod.start, home_dir(), engine_mod.free_port(), relay=True)
                     relay_state["state"] = state
                     url = state.url
                     proc = ProcessMemorySource([state.pid], target="relay")
@@ -389,8 +383,7 @@ def record_cmd(
             engine_mod.stop(home_dir(), relay_state["state"].port)
     doc = report_document(load_run(store, result.run_id), grace)
     _print_report(doc)
-    if result.stats.get("store_error"):
-        err.print(f"[bold red]error:[/] {result.stats['store_error']}", highlight=False)
+    _print_store_error(result.stats)
     out.print(f"run {result.run_id} {result.status} -> {store}")
     raise typer.Exit(result.exit_code if result.exit_code else _report_exit(doc))
 

@@ -216,7 +216,7 @@ class Driver:
         req.cancel_requested = True
         req.row.cancel_mono_ns = t_stop
         self.event("user_stop", req.row.request_id, t_stop, scenario=s.name, phase=phase, cancel_id=cancel_id,
-                   mode=s.mode, tokens_at_cancel=req.tokens, metrics_target=self.metrics_target)
+                   mode=s.mode, tokens_at_cancel=req.tokens)
         if s.mode == "explicit":
             # the app's own cancel call: the relay checks the owner, cancels the serving task, whose
             # finally awaits AsyncLLM.abort(); the answer carries the relay's clock readings
@@ -241,6 +241,10 @@ class Driver:
             req.app_received_ns, req.abort_done_ns = explicit  # not the client's view of the closing stream
         if req.row.terminal_state == "completed":
             req.app_received_ns = req.abort_done_ns = None  # the request won the race
+        self._trace_after_stop(req, cancel_id)
+
+    def _trace_after_stop(self, req: Request, cancel_id: str) -> None:
+        """Timepoints 2 and 3 of a cancel, where they were reached."""
         if req.app_received_ns:
             self.event("app_received", req.row.request_id, req.app_received_ns, cancel_id=cancel_id)
         if req.abort_done_ns:
@@ -283,11 +287,8 @@ class Driver:
                 t.row.cancel_mono_ns = stop_at
                 # a non-streaming client sees no tokens: the request was somewhere in the engine
                 self.event("user_stop", t.row.request_id, stop_at, scenario=s.name, phase="in_flight",
-                           cancel_id=cid, mode=s.mode, tokens_at_cancel=0, metrics_target=self.metrics_target)
-                if t.app_received_ns:
-                    self.event("app_received", t.row.request_id, t.app_received_ns, cancel_id=cid)
-                if t.abort_done_ns:
-                    self.event("engine_abort", t.row.request_id, t.abort_done_ns, cancel_id=cid)
+                           cancel_id=cid, mode=s.mode, tokens_at_cancel=0)
+                self._trace_after_stop(t, cid)
         else:
             await self._wait_trigger(s, targets)
             await asyncio.gather(*(self._cancel(s, t, uuid.uuid4().hex[:8]) for t in chosen))

@@ -135,7 +135,7 @@ class Sampler:
         self.latest: dict[tuple[str, str], list[Sample]] = {}
         self.lost = threading.Event()
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._threads: dict[int, threading.Thread] = {}  # by id(source)
         self._source_stops: dict[int, threading.Event] = {}
         self.t0_mono_ns: int = 0
 
@@ -151,7 +151,7 @@ class Sampler:
         self._source_stops[id(src)] = threading.Event()
         t = threading.Thread(target=self._tick_source, args=(src,), name=f"tick-{src.name}-{src.target}", daemon=True)
         t.start()
-        self._threads.append(t)
+        self._threads[id(src)] = t
 
     def add_source(self, src: Source) -> None:
         """Start sampling one more source on the run's tick grid (e.g. an app server started mid-run)."""
@@ -162,13 +162,11 @@ class Sampler:
     def remove_source(self, src: Source, timeout_s: float = 5.0) -> None:
         """Stop sampling one source before the run ends (its server is about to go away on purpose)."""
         self._source_stops[id(src)].set()
-        for t in self._threads:
-            if t.name == f"tick-{src.name}-{src.target}":
-                t.join(timeout_s)
+        self._threads[id(src)].join(timeout_s)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
-        for t in self._threads:
+        for t in self._threads.values():
             t.join(timeout_s)
 
     def _wait_until(self, mono_ns: int, own_stop: threading.Event | None = None) -> bool:
