@@ -82,7 +82,9 @@ def test_queued_cancel_drops_waiting_not_running_or_kv(default_run):
     after = sched[sched["t_s"] >= left].iloc[0]
     assert before["waiting"] >= 1 and after["waiting"] == before["waiting"] - 1
     assert after["running"] == before["running"]
-    assert abs(after["kv"] - before["kv"]) < 0.02  # a waiting request holds no KV blocks
+    # a waiting request holds no KV blocks: cancelling it frees none. Usage may still rise between the
+    # two samples, as the running requests grow by a block every 128 tokens
+    assert after["kv"] >= before["kv"]
 
 
 def test_decode_kv_drop_within_two_sample_periods(default_run):
