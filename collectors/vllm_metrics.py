@@ -237,13 +237,14 @@ class VllmMetricsSource:
                     self._filter_ok = False  # a server without the filterable route: full bodies from now on
                     return self.sample(wall_ns, mono_ns)
                 raise
-        else:
-            text = self.fetch()
-            names = sorted({line.split("{", 1)[0].split(" ", 1)[0] for line in _vllm_lines(text)})
-            if names:
-                self._filtered_path = self._path + "/?" + urlencode([("name[]", n) for n in names])
-                self._full_at = now
-        return parse_vllm_metrics(text, wall_ns, mono_ns, memo=self._memo)
+            return parse_vllm_metrics(text, wall_ns, mono_ns, memo=self._memo)
+        text = self.fetch()
+        samples = parse_vllm_metrics(text, wall_ns, mono_ns, memo=self._memo)
+        # only a body that parsed may choose the names: a garbled one would narrow every later scrape
+        names = sorted({line.split("{", 1)[0].split(" ", 1)[0] for line in _vllm_lines(text)})
+        self._filtered_path = self._path + "/?" + urlencode([("name[]", n) for n in names])
+        self._full_at = now
+        return samples
 
     def close(self) -> None:
         for conn in self._all:
