@@ -30,6 +30,7 @@ from runstore.reader import Run
 
 GRACE_S = 2.0
 MIN_SAMPLES = 5
+HORIZON_S = 60.0  # how far past the abort a request that did not leave in the grace is followed
 TIMEPOINTS = ("user_stop", "app_received", "engine_abort", "left_scheduler", "reusable")
 
 
@@ -125,10 +126,17 @@ def judge_run(run: Run, grace_s: float = GRACE_S, metrics_target: str | None = N
             sched = scheduler_frame(run, target)
             times = sched["t_s"].to_numpy()
             inflight = ledger_inflight(ledger, t0, times, abort_s) if len(times) else np.array([])
-            frames[target] = (sched, times, inflight)
+            cols = {c: sched[c].to_numpy(dtype=float) for c in ("t_s", "count", "kv", "gen_tokens")}
+            frames[target] = (cols, inflight)
         return frames[target]
 
-    rows = ledger.set_index("request_id")
+    rows = {r["request_id"]: r for r in ledger.to_dict("records")}
+    # per scenario, as numpy: what each cancel asks of the ledger (who was sent after it)
+    by_scenario = {
+        name: {"sent": g["sent_mono_ns"].to_numpy(dtype=float), "first": g["first_token_mono_ns"].to_numpy(dtype=float),
+               "probe": (g["role"] == "probe").to_numpy(dtype=bool)}
+        for name, g in ledger.groupby("scenario", dropna=False)
+    }
     out = []
     for stop in stops.itertuples(index=False):
         data = json.loads(stop.data)
@@ -136,18 +144,21 @@ def judge_run(run: Run, grace_s: float = GRACE_S, metrics_target: str | None = N
         target = data.get("metrics_target") or default_target
         if target not in targets and default_target is not None:
             target = default_target
-        sched, times, inflight = frame_for(target)
+        cols_all, inflight_all = frame_for(target)
         t_stop = float(stop.t_s)
         t_app, t_abort = event_time("app_received", cid), event_time("engine_abort", cid)
-        lrow = rows.loc[rid] if rid in rows.index else None
+        lrow = rows.get(rid)
         terminal = None if lrow is None else lrow["terminal_state"]
-        same = ledger[(ledger["scenario"] == scenario)]
+        same = by_scenario.get(scenario) or {"sent": np.array([]), "first": np.array([]), "probe": np.array([], bool)}
         # requests sent after the stop: the probe, and whatever may take the freed blocks
-        later = same[same["sent_mono_ns"] >= (lrow["cancel_mono_ns"] if lrow is not None else 0)]
-        probe = later[later["role"] == "probe"]
-        t_probe = None
-        if len(probe) and probe["first_token_mono_ns"].notna().any():
-            t_probe = float((probe["first_token_mono_ns"].dropna().min() - t0) / 1e9)
+        if lrow is None:
+            cancel_ns = 0.0
+        else:
+            cancel_ns = math.inf if pd.isna(lrow["cancel_mono_ns"]) else float(lrow["cancel_mono_ns"])
+        later = same["sent"] >= cancel_ns
+        probe_firsts = same["first"][later & same["probe"]]
+        probe_firsts = probe_firsts[~np.isnan(probe_firsts)]
+        t_probe = float((probe_firsts.min() - t0) / 1e9) if len(probe_firsts) else None
         tp = {"user_stop": t_stop, "app_received": t_app, "engine_abort": t_abort, "left_scheduler": None,
               "reusable": t_probe}
         ev: dict = {"grace_s": grace_s, "metrics_target": target}
@@ -156,6 +167,11 @@ def judge_run(run: Run, grace_s: float = GRACE_S, metrics_target: str | None = N
             (lrow["closed_mono_ns"] - t0) / 1e9 if lrow is not None and terminal == "completed" else None)
         if terminal == "completed":
             ev["race"] = "completed before the cancel took effect"
+        # each cancel looks at its own stretch of the run: an hour at 20 Hz is 72,000 samples a series
+        lo = int(np.searchsorted(cols_all["t_s"], t_stop - 1.0, side="left"))
+        hi = int(np.searchsorted(cols_all["t_s"], max(t_ref or t_stop, t_stop) + HORIZON_S, side="right"))
+        sched = {c: a[lo:hi] for c, a in cols_all.items()}
+        times, inflight = sched["t_s"], inflight_all[lo:hi]
         window = (times >= t_stop - 1.0) & (times <= (t_ref or t_stop) + grace_s)
         ev["samples_in_window"] = int(window.sum())
         if t_ref is None or ev["samples_in_window"] < MIN_SAMPLES:
@@ -163,10 +179,10 @@ def judge_run(run: Run, grace_s: float = GRACE_S, metrics_target: str | None = N
             out.append(CancelVerdict(rid, scenario, phase, tp, "inconclusive", ev, terminal))
             continue
         before = (times >= t_stop - 1.0) & (times < t_stop)
-        foreign = (sched["count"].to_numpy() > inflight + 0.5) & before
-        ev["count_before"] = float(sched["count"][before].iloc[-1]) if before.any() else None
+        foreign = (sched["count"] > inflight + 0.5) & before
+        ev["count_before"] = float(sched["count"][before][-1]) if before.any() else None
         ev["ledger_before"] = float(inflight[before][-1]) if before.any() else None
-        kv_before = float(sched["kv"][before].iloc[-1]) if before.any() else math.nan
+        kv_before = float(sched["kv"][before][-1]) if before.any() else math.nan
         ev["kv_before"] = kv_before
         if foreign.sum() >= 2:
             ev["why"] = f"the server counted more requests than the ledger before the cancel ({int(foreign.sum())} samples): foreign traffic"
@@ -176,12 +192,14 @@ def judge_run(run: Run, grace_s: float = GRACE_S, metrics_target: str | None = N
         needs_kv_drop = phase in ("prefill", "decode", "in_flight") and terminal != "completed" and not math.isnan(kv_before)
         # requests sent after the stop may take the freed blocks once they run; before their first
         # token the KV drop must show on its own
-        firsts = later["first_token_mono_ns"].dropna()
+        firsts = same["first"][later]
+        firsts = firsts[~np.isnan(firsts)]
         others_in_s = float((firsts.min() - t0) / 1e9) if len(firsts) else math.inf
-        kv_vals = sched["kv"].to_numpy()
-        drop = [i for i in after if kv_vals[i] < kv_before] if not math.isnan(kv_before) else []
-        ev["kv_drop_s"] = float(times[drop[0]]) if drop else None
-        count_ok_all = sched["count"].to_numpy() <= inflight + 1e-9
+        kv_vals = sched["kv"]
+        below = kv_vals < kv_before if not math.isnan(kv_before) else np.zeros(len(times), dtype=bool)
+        drop = after[below[after]]
+        ev["kv_drop_s"] = float(times[drop[0]]) if len(drop) else None
+        count_ok_all = sched["count"] <= inflight + 1e-9
         # gauges refresh only on an engine step: a release is only shown by a sample that moved
         # (count, KV or generated tokens) since the last one before the abort
         pre = np.nonzero(times < t_ref)[0]
@@ -189,23 +207,23 @@ def judge_run(run: Run, grace_s: float = GRACE_S, metrics_target: str | None = N
         if len(pre):
             p = pre[-1]
             for col in ("count", "kv", "gen_tokens"):
-                vals = sched[col].to_numpy()
+                vals = sched[col]
                 moved |= ~np.isclose(vals, vals[p], equal_nan=True)
         moved = np.maximum.accumulate(moved & (times >= t_ref)) if len(times) else moved
-        grace_end = np.searchsorted(times, t_ref + grace_s, side="right")
-        left = None
-        for i in after:
-            # the count must stay reconciled to the end of the grace: a probe sent right after the
-            # abort can stand in for a request that never left until the server counts the probe too
-            count_ok = count_ok_all[i:max(grace_end, i + 1)].all()
-            kv_ok = (not needs_kv_drop) or times[i] >= others_in_s or kv_vals[i] < kv_before
-            if count_ok and kv_ok and (moved[i] or not len(pre)):
-                left = i
-                break
+        grace_end = int(np.searchsorted(times, t_ref + grace_s, side="right"))
+        # the count must stay reconciled to the end of the grace: a probe sent right after the abort
+        # can stand in for a request that never left until the server counts the probe too
+        count_ok = count_ok_all.copy()
+        if grace_end:
+            count_ok[:grace_end] = np.logical_and.accumulate(count_ok_all[:grace_end][::-1])[::-1]
+        kv_ok = (times >= others_in_s) | below if needs_kv_drop else np.ones(len(times), dtype=bool)
+        ok = count_ok & kv_ok & (moved if len(pre) else True)
+        hits = after[ok[after]]
+        left = int(hits[0]) if len(hits) else None
         if left is not None and times[left] - t_ref <= grace_s:
             tp["left_scheduler"] = float(times[left])
-            ev.update(count_after=float(sched["count"].iloc[left]), ledger_after=float(inflight[left]),
-                      kv_after=float(sched["kv"].iloc[left]),
+            ev.update(count_after=float(sched["count"][left]), ledger_after=float(inflight[left]),
+                      kv_after=float(sched["kv"][left]),
                       release_ms=round((times[left] - t_ref) * 1000, 1),
                       samples_to_release=int(left - after[0]) + 1)
             if t_probe is None:
@@ -215,11 +233,12 @@ def judge_run(run: Run, grace_s: float = GRACE_S, metrics_target: str | None = N
         if left is not None:
             tp["left_scheduler"] = float(times[left])
         in_grace = (times >= t_ref) & (times <= t_ref + grace_s)
-        gen = sched["gen_tokens"][in_grace].dropna()
-        stepping = len(gen) >= 2 and gen.iloc[-1] > gen.iloc[0]
-        excess = sched["count"].to_numpy()[in_grace] - inflight[in_grace]
+        gen = sched["gen_tokens"][in_grace]
+        gen = gen[~np.isnan(gen)]
+        stepping = len(gen) >= 2 and gen[-1] > gen[0]
+        excess = sched["count"][in_grace] - inflight[in_grace]
         ev.update(excess_max=float(excess.max()) if len(excess) else None, engine_stepping=bool(stepping),
-                  generation_tokens_delta=float(gen.iloc[-1] - gen.iloc[0]) if len(gen) >= 2 else None)
+                  generation_tokens_delta=float(gen[-1] - gen[0]) if len(gen) >= 2 else None)
         if not len(excess) or excess.max() <= 0:
             refreshed = bool(moved[in_grace].any())
             ev["gauges_refreshed"] = refreshed
