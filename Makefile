@@ -6,7 +6,7 @@ CW := $(VENV)/bin/cancelwatch
 PORT ?= 8000
 STORE ?= runs/cancelwatch.db
 
-.PHONY: venv engine-venv test demo bench clean engine-down
+.PHONY: venv engine-venv test demo bench clean engine-down sample-run dashboard
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -42,6 +42,22 @@ demo: venv engine-venv
 
 bench: venv engine-venv
 	$(VENV)/bin/python bench/sampler.py
+
+# The sample run shipped in dashboard/sample/sample.db: a short recording of a few scenarios from the
+# embedded engine, compacted into a plain (non-WAL) SQLite file.
+SAMPLE_PORT ?= 8011
+SAMPLE_SCENARIOS ?= queued,decode,disconnect,burst,resubmit
+sample-run: venv engine-venv
+	@rm -f runs/sample-new.db runs/sample-new.db-wal runs/sample-new.db-shm
+	@trap '$(CW) engine down --port $(SAMPLE_PORT)' EXIT; \
+	$(CW) engine up --port $(SAMPLE_PORT) && \
+	$(CW) record --target http://127.0.0.1:$(SAMPLE_PORT) --scenario $(SAMPLE_SCENARIOS) --store runs/sample-new.db \
+	  --name sample
+	$(VENV)/bin/python -m runstore.compact runs/sample-new.db dashboard/sample/sample.db
+	rm -f runs/sample-new.db runs/sample-new.db-wal runs/sample-new.db-shm
+
+dashboard: venv
+	$(VENV)/bin/streamlit run dashboard/app.py
 
 engine-down:
 	-$(CW) engine down

@@ -391,18 +391,35 @@ def record_cmd(
 @app.command()
 def report(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFAULT_STORE),
            as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
-           grace: Optional[float] = typer.Option(None, help="Grace window in s; default: the run's own.")):
+           grace: Optional[float] = typer.Option(None, help="Grace window in s; default: the run's own."),
+           html_out: Optional[Path] = typer.Option(None, "--html", help="Also write a self-contained HTML report "
+                                                   "(the dashboard's figures, opens offline) to this file."),
+           context_len: int = typer.Option(2048, help="Context length (tokens) for the capacity figures of --html.")):
     """The per-cancel table (verdicts with evidence) of a recorded run."""
     import json
 
     from analysis.verdicts import report_document
     from runstore.reader import load_run
 
+    if html_out is not None and not html_out.parent.is_dir():
+        raise fail(f"--html {html_out}: the folder {html_out.parent} does not exist; create it or write elsewhere")
+    if context_len <= 0:
+        raise fail(f"--context-len {context_len}: give a positive number of tokens, e.g. --context-len 2048")
     try:
         r = load_run(store, run)
     except StoreError as exc:
         raise fail(str(exc)) from None
-    doc = report_document(r, grace if grace is not None else r.info.get("settings", {}).get("extra", {}).get("grace_s", 2.0))
+    grace_s = grace if grace is not None else r.info.get("settings", {}).get("extra", {}).get("grace_s", 2.0)
+    doc = report_document(r, grace_s)
+    if html_out is not None:
+        from analysis.html_report import report_html
+        from analysis.verdicts import judge_run
+
+        try:
+            html_out.write_text(report_html(r, judge_run(r, grace_s), context_len=context_len))
+        except OSError as exc:
+            raise fail(f"cannot write {html_out} ({exc.strerror}): choose a writable path for --html") from None
+        print(f"wrote {html_out}", file=sys.stderr)
     if as_json:
         print(json.dumps(doc, indent=1, default=str))
     else:

@@ -33,6 +33,21 @@ class PortBusy(EngineError):
     pass
 
 
+DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1}
+
+
+def kv_bytes_per_token(model_dir: str | Path, dtype: str) -> int | None:
+    """K and V for every layer and KV head: what one token of the KV pool costs, from config.json."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        size = DTYPE_BYTES.get(dtype) or DTYPE_BYTES.get(str(cfg.get("torch_dtype")))
+        return 2 * int(cfg["num_hidden_layers"]) * int(heads) * int(head_dim) * size if size else None
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
 @dataclass
 class EngineShape:
     """The embedded default's scheduler and KV pool.

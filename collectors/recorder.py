@@ -109,6 +109,7 @@ def build_sources(settings: RecordSettings, nvml_module=None) -> tuple[list[Sour
             engine_facts["targets"][t.label] = {
                 "embedded": True, "pid": state.pid, "model": state.model, "shape": state.shape,
                 "command": state.command,
+                "kv_bytes_per_token": engine_mod.kv_bytes_per_token(state.model, state.shape.get("dtype", "")),
             }
             if not settings.pids:
                 pids.append(state.pid)

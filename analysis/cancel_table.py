@@ -1,0 +1,112 @@
+"""One row per cancel: what was cancelled, the verdict, the latencies between the five points, and
+what happened to the neighbour and the probe."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from analysis.verdicts import TIMEPOINTS, CancelVerdict
+from runstore.reader import Run
+
+VERDICT_COLOURS = {
+    "released": "#1a9850",
+    "leaked": "#d73027",
+    "stale_gauge": "#f59e0b",
+    "inconclusive": "#7f7f7f",
+}
+POINT_LABELS = {
+    "user_stop": "user stop",
+    "app_received": "app received",
+    "engine_abort": "engine abort",
+    "left_scheduler": "left scheduler",
+    "reusable": "reusable",
+}
+LATENCY_COLUMNS = [f"{POINT_LABELS[a]} → {POINT_LABELS[b]} (ms)" for a, b in zip(TIMEPOINTS, TIMEPOINTS[1:])]
+COLUMNS = ["request_id", "scenario", "phase", "verdict", "stop_s", *LATENCY_COLUMNS, "neighbour", "probe", "why"]
+
+
+def _ledger_by_scenario(run: Run) -> dict:
+    """Per scenario, the ledger as numpy arrays sorted by send time (hundreds of cancels look here)."""
+    out = {}
+    if run.ledger.empty:
+        return out
+    for name, g in run.ledger.groupby("scenario", dropna=False):
+        g = g.sort_values("sent_mono_ns")
+        out[name] = {
+            "role": g["role"].to_numpy(dtype=object),
+            "sent": g["sent_mono_ns"].to_numpy(dtype=float),
+            "first": g["first_token_mono_ns"].to_numpy(dtype=float),
+            "state": g["terminal_state"].to_numpy(dtype=object),
+            "chunks": g["chunks"].to_numpy(dtype=float),
+        }
+    return out
+
+
+def _outcomes(by_scenario: dict, t0: int, v: CancelVerdict) -> tuple[str, str]:
+    """The neighbour running beside this cancel and the probe sent after it, as short phrases."""
+    g = by_scenario.get(v.scenario)
+    if g is None:
+        return "n/a", "n/a"
+    stop_ns = t0 + v.timepoints["user_stop"] * 1e9
+    neighbour = "none"
+    nb = np.nonzero((g["role"] == "neighbour") & (g["sent"] <= stop_ns))[0]
+    if len(nb):
+        i = nb[-1]
+        neighbour = str(g["state"][i] or "unknown")
+        if neighbour == "completed" and not math.isnan(g["chunks"][i]):
+            neighbour = f"completed ({int(g['chunks'][i])} chunks)"
+    probe = "not sent"
+    pr = np.nonzero((g["role"] == "probe") & (g["sent"] >= stop_ns))[0]
+    if len(pr):
+        i = pr[0]
+        first, sent = g["first"][i], g["sent"][i]
+        probe = (f"admitted, TTFT {(first - sent) / 1e6:.0f} ms" if not math.isnan(first) and not math.isnan(sent)
+                 else f"not admitted ({g['state'][i]})")
+    return neighbour, probe
+
+
+def cancel_table(run: Run, verdicts: list[CancelVerdict]) -> pd.DataFrame:
+    rows = []
+    by_scenario = _ledger_by_scenario(run)
+    t0 = run.info["started_mono_ns"]
+    for v in verdicts:
+        lat = list(v.latencies().values())
+        neighbour, probe = _outcomes(by_scenario, t0, v)
+        rows.append({
+            "request_id": v.request_id,
+            "scenario": v.scenario,
+            "phase": v.phase_at_cancel,
+            "verdict": v.verdict,
+            "stop_s": round(v.timepoints["user_stop"], 3),
+            **dict(zip(LATENCY_COLUMNS, lat)),
+            "neighbour": neighbour,
+            "probe": probe,
+            "why": v.evidence.get("why", ""),
+        })
+    df = pd.DataFrame(rows, columns=COLUMNS)
+    for col in LATENCY_COLUMNS:
+        df[col] = pd.to_numeric(df[col], errors="coerce")
+    return df
+
+
+def cancel_window(v: CancelVerdict, pad_s: float = 3.0) -> tuple[float, float]:
+    """The stretch of the run a cancel's story plays in: from before the stop to after it was reusable."""
+    pts = [t for t in v.timepoints.values() if t is not None]
+    end = max(pts + [v.timepoints["user_stop"] + v.evidence.get("grace_s", 2.0)])
+    return v.timepoints["user_stop"] - pad_s, end + pad_s
+
+
+def release_latencies_ms(verdicts: list[CancelVerdict]) -> np.ndarray:
+    """engine abort -> left scheduler, for the cancels that were released."""
+    out = [v.evidence.get("release_ms") for v in verdicts if v.verdict == "released"]
+    return np.array([x for x in out if x is not None], dtype=float)
+
+
+def verdict_counts(verdicts: list[CancelVerdict]) -> dict[str, int]:
+    counts = {k: 0 for k in VERDICT_COLOURS}
+    for v in verdicts:
+        counts[v.verdict] = counts.get(v.verdict, 0) + 1
+    return counts

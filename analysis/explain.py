@@ -1,0 +1,99 @@
+""""Why is GPU memory still high?": two or three plain sentences, with the run's own numbers, for
+someone who will never read a metric name."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from analysis.cancel_table import verdict_counts
+from analysis.timeline import GiB, memory_traces, metric_traces
+from analysis.verdicts import CancelVerdict
+from runstore.reader import Run
+
+WHAT = {"nvml": "GPU memory in use", "process": "the engine's memory", "none": "memory"}
+
+
+def _level(t: np.ndarray, v: np.ndarray, lo: float, hi: float) -> float | None:
+    sel = (t >= lo) & (t < hi) & ~np.isnan(v)
+    return float(np.median(v[sel])) if sel.any() else None
+
+
+def _gib(x: float | None) -> str:
+    return "n/a" if x is None else f"{x / GiB:.2f} GiB"
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.0f} %"
+
+
+def memory_story(run: Run, verdicts: list[CancelVerdict], cancel: CancelVerdict | None = None) -> list[str]:
+    """For one cancel (or, without one, the whole run): what reserved memory did, what KV usage did,
+    and which requests were released."""
+    kind, mem = memory_traces(run)
+    held = [tr for role, tr in mem if role in ("used", "rss")]
+    kv = metric_traces(run, "kv_cache_usage_ratio")
+    sentences = []
+    if cancel is not None:
+        t_stop = cancel.timepoints["user_stop"]
+        t_after = cancel.timepoints.get("left_scheduler") or (cancel.timepoints.get("engine_abort") or t_stop) + 2.0
+        target = cancel.evidence.get("metrics_target")
+        kv_tr = next((k for k in kv if k.target == target), kv[0] if kv else None)
+        mem_before = sum(x for x in (_level(tr.t, tr.v, t_stop - 2.0, t_stop) for tr in held) if x is not None) if held else None
+        mem_after = sum(x for x in (_level(tr.t, tr.v, t_after, t_after + 2.0) for tr in held) if x is not None) if held else None
+        kv_before = cancel.evidence.get("kv_before")
+        kv_after = cancel.evidence.get("kv_after")
+        if kv_after is None and kv_tr is not None:
+            kv_after = _level(kv_tr.t, kv_tr.v, t_after, t_after + 0.5)
+        if held and mem_before and mem_after:
+            change = 100 * (mem_after - mem_before) / mem_before
+            sentences.append(
+                f"When the user pressed Stop at {t_stop:.1f} s, {WHAT[kind]} was {_gib(mem_before)}, and after the "
+                f"cancel it was {_gib(mem_after)} ({change:+.1f} %): that number stays flat because vLLM reserves its "
+                "KV-cache pool when it starts and keeps it, whether requests use it or not.")
+        if cancel.phase_at_cancel == "queued":
+            sentences.append(
+                "The request was still waiting in the queue when it was cancelled, so it held no KV-cache space: "
+                f"the share of the pool in use stayed at {_pct(kv_before)}, and its place in the queue went to the next request.")
+        elif kv_before is not None and not (isinstance(kv_before, float) and math.isnan(kv_before)):
+            sentences.append(
+                f"Inside that reserved pool, the share holding requests went from {_pct(kv_before)} to {_pct(kv_after)}: "
+                "the cancelled request's space went back to the pool, ready for the next request.")
+        sentences.append(_verdict_sentence(cancel))
+        return sentences
+
+    counts = verdict_counts(verdicts)
+    if held:
+        lo = min(float(np.nanmin(tr.v)) for tr in held if len(tr.v))
+        hi = max(float(np.nanmax(tr.v)) for tr in held if len(tr.v))
+        sentences.append(
+            f"Over the whole run {WHAT[kind]} stayed between {_gib(lo)} and {_gib(hi)}: vLLM reserves its KV-cache pool "
+            "at start-up and keeps it, so this number does not fall when a request is cancelled.")
+    if kv:
+        peak = max(float(np.nanmax(k.v)) for k in kv if len(k.v))
+        sentences.append(f"What does move is the share of that pool holding requests (KV-cache usage, peak {_pct(peak)}), "
+                         "and it fell after the cancels that were released.")
+    if verdicts:
+        parts = [f"{n} {name.replace('_', ' ')}" for name, n in counts.items() if n]
+        sentences.append(f"Of {len(verdicts)} cancels: {', '.join(parts)}.")
+    else:
+        sentences.append("This run holds no cancels: record some with `cancelwatch record --scenario default`.")
+    return sentences
+
+
+def _verdict_sentence(v: CancelVerdict) -> str:
+    tp, ev = v.timepoints, v.evidence
+    who = f"The cancelled request ({v.scenario}, {v.request_id})"
+    if v.verdict == "released":
+        probe = tp.get("reusable")
+        tail = (f", and a new request got in {1000 * (probe - tp['user_stop']):.0f} ms after the Stop"
+                if probe is not None else ", but no new request was seen getting in")
+        return f"{who} left the engine {ev.get('release_ms', 0):.0f} ms after the cancel reached it{tail}."
+    if v.verdict == "leaked":
+        return (f"{who} was NOT released: the engine still counted it {ev.get('grace_s', 2):g} s after the cancel and "
+                "kept generating for nobody; the cancel was lost on the way (a proxy or app that does not pass it on).")
+    if v.verdict == "stale_gauge":
+        return (f"{who} looks held only because the engine's gauges had not refreshed: no tokens were generated, "
+                "so the numbers were stale rather than the request still running.")
+    return f"{who} could not be judged from this run ({ev.get('why', 'not enough evidence')})."

@@ -1,0 +1,113 @@
+"""A self-contained HTML report of a run: the dashboard's figures and tables in one file that opens
+offline (plotly.js is embedded, nothing is fetched)."""
+
+from __future__ import annotations
+
+import html
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.offline import get_plotlyjs
+
+from analysis.cancel_table import VERDICT_COLOURS, cancel_table, cancel_window
+from analysis.capacity import capacity
+from analysis.explain import memory_story
+from analysis.facts import run_facts
+from analysis.timeline import timeline_figure
+from analysis.verdicts import CancelVerdict
+from runstore.reader import Run
+
+CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
+table { border-collapse: collapse; font-size: 13px; margin: 0.5em 0 1.5em; }
+th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: left; }
+th { background: #f3f3f3; }
+.story { background: #f6f8fa; border-left: 4px solid #4c78a8; padding: 0.6em 1em; font-size: 15px; }
+.sample { background: #fff4d6; border: 1px solid #f0c36d; padding: 0.4em 0.8em; }
+"""
+
+
+def facts_frame(facts: dict) -> pd.DataFrame:
+    rows = [("run", f"{facts['run_id']} · {facts['name'] or ''}"), ("status", facts["status"]),
+            ("started (UTC)", facts["started_utc"]),
+            ("duration", f"{facts['duration_s']:.1f} s" if facts["duration_s"] else "still recording"),
+            ("engine", facts["engine"]), ("model", facts["served_model"] or facts["model"] or "n/a"),
+            ("targets", ", ".join(f"{t['label']} = {t['url']}" for t in facts["targets"])),
+            ("memory shown", {"nvml": "GPU memory from NVML", "process": "engine process memory (no GPU in this run)",
+                              "none": "not sampled"}[facts["memory_source"]]),
+            ("sampling", f"{facts['hz']} Hz asked; gap ticks: {facts['gap_ticks']}")]
+    for pool in facts["kv_pools"]:
+        size = f"{pool['bytes'] / 1024**2:.0f} MiB" if pool["bytes"] else "bytes unknown"
+        rows.append((f"KV pool {pool['target']}",
+                     f"{pool['blocks']} blocks × {pool['block_size']} tokens = {pool['tokens']} tokens, {size}"))
+    for s in facts["sampling"]:
+        rows.append((f"source {s['source']}/{s['target']}",
+                     f"{s['effective_hz']:.1f} Hz, {s['scrapes_ok']} scrapes, {s['gaps']} gaps ({s['gap_ticks']} ticks)"))
+    return pd.DataFrame(rows, columns=["fact", "value"])
+
+
+def capacity_frame(cap: dict) -> pd.DataFrame:
+    def pct(x):
+        return "n/a" if x is None else f"{100 * x:.1f} %"
+
+    rows = [("KV pool", f"{cap['pool_tokens']} tokens" if cap["pool_tokens"] else "n/a"),
+            (f"max concurrency at {cap['context_len']} tokens", cap["max_concurrency"]),
+            ("peak KV usage", pct(cap["peak_kv"])), ("p95 KV usage", pct(cap["p95_kv"])),
+            ("headroom at peak", f"{pct(cap['headroom_ratio'])} = {cap['headroom_tokens']} tokens "
+                                 f"= {cap['headroom_requests']} more requests of {cap['context_len']} tokens"),
+            ("peak running requests", cap["peak_running"]),
+            ("preemptions", cap["preemptions"]),
+            ("time with requests waiting", f"{cap['waiting_s']:.1f} s ({pct(cap['waiting_share'])})")]
+    return pd.DataFrame(rows, columns=["figure", "value"]).astype(str)
+
+
+def styled_cancel_table(table: pd.DataFrame) -> str:
+    def colour(v):
+        return f"background-color: {VERDICT_COLOURS.get(v, '#fff')}; color: white; font-weight: 600"
+
+    return table.style.map(colour, subset=["verdict"]).format(precision=1, na_rep="–").hide(axis="index").to_html()
+
+
+def pick_story_cancel(verdicts: list[CancelVerdict]) -> CancelVerdict | None:
+    """The cancel to tell the story with: the first one not released, else the released one whose
+    KV usage fell the most (the clearest picture of reserved memory staying flat while usage falls)."""
+    bad = [v for v in verdicts if v.verdict != "released"]
+    if bad or not verdicts:
+        return (bad or [None])[0]
+
+    def drop(v: CancelVerdict) -> float:
+        before, after = v.evidence.get("kv_before"), v.evidence.get("kv_after")
+        return (before - after) if before is not None and after is not None and before == before else -1.0
+
+    return max(verdicts, key=drop)
+
+
+def _fig_html(fig: go.Figure) -> str:
+    return fig.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False})
+
+
+def report_html(run: Run, verdicts: list[CancelVerdict], context_len: int = 2048, sample: bool = False) -> str:
+    facts = run_facts(run)
+    cap = capacity(run, context_len)
+    table = cancel_table(run, verdicts)
+    story = pick_story_cancel(verdicts)
+    parts = [f"<h1>cancelwatch: run {run.id} {html.escape(facts['name'] or '')}</h1>"]
+    if sample:
+        parts.append('<p class="sample">This is the sample run shipped with cancelwatch, recorded from the embedded '
+                     "engine. Record your own with <code>make demo</code>.</p>")
+    parts.append('<h2>Why is GPU memory still high?</h2><div class="story">'
+                 + "".join(f"<p>{html.escape(s)}</p>" for s in memory_story(run, verdicts, None)) + "</div>")
+    if story is not None:
+        parts.append(f"<h3>One cancel up close: {html.escape(story.scenario)} ({html.escape(story.verdict)})</h3>"
+                     '<div class="story">' + "".join(f"<p>{html.escape(s)}</p>" for s in memory_story(run, verdicts, story))
+                     + "</div>")
+        parts.append(_fig_html(timeline_figure(run, verdicts, x_range=cancel_window(story), highlight=story.request_id,
+                                               height=700)))
+    parts.append("<h2>Timeline</h2>" + _fig_html(timeline_figure(run, verdicts)))
+    parts.append(f"<h2>Cancels ({len(table)})</h2>" + (styled_cancel_table(table) if len(table) else "<p>none</p>"))
+    parts.append("<h2>Capacity</h2>" + capacity_frame(cap).to_html(index=False))
+    parts.append("<h2>Run facts</h2>" + facts_frame(facts).to_html(index=False))
+    return ("<!DOCTYPE html><html><head><meta charset=\"utf-8\">"
+            f"<title>cancelwatch run {run.id}</title><style>{CSS}</style>"
+            f"<script type=\"text/javascript\">{get_plotlyjs()}</script></head><body>"
+            + "\n".join(parts) + "</body></html>")

@@ -1,0 +1,281 @@
+"""The main timeline: memory as a band, KV usage, running/waiting, prefix-cache hit rate and every
+cancel's five timepoints, on one time axis in seconds since the run started.
+
+Long runs are downsampled per trace on the server (MinMax-LTTB from tsdownsample), to about
+`max_points` per trace in the visible range. Cancels and gaps are drawn from their own tables and are
+never downsampled. A gap in sampling breaks the line: no value is drawn where none was read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+from tsdownsample import MinMaxLTTBDownsampler
+
+from analysis.cancel_table import POINT_LABELS, VERDICT_COLOURS
+from analysis.facts import memory_source, scheduler_targets
+from analysis.verdicts import TIMEPOINTS, CancelVerdict
+from runstore.reader import Run
+
+GiB = 1024**3
+MAX_POINTS = 1500
+MAX_SHADED_GAPS = 200
+HIT_RATE_WINDOW_S = 2.0
+ROWS = ("memory", "kv", "requests", "prefix", "cancels")
+ROW_TITLES = {
+    "nvml": "GPU memory (NVML), GiB",
+    "process": "engine process memory (RSS of the process tree, the CPU analogue of reserved VRAM), GiB",
+    "none": "memory: not sampled in this run",
+}
+TARGET_DASH = ("solid", "dot", "dash", "longdash")
+
+
+@dataclass
+class Trace:
+    name: str
+    source: str
+    target: str
+    t: np.ndarray
+    v: np.ndarray
+
+
+def metric_traces(run: Run, metric: str, by_labels: bool = False) -> list[Trace]:
+    """One trace per target (label sets summed per scrape), or per (target, label set)."""
+    df = run.samples[run.samples["metric"] == metric]
+    if df.empty:
+        return []
+    keys = ["source", "target", "labels"] if by_labels else ["source", "target"]
+    out = []
+    for key, g in df.groupby(keys, observed=True, sort=False):
+        source, target = key[0], key[1]
+        labels = json.loads(key[2]) if by_labels else {}
+        if g["scrape_id"].duplicated().any():
+            g = g.groupby("scrape_id", sort=False).agg(t_s=("t_s", "first"), value=("value", "sum"))
+        t = g["t_s"].to_numpy(dtype=float)
+        v = g["value"].to_numpy(dtype=float)
+        order = np.argsort(t, kind="stable")
+        name = str(target) + (f" gpu {labels.get('gpu')}" if "gpu" in labels else "")
+        out.append(Trace(name, str(source), str(target), t[order], v[order]))
+    return out
+
+
+def _breaks(run: Run, tr: Trace) -> np.ndarray:
+    """Times where the line must break: the start of every gap of this source and target, and any
+    silence longer than three sample periods."""
+    out = []
+    g = run.gaps
+    if not g.empty:
+        mine = g[(g["source"] == tr.source) & (g["target"] == tr.target)]
+        out.append(mine["t_s"].to_numpy(dtype=float))
+    if len(tr.t) > 2:
+        dt = np.diff(tr.t)
+        period = float(np.median(dt))
+        if period > 0:
+            big = np.nonzero(dt > 3 * period)[0]
+            out.append(tr.t[big] + period)
+    return np.unique(np.concatenate(out)) if out else np.array([])
+
+
+def downsample(t: np.ndarray, v: np.ndarray, n_out: int) -> tuple[np.ndarray, np.ndarray]:
+    """At most about `n_out` points, keeping each bucket's extremes (MinMax-LTTB)."""
+    ok = ~np.isnan(v)
+    t, v = t[ok], v[ok]
+    if len(t) <= n_out:
+        return t, v
+    idx = MinMaxLTTBDownsampler().downsample(np.ascontiguousarray(t), np.ascontiguousarray(v), n_out=n_out)
+    return t[idx], v[idx]
+
+
+def _prepare(run: Run, tr: Trace, x_range, n_out: int) -> tuple[np.ndarray, np.ndarray]:
+    t, v = tr.t, tr.v
+    if x_range is not None:
+        lo, hi = x_range
+        i0 = max(int(np.searchsorted(t, lo, side="left")) - 1, 0)
+        i1 = int(np.searchsorted(t, hi, side="right")) + 1
+        t, v = t[i0:i1], v[i0:i1]
+    t, v = downsample(t, v, n_out)
+    br = _breaks(run, tr)
+    if len(br) and len(t):
+        br = br[(br > t[0]) & (br < t[-1])]
+        idx = np.searchsorted(t, br)
+        t = np.insert(t, idx, br)
+        v = np.insert(v, idx, np.nan)
+    return t, v
+
+
+def hit_rate_trace(run: Run, target: str, window_s: float = HIT_RATE_WINDOW_S) -> Trace | None:
+    """Prefix-cache hit rate over a sliding window: new hit tokens / new queried tokens. NaN where
+    nothing was queried in the window (a rate of nothing is not zero)."""
+    hits = [t for t in metric_traces(run, "prefix_cache_hits_tokens_total") if t.target == target]
+    queries = [t for t in metric_traces(run, "prefix_cache_queries_tokens_total") if t.target == target]
+    if not hits or not queries:
+        return None
+    h, q = hits[0], queries[0]
+    qv = np.interp(h.t, q.t, q.v) if len(q.t) else np.full(len(h.t), np.nan)
+    j = np.searchsorted(h.t, h.t - window_s, side="left")
+    dh, dq = h.v - h.v[j], qv - qv[j]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rate = np.where(dq > 0, dh / dq, np.nan)
+    return Trace(target, h.source, target, h.t, np.clip(rate, 0, 1))
+
+
+def memory_traces(run: Run) -> tuple[str, list[tuple[str, Trace]]]:
+    """(kind, [(role, trace)]): per GPU used and driver-reserved from NVML, else engine RSS per target."""
+    kind = memory_source(run)
+    out: list[tuple[str, Trace]] = []
+    if kind == "nvml":
+        reserved = {t.name: t for t in metric_traces(run, "gpu_memory_reserved_bytes", by_labels=True)}
+        for used in metric_traces(run, "gpu_memory_used_bytes", by_labels=True):
+            out.append(("used", used))
+            if used.name in reserved:
+                r = reserved[used.name]
+                out.append(("reserved", Trace(used.name, used.source, used.target, used.t,
+                                              used.v + np.interp(used.t, r.t, r.v))))
+    elif kind == "process":
+        out = [("rss", t) for t in metric_traces(run, "engine_rss_bytes")]
+    return kind, out
+
+
+def cancel_points(verdicts: list[CancelVerdict]) -> pd.DataFrame:
+    rows = []
+    for v in verdicts:
+        for p in TIMEPOINTS:
+            t = v.timepoints.get(p)
+            if t is not None:
+                rows.append({"request_id": v.request_id, "scenario": v.scenario, "verdict": v.verdict,
+                             "point": POINT_LABELS[p], "t_s": t})
+    return pd.DataFrame(rows, columns=["request_id", "scenario", "verdict", "point", "t_s"])
+
+
+def timeline_figure(run: Run, verdicts: list[CancelVerdict], x_range: tuple[float, float] | None = None,
+                    max_points: int = MAX_POINTS, highlight: str | None = None, height: int = 900) -> go.Figure:
+    kind, mem = memory_traces(run)
+    fig = make_subplots(
+        rows=len(ROWS), cols=1, shared_xaxes=True, vertical_spacing=0.045,
+        row_heights=[0.24, 0.2, 0.2, 0.14, 0.22],
+        subplot_titles=[ROW_TITLES[kind], "KV-cache usage, %", "requests running (solid) and waiting (dashed)",
+                        f"prefix-cache hit rate, % ({HIT_RATE_WINDOW_S:g} s window)",
+                        "cancels: the five timepoints (colour = verdict)"],
+    )
+    row = {name: i + 1 for i, name in enumerate(ROWS)}
+    targets = scheduler_targets(run)
+    dash = {t: TARGET_DASH[i % len(TARGET_DASH)] for i, t in enumerate(targets)}
+
+    for role, tr in mem:
+        t, v = _prepare(run, tr, x_range, max_points)
+        if role == "used":
+            fig.add_trace(go.Scatter(x=t, y=v / GiB, name=f"{tr.name} used", fill="tozeroy", mode="lines",
+                                     line=dict(color="#4c78a8", width=1), legendgroup="memory",
+                                     hovertemplate="%{y:.3f} GiB<extra>%{fullData.name}</extra>"),
+                          row=row["memory"], col=1)
+        elif role == "reserved":
+            fig.add_trace(go.Scatter(x=t, y=v / GiB, name=f"{tr.name} + reserved by the driver", fill="tonexty",
+                                     mode="lines", line=dict(color="#9ecae9", width=1), legendgroup="memory",
+                                     hovertemplate="%{y:.3f} GiB<extra>%{fullData.name}</extra>"),
+                          row=row["memory"], col=1)
+        else:
+            fig.add_trace(go.Scatter(x=t, y=v / GiB, name=f"{tr.name} process memory", fill="tozeroy", mode="lines",
+                                     line=dict(width=1), legendgroup="memory",
+                                     hovertemplate="%{y:.3f} GiB<extra>%{fullData.name}</extra>"),
+                          row=row["memory"], col=1)
+
+    for tr in metric_traces(run, "kv_cache_usage_ratio"):
+        t, v = _prepare(run, tr, x_range, max_points)
+        fig.add_trace(go.Scatter(x=t, y=100 * v, name=f"KV usage {tr.target}", mode="lines",
+                                 line=dict(color="#e45756", dash=dash.get(tr.target, "solid"), width=1.5),
+                                 hovertemplate="%{y:.1f} %<extra>%{fullData.name}</extra>"),
+                      row=row["kv"], col=1)
+    for metric, label, colour, style in (("requests_running", "running", "#54a24b", "solid"),
+                                         ("requests_waiting", "waiting", "#f58518", "dash")):
+        for tr in metric_traces(run, metric):
+            t, v = _prepare(run, tr, x_range, max_points)
+            fig.add_trace(go.Scatter(x=t, y=v, name=f"{label} {tr.target}", mode="lines", line_shape="hv",
+                                     line=dict(color=colour, dash=style, width=1.5),
+                                     hovertemplate="%{y:.0f}<extra>%{fullData.name}</extra>"),
+                          row=row["requests"], col=1)
+    for target in targets:
+        tr = hit_rate_trace(run, target)
+        if tr is None:
+            continue
+        t, v = _prepare(run, tr, x_range, max_points)
+        fig.add_trace(go.Scatter(x=t, y=100 * v, name=f"prefix hit rate {target}", mode="lines",
+                                 line=dict(color="#b279a2", dash=dash.get(target, "solid"), width=1.5),
+                                 hovertemplate="%{y:.0f} %<extra>%{fullData.name}</extra>"),
+                      row=row["prefix"], col=1)
+
+    shapes = _add_cancels(fig, verdicts, row["cancels"], x_range, highlight) + _add_gaps(fig, run, x_range)
+    # set once: plotly re-validates every shape on each layout update, seconds for a long run
+    fig.layout.shapes = tuple(shapes)
+    fig.update_yaxes(rangemode="tozero", row=row["memory"], col=1)
+    fig.update_yaxes(range=[0, 105], row=row["kv"], col=1)
+    fig.update_yaxes(rangemode="tozero", row=row["requests"], col=1)
+    fig.update_yaxes(range=[0, 105], row=row["prefix"], col=1)
+    fig.update_yaxes(categoryorder="array", categoryarray=[POINT_LABELS[p] for p in reversed(TIMEPOINTS)],
+                     row=row["cancels"], col=1)
+    fig.update_xaxes(title_text="seconds since the run started", row=len(ROWS), col=1)
+    if x_range is not None:
+        fig.update_xaxes(range=list(x_range))
+    fig.update_layout(height=height, margin=dict(l=60, r=20, t=40, b=40), hovermode="closest",
+                      legend=dict(orientation="h", y=-0.06), uirevision=str(x_range))
+    for ann in fig.layout.annotations:
+        ann.font.size = 12
+    return fig
+
+
+def _add_cancels(fig: go.Figure, verdicts: list[CancelVerdict], row: int, x_range, highlight: str | None) -> list[dict]:
+    lo, hi = x_range if x_range is not None else (-math.inf, math.inf)
+    by_verdict: dict[str, dict[str, list]] = {}
+    shapes: list[dict] = []
+    for v in verdicts:
+        pts = [(p, v.timepoints.get(p)) for p in TIMEPOINTS if v.timepoints.get(p) is not None]
+        if not pts or pts[-1][1] < lo or pts[0][1] > hi:
+            continue
+        d = by_verdict.setdefault(v.verdict, {"x": [], "y": [], "text": [], "size": []})
+        for p, t in pts:
+            d["x"].append(t)
+            d["y"].append(POINT_LABELS[p])
+            d["text"].append(f"{v.request_id}<br>{v.scenario} · {v.phase_at_cancel} · {v.verdict}<br>{POINT_LABELS[p]}")
+            d["size"].append(12 if v.request_id == highlight else 7)
+        d["x"].append(None)
+        d["y"].append(None)
+        d["text"].append(None)
+        d["size"].append(7)
+        colour = VERDICT_COLOURS.get(v.verdict, "#333")
+        width = 2.5 if v.request_id == highlight else 1
+        # the user stop, across every row: where to look in the memory and scheduler rows
+        t = v.timepoints["user_stop"]
+        shapes.append(dict(type="line", xref="x", yref="paper", x0=t, x1=t, y0=0, y1=1, opacity=0.6,
+                           line=dict(color=colour, width=width, dash="dot")))
+    for verdict, d in by_verdict.items():
+        fig.add_trace(go.Scatter(x=d["x"], y=d["y"], text=d["text"], mode="lines+markers", name=f"cancel: {verdict}",
+                                 marker=dict(color=VERDICT_COLOURS.get(verdict, "#333"), size=d["size"]),
+                                 line=dict(color=VERDICT_COLOURS.get(verdict, "#333"), width=1),
+                                 hovertemplate="%{text}<br>t = %{x:.3f} s<extra></extra>"),
+                      row=row, col=1)
+    return shapes
+
+
+def _add_gaps(fig: go.Figure, run: Run, x_range) -> list[dict]:
+    g = run.gaps
+    if g.empty:
+        return []
+    lo, hi = x_range if x_range is not None else (-math.inf, math.inf)
+    g = g[(g["end_t_s"] >= lo) & (g["t_s"] <= hi)].sort_values("t_s")
+    if len(g) > MAX_SHADED_GAPS:
+        # the lines still break at every gap; only the shading is thinned
+        g = g.iloc[np.linspace(0, len(g) - 1, MAX_SHADED_GAPS).astype(int)]
+    shapes = []
+    for r in g.itertuples(index=False):
+        lost = r.kind == "lost"
+        shapes.append(dict(type="rect", xref="x", yref="paper", x0=r.t_s, x1=max(r.end_t_s, r.t_s + 0.05), y0=0, y1=1,
+                           fillcolor="#d62728" if lost else "#999999", opacity=0.25 if lost else 0.15, line_width=0,
+                           layer="below"))
+    fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name="sampling gap (no reading)",
+                             marker=dict(symbol="square", color="#999999", size=10)), row=1, col=1)
+    return shapes

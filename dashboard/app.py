@@ -1,0 +1,241 @@
+"""cancelwatch dashboard: `streamlit run dashboard/app.py`.
+
+Layout, widgets and caching only; every number and figure comes from analysis/. URL parameters:
+`?store=runs/cancelwatch.db&run=latest` (the store must lie in the store folder, $CANCELWATCH_STORE_DIR
+or ./runs).
+"""
+
+from pathlib import Path
+
+import streamlit as st
+
+from analysis.cancel_table import VERDICT_COLOURS, cancel_table, cancel_window
+from analysis.capacity import capacity
+from analysis.compare import compare_runs
+from analysis.explain import memory_story
+from analysis.facts import VIEW_METRICS, run_facts
+from analysis.html_report import capacity_frame, facts_frame, pick_story_cancel, report_html
+from analysis.timeline import timeline_figure
+from analysis.verdicts import GRACE_S, judge_run
+from runstore.paths import DEFAULT_STORE, store_dir, store_in_dir, stores_in_dir
+from runstore.reader import StoreError, list_runs, load_run, resolve_run_id
+
+SAMPLE_STORE = Path(__file__).resolve().parent / "sample" / "sample.db"
+LIVE_EVERY_S = 2.0
+WHOLE_RUN = "whole run"
+
+st.set_page_config(page_title="cancelwatch", page_icon="⏹", layout="wide")
+
+
+def store_version(path: Path) -> tuple:
+    """Changes whenever the recorder commits: the key under which a live run is reloaded."""
+    out = []
+    for p in (path, Path(str(path) + "-wal")):
+        try:
+            s = p.stat()
+            out.append((s.st_mtime_ns, s.st_size))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
+@st.cache_resource(max_entries=6, show_spinner="Loading the run...")
+def load_view(path: str, run_id: int, version: tuple):
+    """(run, verdicts), shared read-only between sessions; a new `version` means the store grew."""
+    run = load_run(path, run_id, metrics=VIEW_METRICS)
+    grace = run.info.get("settings", {}).get("extra", {}).get("grace_s", GRACE_S)
+    return run, judge_run(run, grace)
+
+
+@st.cache_data(max_entries=12, show_spinner=False)
+def runs_table(path: str, version: tuple):
+    return list_runs(path)
+
+
+def cancel_label(i: int, v) -> str:
+    return f"#{i + 1} {v.scenario} · {v.verdict} · {v.request_id}"
+
+
+def choose_store() -> tuple[Path | None, bool]:
+    """(store path, is the shipped sample). Shows why when neither the chosen store nor a sample is there."""
+    params = st.query_params
+    st.sidebar.header("Run store")
+    root = store_dir()
+    found = stores_in_dir(root)
+    default = params.get("store", DEFAULT_STORE)
+    text = st.sidebar.text_input("Store file (inside the store folder)", value=default, key="store_text",
+                                 help=f"Store folder: {root}. Set CANCELWATCH_STORE_DIR to read another folder.")
+    if found:
+        st.sidebar.caption("Stores here: " + ", ".join(p.name for p in found))
+    use_sample = st.sidebar.toggle("Show the sample run", value=False, key="use_sample",
+                                   help="A short run recorded from the embedded engine, shipped with cancelwatch.")
+    if use_sample:
+        return SAMPLE_STORE, True
+    try:
+        path = store_in_dir(text, root)
+    except StoreError as exc:
+        st.error(str(exc))
+        return None, False
+    if not path.is_file():
+        st.info(f"No run store at `{text}` yet. Record a run with `make demo`, or with "
+                "`cancelwatch record --target http://127.0.0.1:8000 --scenario default`. "
+                "Meanwhile, here is the sample run shipped with cancelwatch.")
+        return SAMPLE_STORE, True
+    return path, False
+
+
+def choose_run(path: Path, sample: bool):
+    try:
+        runs = runs_table(str(path), store_version(path))
+    except StoreError as exc:
+        st.error(str(exc))
+        return None, None
+    if runs.empty:
+        st.info(f"{path.name} holds no runs yet. Record one with `make demo` or `cancelwatch record --target URL`.")
+        return None, None
+    labels = {int(r.id): f"{r.id} · {r.name or ''} · {r.status} · {r.started:%Y-%m-%d %H:%M}" for r in runs.itertuples()}
+    ids = list(labels)[::-1]
+    wanted = st.query_params.get("run", "latest") if not sample else "latest"
+    try:
+        want_id = resolve_run_id(path, wanted)
+    except StoreError as exc:
+        st.warning(f"{exc}; showing the latest run")
+        want_id = ids[0]
+    st.sidebar.header("Run")
+    run_id = st.sidebar.selectbox("Run", ids, index=ids.index(want_id), format_func=labels.get, key="run_id")
+    other = st.sidebar.selectbox("Compare with", [None, *[i for i in ids if i != run_id]],
+                                 format_func=lambda i: "nothing" if i is None else labels[i], key="compare_id")
+    return run_id, other
+
+
+def show_facts(facts: dict) -> None:
+    cols = st.columns(6)
+    cols[0].metric("status", facts["status"])
+    cols[1].metric("duration", f"{facts['duration_s']:.0f} s" if facts["duration_s"] else "recording")
+    cols[2].metric("model", facts["served_model"] or "n/a")
+    pool = facts["kv_pools"][0] if facts["kv_pools"] else {}
+    cols[3].metric("KV pool", f"{pool.get('tokens') or 'n/a'} tokens",
+                   f"{pool['blocks']} blocks × {pool['block_size']}" if pool.get("blocks") else None, delta_color="off")
+    cols[4].metric("KV pool memory", f"{pool['bytes'] / 1024**2:.0f} MiB" if pool.get("bytes") else "n/a")
+    cols[5].metric("sampling", f"{facts['hz']} Hz", f"{facts['gap_ticks']} gap ticks", delta_color="off")
+    with st.expander("Run facts and sampling"):
+        st.dataframe(facts_frame(facts), hide_index=True, width="stretch")
+
+
+def show_run(path: Path, run_id: int, other_id, sample: bool) -> None:
+    run, verdicts = load_view(str(path), run_id, store_version(path))
+    facts = run_facts(run)
+    title = f"Run {run_id} · {facts['name'] or ''}"
+    st.title(title)
+    if sample:
+        st.warning("SAMPLE RUN: recorded from the embedded engine and shipped with cancelwatch. "
+                   "Record your own with `make demo`.", icon="📦")
+    if facts["status"] == "running":
+        st.caption("This run is still being recorded.")
+    show_facts(facts)
+
+    table = cancel_table(run, verdicts)
+    options = [WHOLE_RUN, *[cancel_label(i, v) for i, v in enumerate(verdicts)]]
+    if st.session_state.get("zoom") not in options:
+        st.session_state["zoom"] = WHOLE_RUN
+    zoom = st.selectbox("Zoom the timeline to", options, key="zoom")
+    chosen = verdicts[options.index(zoom) - 1] if zoom != WHOLE_RUN else None
+    x_range = cancel_window(chosen) if chosen is not None else None
+
+    st.subheader("Timeline")
+    st.caption("Memory stays flat while KV usage and running requests fall at each cancel: reserved is not used.")
+    st.plotly_chart(timeline_figure(run, verdicts, x_range=x_range, highlight=chosen.request_id if chosen else None),
+                    key="timeline", width="stretch")
+
+    st.subheader(f"Cancels ({len(table)})")
+    if table.empty:
+        st.info("No cancels in this run: `cancelwatch record --scenario default` records some.")
+    else:
+        def on_pick():
+            rows = st.session_state["cancel_table"].selection.rows
+            st.session_state["zoom"] = options[rows[0] + 1] if rows else WHOLE_RUN
+
+        styled = table.style.map(lambda v: f"background-color: {VERDICT_COLOURS.get(v, '')}; color: white",
+                                 subset=["verdict"]).format(precision=1, na_rep="–")
+        st.dataframe(styled, hide_index=True, width="stretch", on_select=on_pick, selection_mode="single-row",
+                     key="cancel_table")
+        st.caption("Choose a row to zoom the timeline to that cancel.")
+
+    st.subheader("Why is GPU memory still high?")
+    story = chosen or pick_story_cancel(verdicts)
+    left, right = st.columns([2, 3])
+    with left:
+        for sentence in memory_story(run, verdicts, story):
+            st.markdown(sentence)
+    with right:
+        if story is not None:
+            st.plotly_chart(timeline_figure(run, verdicts, x_range=cancel_window(story), highlight=story.request_id,
+                                            height=620), key="story_figure", width="stretch")
+
+    st.subheader("Capacity")
+    ctx = st.number_input("Context length (tokens)", min_value=16, max_value=1_000_000, value=2048, step=256,
+                          key="context_len")
+    cap = capacity(run, int(ctx))
+    cols = st.columns(5)
+    cols[0].metric("KV pool", f"{cap['pool_tokens'] or 'n/a'} tokens")
+    cols[1].metric(f"max concurrency at {int(ctx)}", cap["max_concurrency"] if cap["max_concurrency"] is not None else "n/a")
+    cols[2].metric("peak / p95 KV usage", "n/a" if cap["peak_kv"] is None else
+                   f"{100 * cap['peak_kv']:.0f} % / {100 * cap['p95_kv']:.0f} %")
+    cols[3].metric("headroom at peak", "n/a" if cap["headroom_tokens"] is None else f"{cap['headroom_tokens']} tokens")
+    cols[4].metric("time with requests waiting", "n/a" if cap["waiting_share"] is None else
+                   f"{100 * cap['waiting_share']:.1f} %")
+    st.dataframe(capacity_frame(cap), hide_index=True)
+
+    if other_id is not None:
+        st.subheader(f"Compare run {run_id} with run {other_id}")
+        orun, overdicts = load_view(str(path), int(other_id), store_version(path))
+        st.dataframe(compare_runs([(f"run {run_id}", run, verdicts), (f"run {other_id}", orun, overdicts)],
+                                  int(ctx)).astype(str), width="stretch")
+        a, b = st.columns(2)
+        a.plotly_chart(timeline_figure(run, verdicts, height=700), key="compare_a", width="stretch")
+        b.plotly_chart(timeline_figure(orun, overdicts, height=700), key="compare_b", width="stretch")
+
+    st.subheader("Export")
+    st.download_button("Download this run as an offline HTML report",
+                       data=lambda: report_html(run, verdicts, int(ctx), sample=sample),
+                       file_name=f"cancelwatch-run-{run_id}.html", mime="text/html", key="export_html")
+    st.caption(f"The same report from a terminal: `cancelwatch report {run_id} --store {path} --html report.html`")
+
+
+def main() -> None:
+    path, sample = choose_store()
+    if path is None:
+        return
+    if sample and not path.is_file():
+        st.info("The sample run is missing from this checkout (dashboard/sample/sample.db): `make sample-run` "
+                "records it again.")
+        return
+    run_id, other_id = choose_run(path, sample)
+    if run_id is None:
+        return
+    runs = runs_table(str(path), store_version(path))
+    running = bool((runs.loc[runs["id"] == run_id, "status"] == "running").any())
+    follow = st.sidebar.toggle("Follow live", value=running, key="follow",
+                               help="Reload the run every few seconds while it is being recorded.")
+
+    @st.fragment(run_every=LIVE_EVERY_S if follow and running else None)
+    def view():
+        try:
+            show_run(path, int(run_id), other_id, sample)
+        except StoreError as exc:
+            st.error(str(exc))
+        if follow and running:
+            now = runs_table(str(path), store_version(path))
+            if not (now.loc[now["id"] == run_id, "status"] == "running").any():
+                st.rerun()  # the run ended: a full rerun stops the timer and shows the final state
+
+    view()
+
+
+try:
+    main()
+except Exception as exc:  # the page explains in one line; the traceback goes to the server log only
+    import logging
+
+    logging.getLogger("cancelwatch.dashboard").exception("dashboard failed")
+    st.error(f"The dashboard could not show this run: {type(exc).__name__}: {exc}")

@@ -1,0 +1,43 @@
+"""Where a store named from outside (a page, a URL) may be opened from: only inside the store folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from runstore.reader import StoreError
+
+DEFAULT_STORE = "runs/cancelwatch.db"
+
+
+def store_dir() -> Path:
+    """The folder stores are read from: $CANCELWATCH_STORE_DIR, else ./runs."""
+    return Path(os.environ.get("CANCELWATCH_STORE_DIR") or "runs").resolve()
+
+
+def store_in_dir(name: str, root: Path | None = None) -> Path:
+    """Resolve a store path given by a user; StoreError unless it is a .db file inside `root`.
+
+    Relative paths are taken from the working directory and, failing that, from `root` itself
+    ('cancelwatch.db' and 'runs/cancelwatch.db' both work). Symbolic links are resolved first, so
+    a link inside the folder cannot point outside it.
+    """
+    root = (root or store_dir()).resolve()
+    text = (name or "").strip()
+    if not text or "\x00" in text:
+        raise StoreError("give a store file inside the store folder, e.g. runs/cancelwatch.db")
+    p = Path(text).expanduser()
+    candidates = [p] if p.is_absolute() else [Path.cwd() / p, root / p]
+    for c in candidates:
+        resolved = c.resolve()
+        if resolved.is_relative_to(root):
+            if resolved.suffix != ".db":
+                raise StoreError(f"{text} is not a .db run store: pick one of the .db files in {root}")
+            return resolved
+    raise StoreError(f"{text} is outside the store folder {root}: pick a store inside it "
+                     "(or start the dashboard with CANCELWATCH_STORE_DIR set to another folder)")
+
+
+def stores_in_dir(root: Path | None = None) -> list[Path]:
+    root = (root or store_dir()).resolve()
+    return sorted(p for p in root.glob("*.db") if p.is_file()) if root.is_dir() else []
