@@ -183,6 +183,9 @@ def judge_run(run: Run, grace_s: float = GRACE_S, metrics_target: str | None = N
         ev["count_before"] = float(sched["count"][before][-1]) if before.any() else None
         ev["ledger_before"] = float(inflight[before][-1]) if before.any() else None
         kv_before = float(sched["kv"][before][-1]) if before.any() else math.nan
+        if ev["count_before"] is not None and ev["ledger_before"] is not None and ev["count_before"] < ev["ledger_before"]:
+            ev["note"] = ("the server counted fewer requests than the client before the stop: a request had already "
+                          "finished in the engine while its tokens were still on their way to the client")
         ev["kv_before"] = kv_before
         if foreign.sum() >= 2:
             ev["why"] = f"the server counted more requests than the ledger before the cancel ({int(foreign.sum())} samples): foreign traffic"

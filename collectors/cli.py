@@ -7,7 +7,7 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.console import Console
@@ -425,6 +425,46 @@ def report(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFAU
     else:
         _print_report(doc)
     raise typer.Exit(_report_exit(doc))
+
+
+@app.command()
+def notebook(name: str = typer.Argument(..., help="capacity_review or vram_plateau (notebooks/NAME.ipynb)."),
+             run: List[str] = typer.Option(["latest"], "--run", help="Run id or 'latest'; repeat for several runs."),
+             store: Path = typer.Option(DEFAULT_STORE, help="Run store (SQLite)."),
+             param: List[str] = typer.Option([], "-p", "--param", help="Another notebook parameter as KEY=VALUE: "
+                                             "-p context_len=4096"),
+             html_out: Path = typer.Option(..., "--html", help="Where to write the rendered HTML (no code cells)."),
+             ipynb_out: Optional[Path] = typer.Option(None, "--ipynb", help="Also keep the executed notebook.")):
+    """Execute a notebook on runs with papermill and render it to HTML (plotly embedded, opens offline)."""
+    import papermill as pm
+
+    from notebooks.render import NOTEBOOKS, NotebookError, available, coerce, render
+
+    if name not in available():
+        raise fail(f"no notebook {name!r}: choose one of {', '.join(available())}")
+    if not html_out.parent.is_dir():
+        raise fail(f"--html {html_out}: the folder {html_out.parent} does not exist; create it or write elsewhere")
+    known = set(pm.inspect_notebook(str(NOTEBOOKS / f"{name}.ipynb")))
+    params: dict = {"store": str(store)}
+    if "run_ids" in known:
+        params["run_ids"] = ",".join(run)
+    elif len(run) > 1:
+        raise fail(f"{name} walks through one run: give --run once")
+    else:
+        params["run"] = run[0]
+    for item in param:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise fail(f"-p {item}: write KEY=VALUE, e.g. -p context_len=4096")
+        if key not in known:
+            raise fail(f"-p {key}: {name} has no such parameter; it takes {', '.join(sorted(known))}")
+        params[key] = coerce(value)
+    try:
+        render(name, params, html_out, ipynb_out)
+    except NotebookError as exc:
+        err.print(f"[bold red]error:[/] {exc} (the error cell is in {html_out})", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    print(f"wrote {html_out}", file=sys.stderr)
 
 
 def main() -> None:

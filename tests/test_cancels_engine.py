@@ -11,28 +11,8 @@ import pytest
 from analysis.summary import series_frame
 from analysis.verdicts import scheduler_frame
 from runstore.reader import load_run
-from tests.conftest import cli, free_port
-from tests.leaky_proxy import LeakyProxy
+from tests.conftest import cli
 
-# max_tokens well beyond what the engine can generate while the client reads its first 20 tokens: on a
-# loaded 2-core machine the API server can deliver chunks seconds behind the engine core, and a
-# request the engine already finished leaves on its own (correctly judged released)
-SHORT = """
-[[scenario]]
-name = "decode_short"
-trigger = "after_tokens"
-trigger_value = 20
-prompt_tokens = 600
-max_tokens = 1200
-
-[[scenario]]
-name = "chat_short"
-api = "chat"
-trigger = "after_tokens"
-trigger_value = 20
-prompt_tokens = 600
-max_tokens = 1200
-"""
 
 
 @pytest.fixture(scope="module")
@@ -132,26 +112,15 @@ def test_default_suite_time_is_reported(default_run):
     assert elapsed > 0  # measured figure for the closing note; the target (<= 180 s) is a benchmark, not a gate
 
 
-def test_a_proxy_that_keeps_reading_leaks_and_direct_releases(engine, engine_home, tmp_path):
-    scen = tmp_path / "short.toml"
-    scen.write_text(SHORT)
-    proxy = LeakyProxy(engine.url, free_port()).start()
-    try:
-        store = tmp_path / "leak.db"
-        res = cli("record", "--target", proxy.url, "--metrics-url", engine.url, "--scenario", str(scen),
-                  "--store", str(store), home=engine_home, timeout=300)
-    finally:
-        proxy.stop()
-    assert res.returncode == 1, res.stdout + res.stderr
-    doc = json.loads(cli("report", "latest", "--json", "--store", str(store)).stdout)
+def test_a_proxy_that_keeps_reading_leaks_and_direct_releases(proxy_and_direct_runs):
+    store, proxy_res, direct_res = proxy_and_direct_runs
+    assert proxy_res.returncode == 1, proxy_res.stdout + proxy_res.stderr
+    doc = json.loads(cli("report", "1", "--json", "--store", str(store)).stdout)
     assert [c["verdict"] for c in doc["cancels"]] == ["leaked", "leaked"], json.dumps(doc["cancels"], indent=1)
     for c in doc["cancels"]:
         assert c["evidence"]["engine_stepping"] is True and c["evidence"]["excess_max"] >= 1
-    direct = tmp_path / "direct.db"
-    res = cli("record", "--target", engine.url, "--scenario", str(scen), "--store", str(direct), home=engine_home,
-              timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
-    doc = json.loads(cli("report", "latest", "--json", "--store", str(direct)).stdout)
+    assert direct_res.returncode == 0, direct_res.stdout + direct_res.stderr
+    doc = json.loads(cli("report", "2", "--json", "--store", str(store)).stdout)
     assert [c["verdict"] for c in doc["cancels"]] == ["released", "released"]
 
 

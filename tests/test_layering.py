@@ -10,6 +10,8 @@ FORBIDDEN = {
     "runstore": {"collectors", "analysis", "dashboard"},
     "analysis": {"collectors", "dashboard", "streamlit", "httpx", "pynvml", "psutil"},
     "collectors": {"dashboard"},
+    # the dashboard reads runs: it never samples, drives or starts anything
+    "dashboard": {"collectors", "httpx", "pynvml", "psutil"},
 }
 
 

@@ -1,0 +1,157 @@
+"""The dashboard, through Streamlit's AppTest: every section on the shipped sample run and on runs the
+tests record from the real engine; the store-folder guard; live follow; compare."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from analysis.facts import VIEW_METRICS
+from analysis.verdicts import judge_run
+from runstore.reader import load_run
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = str(ROOT / "dashboard" / "app.py")
+SAMPLE = ROOT / "dashboard" / "sample" / "sample.db"
+SECTIONS = ["Timeline", "Why is GPU memory still high?", "Capacity", "Export"]
+
+
+def app(store_dir: Path, monkeypatch, **params) -> AppTest:
+    monkeypatch.setenv("CANCELWATCH_STORE_DIR", str(store_dir))
+    monkeypatch.chdir(ROOT)
+    at = AppTest.from_file(APP, default_timeout=180)
+    for k, v in params.items():
+        at.query_params[k] = v
+    return at.run()
+
+
+def figure(at: AppTest, i: int = 0) -> dict:
+    return json.loads(at.get("plotly_chart")[i].proto.spec)
+
+
+def assert_every_section(at: AppTest, n_cancels: int) -> None:
+    assert not at.exception, at.exception
+    heads = [s.value for s in at.subheader]
+    for section in SECTIONS:
+        assert section in heads, heads
+    assert f"Cancels ({n_cancels})" in heads
+    assert len(at.get("plotly_chart")) >= 2  # the timeline and the zoomed figure beside the story
+    table = next(d.value for d in at.dataframe if "verdict" in d.value.columns)
+    assert len(table) == n_cancels  # one row per cancel
+    assert set(table["verdict"]) <= {"released", "leaked", "stale_gauge", "inconclusive"}
+    names = {t["name"] for t in figure(at)["data"] if t.get("name")}
+    assert any(n.startswith("KV usage") for n in names) and any(n.startswith("running") for n in names), names
+    assert any(n.startswith("cancel: ") for n in names), names
+    assert len(at.markdown) >= 2  # the plain sentences of the story
+
+
+def test_fresh_clone_shows_the_sample_labelled(tmp_path, monkeypatch):
+    at = app(tmp_path, monkeypatch)  # an empty store folder: nothing recorded yet
+    assert any("No run store" in i.value and "make demo" in i.value for i in at.info)
+    assert any("SAMPLE RUN" in w.value for w in at.warning)
+    run = load_run(SAMPLE, "latest", metrics=VIEW_METRICS)
+    assert_every_section(at, len(judge_run(run)))
+    facts = [m.value for m in at.metric]
+    assert "8192 tokens" in facts and "256 MiB" in facts  # the KV pool: 64 blocks x 128 tokens x 32 KiB
+
+
+def test_sample_story_uses_the_runs_own_numbers(tmp_path, monkeypatch):
+    at = app(tmp_path, monkeypatch)
+    text = " ".join(m.value for m in at.markdown)
+    assert "GiB" in text and "%" in text and "ms after the cancel reached it" in text, text
+
+
+def test_recorded_runs_every_section_and_compare(proxy_and_direct_runs, monkeypatch):
+    store, *_ = proxy_and_direct_runs
+    for run_id in (1, 2):
+        at = app(store.parent, monkeypatch, store=store.name, run=str(run_id))
+        assert not at.error and not any("SAMPLE" in w.value for w in at.warning)
+        assert_every_section(at, 2)
+    table = next(d.value for d in at.dataframe if "verdict" in d.value.columns)
+    assert list(table["verdict"]) == ["released", "released"]
+    # run 1 went through the leaky proxy: its verdicts are red, and compare puts both runs side by side
+    at = app(store.parent, monkeypatch, store=store.name, run="1")
+    assert list(next(d.value for d in at.dataframe if "verdict" in d.value.columns)["verdict"]) == ["leaked", "leaked"]
+    at.selectbox(key="compare_id").set_value(2).run()
+    assert not at.exception
+    assert "Compare run 1 with run 2" in [s.value for s in at.subheader]
+    cmp = next(d.value for d in at.dataframe if list(d.value.columns) == ["run 1", "run 2"])
+    assert cmp.loc["verdict: leaked", "run 1"] == "2" and cmp.loc["verdict: released", "run 2"] == "2"
+    assert len(at.get("plotly_chart")) == 4
+
+
+def test_choosing_a_cancel_zooms_the_timeline(tmp_path, monkeypatch):
+    at = app(tmp_path, monkeypatch)
+    assert "range" not in figure(at)["layout"]["xaxis"]
+    opts = at.selectbox(key="zoom").options
+    at.selectbox(key="zoom").set_value(opts[2]).run()
+    assert not at.exception
+    lo, hi = figure(at)["layout"]["xaxis"]["range"]
+    run = load_run(SAMPLE, "latest", metrics=VIEW_METRICS)
+    chosen = judge_run(run)[1]
+    assert lo < chosen.timepoints["user_stop"] < hi and hi - lo < 30
+    assert chosen.request_id in opts[2]
+    # the table's row selection drives the same zoom (the dataframe's on_select callback)
+    assert "cancel_table" in at.session_state
+
+
+@pytest.mark.parametrize("store", ["../../etc/passwd", "/etc/passwd", "../outside.db", "sub/../../outside.db", "cw.txt"])
+def test_a_store_from_the_url_cannot_leave_the_store_folder(tmp_path, monkeypatch, store):
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    shutil.copy(SAMPLE, tmp_path / "outside.db")
+    at = app(folder, monkeypatch, store=store)
+    assert not at.exception
+    assert at.error, [i.value for i in at.info]
+    assert "outside the store folder" in at.error[0].value or "not a .db" in at.error[0].value
+    assert not at.dataframe and not at.get("plotly_chart")
+
+
+def test_a_link_inside_the_folder_pointing_out_is_refused(tmp_path, monkeypatch):
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    shutil.copy(SAMPLE, tmp_path / "secret.db")
+    os.symlink(tmp_path / "secret.db", folder / "link.db")
+    at = app(folder, monkeypatch, store="link.db")
+    assert at.error and "outside the store folder" in at.error[0].value
+    assert not at.dataframe
+
+
+def test_a_bad_run_id_falls_back_to_the_latest_with_a_warning(tmp_path, monkeypatch):
+    shutil.copy(SAMPLE, tmp_path / "cw.db")
+    at = app(tmp_path, monkeypatch, store="cw.db", run="1 OR 1=1")
+    assert not at.exception
+    assert any("integer id or 'latest'" in w.value for w in at.warning)
+    assert at.title[0].value.startswith("Run 1")
+
+
+def test_not_a_store_and_an_empty_store_explain(tmp_path, monkeypatch):
+    (tmp_path / "junk.db").write_bytes(b"not sqlite at all" * 100)
+    at = app(tmp_path, monkeypatch, store="junk.db")
+    assert not at.exception and at.error and "not a cancelwatch run store" in at.error[0].value
+    con = sqlite3.connect(tmp_path / "empty.db")
+    con.executescript((ROOT / "runstore" / "schema.py").read_text().split('DDL = """')[1].split('"""')[0])
+    con.close()
+    at = app(tmp_path, monkeypatch, store="empty.db")
+    assert not at.exception and any("holds no runs yet" in i.value for i in at.info)
+
+
+def test_a_run_still_recording_is_followed_live(tmp_path, monkeypatch):
+    store = tmp_path / "cw.db"
+    shutil.copy(SAMPLE, store)
+    con = sqlite3.connect(store)
+    con.execute("UPDATE runs SET status = 'running', ended_wall_ns = NULL")
+    con.commit()
+    con.close()
+    at = app(tmp_path, monkeypatch, store="cw.db")
+    assert not at.exception
+    assert at.toggle(key="follow").value is True
+    assert any("still being recorded" in c.value for c in at.caption)
+    at.toggle(key="follow").set_value(False).run()
+    assert not at.exception and at.toggle(key="follow").value is False

@@ -1,0 +1,120 @@
+"""The served dashboard in a real browser: Debian's headless Chromium driven by Playwright."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from collectors.engine import free_port
+from tests.conftest import cli_popen
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = "/usr/bin/chromium"
+# the machine has no internet: without these Chromium keeps trying to reach Google's hosts
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture
+def served(tmp_path):
+    """Start `streamlit run dashboard/app.py` on a free port with the store folder in tmp_path."""
+    procs = []
+
+    def start(store_dir: Path) -> str:
+        port = free_port()
+        env = {**os.environ, "CANCELWATCH_STORE_DIR": str(store_dir)}
+        proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "dashboard/app.py", "--server.port",
+                                 str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/_stcore/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        else:
+            proc.kill()
+            pytest.fail(f"streamlit did not come up: {proc.stdout.read().decode(errors='replace')[-2000:]}")
+        # .streamlit/config.toml binds the server to loopback only
+        listening = [c.laddr.ip for c in psutil.Process(proc.pid).net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN]
+        assert listening and set(listening) <= {"127.0.0.1"}, listening
+        return url
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture
+def browser(tmp_path):
+    if not Path(CHROMIUM).exists():
+        pytest.fail("no /usr/bin/chromium: `make test` installs Debian's chromium (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def test_the_served_dashboard_shows_the_timeline_and_the_verdict_table(served, browser, proxy_and_direct_runs,
+                                                                        tmp_path):
+    store, *_ = proxy_and_direct_runs
+    url = served(store.parent)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(f"{url}/?store={store.name}&run=1", timeout=60_000)
+    page.wait_for_selector(".js-plotly-plot .main-svg", timeout=90_000)
+    # the verdict table (the first data frame sits in the collapsed "Run facts" expander)
+    page.wait_for_function("() => Array.from(document.querySelectorAll('[data-testid=\"stDataFrame\"]'))"
+                           ".some(e => e.offsetParent !== null)", timeout=60_000)
+    text = page.inner_text("body")
+    assert "Why is GPU memory still high?" in text and "Cancels (2)" in text
+    assert "Traceback" not in text
+    assert page.locator(".js-plotly-plot").count() >= 2
+    # the plotted figure carries the cancels and the scheduler traces
+    names = page.evaluate("() => Array.from(document.querySelectorAll('.js-plotly-plot'))[0].data.map(t => t.name)")
+    assert "cancel: leaked" in names and any(n and n.startswith("KV usage") for n in names), names
+    shot = tmp_path / "dashboard.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 20_000
+
+
+def test_a_live_run_is_followed_until_it_completes(served, browser, engine, engine_home, tmp_path):
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    store = folder / "live.db"
+    proc = cli_popen("sample", "--target", engine.url, "--duration", "12", "--store", str(store), "--name", "live",
+                     home=engine_home)
+    try:
+        deadline = time.monotonic() + 30
+        while not store.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        url = served(folder)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"{url}/?store=live.db", timeout=60_000)
+        page.wait_for_selector(".js-plotly-plot .main-svg", timeout=90_000)
+        assert "still being recorded" in page.inner_text("body")
+        # the fragment reloads every 2 s; when the recorder finishes, the page shows it without a reload
+        page.wait_for_function("() => document.body.innerText.includes('completed') && "
+                               "!document.body.innerText.includes('still being recorded')", timeout=60_000)
+        page.screenshot(path=str(tmp_path / "live.png"), full_page=True)
+    finally:
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err

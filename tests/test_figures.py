@@ -1,0 +1,164 @@
+"""The figures and tables in analysis/: downsampling keeps every cancel, gaps break lines, capacity
+and the per-cancel table hold the run's own numbers, and the HTML report works offline."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from analysis.cancel_table import LATENCY_COLUMNS, cancel_table
+from analysis.capacity import capacity
+from analysis.compare import compare_runs
+from analysis.explain import memory_story
+from analysis.facts import VIEW_METRICS, kv_pool, run_facts
+from analysis.timeline import timeline_figure
+from analysis.verdicts import judge_run
+from bench.synthetic import write_synthetic_run
+from runstore.reader import load_run
+from tests.conftest import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "dashboard" / "sample" / "sample.db"
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    """Ten minutes at 20 Hz with 40 cancels (every 10th leaks), 6 sampling gaps, NVML on."""
+    path = tmp_path_factory.mktemp("syn") / "syn.db"
+    write_synthetic_run(path, duration_s=600, cancels=40, leak_every=10, gaps=6, filler_series=5)
+    run = load_run(path, "latest", metrics=VIEW_METRICS)
+    return path, run, judge_run(run)
+
+
+def test_synthetic_verdicts_are_what_was_written(synthetic):
+    _, _, verdicts = synthetic
+    got = [v.verdict for v in verdicts]
+    assert got == ["leaked" if (i + 1) % 10 == 0 else "released" for i in range(40)]
+
+
+def test_downsampling_keeps_every_cancel_and_bounds_each_trace(synthetic):
+    _, run, verdicts = synthetic
+    fig = timeline_figure(run, verdicts, max_points=300)
+    cancel_x = {round(x, 6) for t in fig.data if t.name and t.name.startswith("cancel: ") for x in t.x if x is not None}
+    for v in verdicts:
+        for p, t in v.timepoints.items():
+            if t is not None:
+                assert round(t, 6) in cancel_x, (v.request_id, p)
+    stops = sorted(s.x0 for s in fig.layout.shapes if s.type == "line")
+    assert stops == sorted(v.timepoints["user_stop"] for v in verdicts)
+    for t in fig.data:
+        if t.name and not t.name.startswith("cancel: ") and t.x is not None and len(t.x) > 1:
+            assert len(t.x) <= 300 + 20, (t.name, len(t.x))  # the budget plus the gap breaks
+    # downsampling keeps the extremes: the KV peak of the full series is still drawn
+    kv = next(t for t in fig.data if t.name == "KV usage t0")
+    full = run.samples[run.samples["metric"] == "kv_cache_usage_ratio"]["value"].max()
+    assert math.isclose(np.nanmax(np.asarray(kv.y, dtype=float)), 100 * full, rel_tol=1e-9)
+
+
+def test_gaps_are_drawn_as_gaps(synthetic):
+    _, run, verdicts = synthetic
+    fig = timeline_figure(run, verdicts)
+    kv = next(t for t in fig.data if t.name == "KV usage t0")
+    y = np.asarray(kv.y, dtype=float)
+    x = np.asarray(kv.x, dtype=float)
+    starts = run.gaps[run.gaps["source"] == "vllm"]["t_s"].to_numpy()
+    assert len(starts) == 6
+    for s in starts:
+        i = int(np.argmin(np.abs(x - s)))
+        assert np.isnan(y[i]), f"no break at the gap at {s:.2f} s"
+    # and nothing of the gap was filled in: no KV point inside a gap
+    for g in run.gaps.itertuples():
+        inside = (x > g.t_s + 1e-9) & (x < g.end_t_s - 1e-9) & ~np.isnan(y)
+        assert not inside.any()
+    shaded = [s for s in fig.layout.shapes if s.type == "rect"]
+    assert len(shaded) == 6
+
+
+def test_memory_band_is_nvml_when_the_run_has_it(synthetic, tmp_path):
+    _, run, verdicts = synthetic
+    fig = timeline_figure(run, verdicts)
+    assert "NVML" in fig.layout.annotations[0].text
+    names = [t.name for t in fig.data]
+    assert "gpu gpu 0 used" in names and "gpu gpu 0 + reserved by the driver" in names
+    path = tmp_path / "cpu.db"
+    write_synthetic_run(path, duration_s=60, cancels=3, nvml=False, filler_series=0, gaps=0)
+    run2 = load_run(path, "latest", metrics=VIEW_METRICS)
+    fig2 = timeline_figure(run2, judge_run(run2))
+    assert "engine process memory" in fig2.layout.annotations[0].text
+    assert "engine process memory" in [t.name for t in fig2.data]
+
+
+def test_capacity_and_table_hold_the_runs_numbers(synthetic):
+    _, run, verdicts = synthetic
+    cap = capacity(run, 2048)
+    assert cap["pool_tokens"] == 8192 and cap["pool_bytes"] == 8192 * 32768 and cap["max_concurrency"] == 4
+    kv = run.samples[run.samples["metric"] == "kv_cache_usage_ratio"]["value"]
+    assert math.isclose(cap["peak_kv"], kv.max()) and math.isclose(cap["p95_kv"], kv.quantile(0.95))
+    # the synthetic target waits 0.1 s per 15 s cycle
+    assert 0.002 < cap["waiting_share"] < 0.012
+    assert cap["preemptions"] == 0
+    assert capacity(run, 1000)["max_concurrency"] == 8
+    with pytest.raises(ValueError):
+        capacity(run, 0)
+    table = cancel_table(run, verdicts)
+    assert len(table) == 40 and list(table.columns[5:9]) == LATENCY_COLUMNS
+    released = table[table["verdict"] == "released"]
+    assert released["user stop → app received (ms)"].round(1).eq(0.5).all()
+    assert (released["engine abort → left scheduler (ms)"] <= 150).all()  # within three 50 ms samples
+    assert released["neighbour"].str.startswith("completed").all()
+    assert released["probe"].str.startswith("admitted, TTFT 100 ms").all()
+
+
+def test_facts_and_story(synthetic):
+    _, run, verdicts = synthetic
+    facts = run_facts(run)
+    assert facts["memory_source"] == "nvml" and facts["kv_pools"][0]["tokens"] == 8192
+    assert facts["gap_ticks"] == 18
+    whole = " ".join(memory_story(run, verdicts, None))
+    assert "Of 40 cancels: 36 released, 4 leaked." in whole
+    leaked = next(v for v in verdicts if v.verdict == "leaked")
+    story = " ".join(memory_story(run, verdicts, leaked))
+    assert "NOT released" in story and "GiB" in story
+    released = verdicts[0]
+    story = " ".join(memory_story(run, verdicts, released))
+    assert "127.40 GiB" in story and re.search(r"\([+-]0\.0 %\)", story)  # NVML used stays flat across the cancel
+
+
+def test_compare_has_one_column_per_run(synthetic):
+    _, run, verdicts = synthetic
+    sample = load_run(SAMPLE, "latest", metrics=VIEW_METRICS)
+    df = compare_runs([("synthetic", run, verdicts), ("sample", sample, judge_run(sample))])
+    assert list(df.columns) == ["synthetic", "sample"]
+    assert df.loc["verdict: leaked", "synthetic"] == 4 and df.loc["cancels", "synthetic"] == 40
+    with pytest.raises(ValueError):
+        compare_runs([("a", run, verdicts), ("a", run, verdicts)])
+    assert kv_pool(sample)["tokens"] == 8192
+
+
+def test_report_html_is_offline_and_holds_the_page_figures(tmp_path):
+    out = tmp_path / "report.html"
+    res = cli("report", "latest", "--store", str(SAMPLE), "--html", str(out))
+    assert res.returncode == 0, res.stderr
+    html = out.read_text()
+    assert not re.search(r"<script[^>]+src=", html)  # plotly.js is embedded, nothing fetched
+    assert "plotly.js v" in html or "Plotly" in html
+    assert html.count("Plotly.newPlot") == 2  # the zoomed story and the whole timeline
+    run = load_run(SAMPLE, "latest", metrics=VIEW_METRICS)
+    verdicts = judge_run(run)
+    for t in timeline_figure(run, verdicts).data:
+        if t.name:
+            assert f'"name":"{t.name}"' in html, t.name
+    assert html.count(">released<") == sum(v.verdict == "released" for v in verdicts)
+    assert "Why is GPU memory still high?" in html
+
+
+def test_report_html_bad_paths_are_one_line_errors(tmp_path):
+    res = cli("report", "latest", "--store", str(SAMPLE), "--html", str(tmp_path / "nope" / "r.html"))
+    assert res.returncode == 2 and "does not exist" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    res = cli("report", "latest", "--store", str(tmp_path / "none.db"), "--html", str(tmp_path / "r.html"))
+    assert res.returncode == 2 and "no run store" in res.stderr
+    assert not (tmp_path / "r.html").exists()
