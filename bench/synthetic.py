@@ -111,10 +111,12 @@ def write_synthetic_run(path: str | Path, *, duration_s: float = 3600.0, hz: flo
                 zip(scrape_ids.tolist(), [rid] * len(keep), [source] * len(keep), [target] * len(keep), keep.tolist(),
                     (mono - T0_NS + WALL0_NS).tolist(), mono.tolist(), [3_000_000] * len(keep),
                     [len(series)] * len(keep)))
-            for key, values in series.items():
-                con.executemany("INSERT INTO samples(run_id, series_id, scrape_id, value) VALUES (?, ?, ?, ?)",
-                                zip([rid] * len(keep), [ids[key]] * len(keep), scrape_ids.tolist(),
-                                    values[keep].tolist()))
+            # scrape by scrape, as the recorder writes them: a series' samples lie spread over the table
+            sids = np.array([ids[key] for key in series], dtype=np.int64)
+            vals = np.stack([values[keep] for values in series.values()])  # (series, scrapes)
+            con.executemany("INSERT INTO samples(run_id, series_id, scrape_id, value) VALUES (?, ?, ?, ?)",
+                            zip([rid] * vals.size, np.tile(sids, len(keep)).tolist(),
+                                np.repeat(scrape_ids, len(sids)).tolist(), vals.T.ravel().tolist()))
         con.executemany("INSERT INTO gaps(run_id, source, target, kind, start_wall_ns, start_mono_ns, end_mono_ns, "
                         "ticks, detail) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", gap_rows)
         _write_cancels(con, rid, period, cancels, leak)

@@ -12,6 +12,7 @@ FORBIDDEN = {
     "collectors": {"dashboard"},
     # the dashboard reads runs: it never samples, drives or starts anything
     "dashboard": {"collectors", "httpx", "pynvml", "psutil"},
+    "notebooks": {"collectors", "dashboard", "httpx", "pynvml", "psutil"},
 }
 
 

@@ -1,0 +1,147 @@
+"""The notebooks, executed by papermill through `cancelwatch notebook` on the sample run and on runs the
+tests record, rendered to HTML without code cells and with plotly embedded."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from analysis import review
+from runstore.reader import StoreError
+from tests.conftest import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "dashboard" / "sample" / "sample.db"
+NOTEBOOKS = ["capacity_review", "vram_plateau"]
+
+
+def render(tmp_path: Path, name: str, *args: str, timeout: float = 300):
+    html = tmp_path / f"{name}.html"
+    ipynb = tmp_path / f"{name}.ipynb"
+    res = cli("notebook", name, *args, "--html", str(html), "--ipynb", str(ipynb), timeout=timeout)
+    nb = nbformat.read(str(ipynb), as_version=4) if ipynb.exists() else None
+    return res, html.read_text() if html.exists() else "", nb
+
+
+def error_outputs(nb) -> list:
+    return [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+
+
+def assert_offline_without_code(html: str, nb) -> None:
+    assert not re.search(r"<script[^>]+src=", html), "the report must not fetch scripts"
+    # no code cells: no input area, and none of the code's own text
+    assert 'class="highlight hl-ipython3"' not in html
+    for c in nb.cells:
+        if c.cell_type == "code":
+            for line in c.source.splitlines():
+                if len(line.strip()) > 25:
+                    assert line.strip() not in html, line
+    assert "Plotly.newPlot" in html
+    # plotly.js itself is inside the file, once
+    assert html.count("plotly.js v") >= 1 or html.count("window.Plotly") >= 1
+    # the figures' data is in the HTML: every trace name the notebook plotted
+    shown = [o["data"]["text/html"] for c in nb.cells for o in c.get("outputs", [])
+             if o.get("output_type") == "display_data" and "Plotly.newPlot" in o.get("data", {}).get("text/html", "")]
+    assert shown
+    for fragment in shown:
+        for name in re.findall(r'"name":"([^"]+)"', fragment):
+            assert f'"name":"{name}"' in html
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_committed_notebooks_are_stripped_and_parameterised(name):
+    nb = nbformat.read(str(ROOT / "notebooks" / f"{name}.ipynb"), as_version=4)
+    nbformat.validate(nb)
+    assert all(not c.get("outputs") and c.get("execution_count") is None for c in nb.cells if c.cell_type == "code")
+    tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1 and "store" in tagged[0].source
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_on_the_sample_run(tmp_path, name):
+    res, html, nb = render(tmp_path, name, "--store", str(SAMPLE))
+    assert res.returncode == 0, res.stderr
+    assert not error_outputs(nb)
+    assert_offline_without_code(html, nb)
+    if name == "capacity_review":
+        for key in ("KV pool", "max concurrency at 2048 tokens", "peak KV usage", "time with requests waiting",
+                    "p95 (ms)", "within 500 ms", "released"):
+            assert key in html, key
+    else:
+        assert "Memory stays flat" in html and "GiB" in html and "left the engine" in html
+
+
+def test_capacity_review_of_two_recorded_runs_compares_them(tmp_path, proxy_and_direct_runs):
+    store, *_ = proxy_and_direct_runs
+    res, html, nb = render(tmp_path, "capacity_review", "--store", str(store), "--run", "1", "--run", "2",
+                           "-p", "context_len=1024", "-p", "latency_slo_ms=250")
+    assert res.returncode == 0, res.stderr
+    assert not error_outputs(nb)
+    assert_offline_without_code(html, nb)
+    assert "max concurrency at 1024 tokens" in html and "within 250 ms" in html
+    # the comparison table: one column per run
+    tables = [o["data"]["text/html"] for c in nb.cells for o in c.get("outputs", [])
+              if "text/html" in o.get("data", {}) and "verdict: leaked" in o["data"]["text/html"]]
+    assert tables, "no comparison table"
+    head = re.search(r"<thead>(.*?)</thead>", tables[-1], re.S).group(1)
+    columns = re.findall(r"<th>([^<]*)</th>", head)
+    assert columns == ["run 1 (through-leaky-proxy)", "run 2 (direct)"], columns
+
+
+def test_vram_plateau_on_a_recorded_run(tmp_path, proxy_and_direct_runs):
+    store, *_ = proxy_and_direct_runs
+    res, html, nb = render(tmp_path, "vram_plateau", "--store", str(store), "--run", "1")
+    assert res.returncode == 0, res.stderr
+    assert not error_outputs(nb)
+    assert "NOT released" in html  # run 1 went through the leaky proxy: its story is the leak
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--run", "99"], "no run 99"),
+    (["--store", "/nonexistent/cw.db"], "no run store at /nonexistent/cw.db"),
+])
+def test_a_bad_parameter_ends_in_one_readable_error_cell(tmp_path, args, says):
+    store_args = [] if "--store" in args else ["--store", str(SAMPLE)]
+    res, html, nb = render(tmp_path, "vram_plateau", *store_args, *args)
+    assert res.returncode == 1
+    assert says in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    errors = error_outputs(nb)
+    assert len(errors) == 1 and errors[0]["ename"] == "StoreError" and says in errors[0]["evalue"]
+    # Minimal exception mode: one line, not a wall of traceback
+    assert len(errors[0]["traceback"]) <= 2, errors[0]["traceback"]
+    assert says in html and "Traceback" not in html
+
+
+def test_bad_command_lines_are_usage_errors(tmp_path):
+    res = cli("notebook", "nope", "--html", str(tmp_path / "x.html"))
+    assert res.returncode == 2 and "capacity_review, vram_plateau" in res.stderr
+    res = cli("notebook", "capacity_review", "-p", "colour=blue", "--html", str(tmp_path / "x.html"))
+    assert res.returncode == 2 and "no such parameter" in res.stderr
+    res = cli("notebook", "capacity_review", "-p", "context_len", "--html", str(tmp_path / "x.html"))
+    assert res.returncode == 2 and "KEY=VALUE" in res.stderr
+    res = cli("notebook", "vram_plateau", "--run", "1", "--run", "2", "--html", str(tmp_path / "x.html"))
+    assert res.returncode == 2 and "one run" in res.stderr
+    assert not (tmp_path / "x.html").exists()
+
+
+def test_review_helpers():
+    assert review.parse_run_ids("1, 2") == ["1", "2"] and review.parse_run_ids(3) == ["3"]
+    assert review.parse_run_ids(None) == ["latest"] and review.parse_run_ids([1, "latest"]) == ["1", "latest"]
+    with pytest.raises(StoreError):
+        review.parse_run_ids(" , ")
+    runs = review.open_runs(str(SAMPLE), "latest")
+    lat = review.release_latency_summary(runs, 100.0)
+    released = [v.evidence["release_ms"] for v in runs[0].verdicts if v.verdict == "released"]
+    assert lat.iloc[0]["released"] == len(released) and lat.iloc[0]["max (ms)"] == max(released)
+    assert lat.iloc[0]["within 100 ms"] == f"{sum(x <= 100 for x in released)} of {len(runs[0].verdicts)}"
+    with pytest.raises(StoreError):
+        review.open_runs(str(SAMPLE), "1,1")
+    walk = review.plateau_walkthrough(runs[0])
+    assert walk["cancel"] is not None and len(walk["story"]) == 3 and len(walk["row"]) == 1
+    with pytest.raises(StoreError):
+        review.plateau_walkthrough(runs[0], "cw-not-there")
+    assert json.loads(review.latency_histogram(runs).to_json())["data"][0]["name"] == runs[0].label
