@@ -118,3 +118,25 @@ def test_a_live_run_is_followed_until_it_completes(served, browser, engine, engi
     finally:
         out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
+
+
+def test_clicking_a_row_of_the_verdict_table_zooms_the_timeline(served, browser, tmp_path):
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    shutil.copy(ROOT / "dashboard" / "sample" / "sample.db", folder / "cw.db")
+    url = served(folder)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(f"{url}/?store=cw.db", timeout=60_000)
+    page.wait_for_selector(".js-plotly-plot .main-svg", timeout=90_000)
+    x_range = "() => document.querySelectorAll('.js-plotly-plot')[0].layout.xaxis.range"
+    whole = page.evaluate(x_range)
+    grid = page.locator('[data-testid="stDataFrame"]').nth(1)
+    grid.scroll_into_view_if_needed()
+    box = grid.bounding_box()
+    # the grid is a canvas: the first data row sits below the header, the selection box at the left
+    page.mouse.click(box["x"] + 14, box["y"] + 35 + 17)
+    page.wait_for_function(f"() => {{ const r = ({x_range})(); return r && r[1] - r[0] < 40; }}", timeout=60_000)
+    lo, hi = page.evaluate(x_range)
+    assert hi - lo < 40 and (whole is None or (whole[1] - whole[0]) > hi - lo)
+    zoom_box = page.locator('[data-testid="stSelectbox"]').filter(has_text="Zoom the timeline to")
+    assert zoom_box.locator("input").input_value().startswith("#1 ")  # the zoom box now names the first cancel
