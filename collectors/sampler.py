@@ -200,7 +200,10 @@ class Sampler:
         pool = ThreadPoolExecutor(workers, thread_name_prefix=f"read-{src.name}-{src.target}",
                                   initializer=raise_thread_priority if self.boost_priority else None)
         period = self.period_ns
-        tick = 0
+        # a source added during the run starts on the current grid point: the ticks before it
+        # existed were never due, and must not show as a missed gap
+        elapsed = time.monotonic_ns() - self.t0_mono_ns
+        tick = elapsed // period if elapsed > period else 0
         last_start = None
         own_stop = self._source_stops[id(src)]
         while self._wait_until(self.t0_mono_ns + tick * period, own_stop):

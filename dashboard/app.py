@@ -24,7 +24,7 @@ SAMPLE_STORE = Path(__file__).resolve().parent / "sample" / "sample.db"
 LIVE_EVERY_S = 2.0
 WHOLE_RUN = "whole run"
 
-st.set_page_config(page_title="cancelwatch", page_icon="⏹", layout="wide")
+st.set_page_config(page_title="cancelwatch", page_icon=":material/stop_circle:", layout="wide")
 
 
 def store_version(path: Path) -> tuple:
@@ -109,15 +109,17 @@ def choose_run(path: Path, sample: bool):
 
 
 def show_facts(facts: dict) -> None:
-    cols = st.columns(6)
-    cols[0].metric("status", facts["status"])
-    cols[1].metric("duration", f"{facts['duration_s']:.0f} s" if facts["duration_s"] else "recording")
-    cols[2].metric("model", facts["served_model"] or "n/a")
     pool = facts["kv_pools"][0] if facts["kv_pools"] else {}
-    cols[3].metric("KV pool", f"{pool.get('tokens') or 'n/a'} tokens",
-                   f"{pool['blocks']} blocks × {pool['block_size']}" if pool.get("blocks") else None, delta_color="off")
-    cols[4].metric("KV pool memory", f"{pool['bytes'] / 1024**2:.0f} MiB" if pool.get("bytes") else "n/a")
-    cols[5].metric("sampling", f"{facts['hz']} Hz", f"{facts['gap_ticks']} gap ticks", delta_color="off")
+    st.caption(f"{facts['status']} · started {facts['started_utc']} UTC · {facts['engine']} · "
+               f"memory shown: {'GPU (NVML)' if facts['memory_source'] == 'nvml' else 'engine process (no GPU)'}")
+    cols = st.columns(5)
+    cols[0].metric("duration (s)", f"{facts['duration_s']:.0f}" if facts["duration_s"] else "recording")
+    cols[1].metric("model", facts["served_model"] or "n/a")
+    cols[2].metric("KV pool (tokens)", pool.get("tokens") or "n/a",
+                   f"{pool['blocks']} blocks × {pool['block_size']}" if pool.get("blocks") else None, delta_color="off",
+                   delta_arrow="off")
+    cols[3].metric("KV pool (MiB)", f"{pool['bytes'] / 1024**2:.0f}" if pool.get("bytes") else "n/a")
+    cols[4].metric("sampling (Hz)", facts["hz"], f"{facts['gap_ticks']} gap ticks", delta_color="off", delta_arrow="off")
     with st.expander("Run facts and sampling"):
         st.dataframe(facts_frame(facts), hide_index=True, width="stretch")
 
@@ -129,7 +131,7 @@ def show_run(path: Path, run_id: int, other_id, sample: bool) -> None:
     st.title(title)
     if sample:
         st.warning("SAMPLE RUN: recorded from the embedded engine and shipped with cancelwatch. "
-                   "Record your own with `make demo`.", icon="📦")
+                   "Record your own with `make demo`.", icon=":material/inventory_2:")
     if facts["status"] == "running":
         st.caption("This run is still being recorded.")
     show_facts(facts)

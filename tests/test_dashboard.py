@@ -57,8 +57,9 @@ def test_fresh_clone_shows_the_sample_labelled(tmp_path, monkeypatch):
     assert any("SAMPLE RUN" in w.value for w in at.warning)
     run = load_run(SAMPLE, "latest", metrics=VIEW_METRICS)
     assert_every_section(at, len(judge_run(run)))
-    facts = [m.value for m in at.metric]
-    assert "8192 tokens" in facts and "256 MiB" in facts  # the KV pool: 64 blocks x 128 tokens x 32 KiB
+    facts = {m.label: m.value for m in at.metric}
+    # the KV pool: 64 blocks x 128 tokens x 32 KiB
+    assert facts["KV pool (tokens)"] == "8192" and facts["KV pool (MiB)"] == "256", facts
 
 
 def test_sample_story_uses_the_runs_own_numbers(tmp_path, monkeypatch):

@@ -104,3 +104,20 @@ def test_a_crashing_source_does_not_kill_the_sampler():
     assert sampler.stats[id(src)].scrape_errors == 1
     assert "RuntimeError" in gaps(records, "weird", "error")[0].detail
     assert scrapes(records, "weird", ok=True)
+
+
+def test_a_source_added_mid_run_has_no_gap_before_it_existed():
+    first, late = TimedSource("first"), TimedSource("late")
+    records = []
+    sampler = Sampler([first], records.append, hz=20.0)
+    sampler.start()
+    time.sleep(1.5)
+    sampler.add_source(late)
+    time.sleep(1.0)
+    sampler.remove_source(late)
+    sampler.stop()
+    assert not gaps(records, "late", "missed"), gaps(records, "late")
+    got = scrapes(records, "late", ok=True)
+    assert 15 <= len(got) <= 22, len(got)  # about one second at 20 Hz
+    # on the run's grid: its first tick is the grid point it was added at, not tick 0
+    assert got[0].tick >= 25
