@@ -74,8 +74,9 @@ def browser(tmp_path):
             b.close()
 
 
-def test_the_served_dashboard_shows_the_timeline_and_the_verdict_table(served, browser, proxy_and_direct_runs,
+def test_the_served_dashboard_shows_the_timeline_and_the_verdict_table(proxy_and_direct_runs, served, browser,
                                                                         tmp_path):
+    # the recordings come first (fixture order): a browser idling beside them takes CPU from the engine
     store, *_ = proxy_and_direct_runs
     url = served(store.parent)
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
