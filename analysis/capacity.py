@@ -11,16 +11,10 @@ from analysis.summary import series_frame
 from runstore.reader import Run
 
 
-def _target_series(run: Run, metric: str, target: str):
-    df = series_frame(run, metric)
-    df = df[df["target"] == target] if not df.empty else df
-    return df.sort_values("t_s")
-
-
 def time_with_waiting(run: Run, target: str) -> tuple[float, float]:
     """Seconds with at least one waiting request, and the seconds observed. A sample stands for the
     time to the next one, capped at two sample periods so that a gap counts as not observed."""
-    df = _target_series(run, "requests_waiting", target)
+    df = series_frame(run, "requests_waiting", target)
     if len(df) < 2:
         return 0.0, 0.0
     t = df["t_s"].to_numpy(dtype=float)
@@ -39,13 +33,13 @@ def capacity(run: Run, context_len: int = 2048, target: str | None = None) -> di
     labels = scheduler_targets(run)
     target = target or (labels[0] if labels else None)
     pool = kv_pool(run, target)
-    kv = _target_series(run, "kv_cache_usage_ratio", target)
+    kv = series_frame(run, "kv_cache_usage_ratio", target)
     vals = kv["value"].dropna().to_numpy(dtype=float) if not kv.empty else np.array([])
     peak = float(vals.max()) if len(vals) else None
     p95 = float(np.quantile(vals, 0.95)) if len(vals) else None
-    pre = _target_series(run, "preemptions_total", target)["value"].dropna()
+    pre = series_frame(run, "preemptions_total", target)["value"].dropna()
     waiting_s, observed_s = time_with_waiting(run, target)
-    running = _target_series(run, "requests_running", target)["value"].dropna()
+    running = series_frame(run, "requests_running", target)["value"].dropna()
     tokens = pool["tokens"]
     return {
         "target": target,

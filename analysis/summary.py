@@ -42,12 +42,18 @@ def sampling_stats(run: Run) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def series_frame(run: Run, metric: str) -> pd.DataFrame:
-    """One metric's samples summed over its label sets per scrape: columns t_s, target, value."""
-    df = run.samples[run.samples["metric"] == metric]
+def series_frame(run: Run, metric: str, target: str | None = None) -> pd.DataFrame:
+    """One metric's samples summed over its label sets per scrape, in time order (of one target when
+    given): columns scrape_id, t_s, source, target, value."""
+    df = run.series(metric, target=target)
     if df.empty:
-        return pd.DataFrame(columns=["t_s", "target", "value"])
-    return df.groupby(["scrape_id", "target"], as_index=False).agg(t_s=("t_s", "first"), value=("value", "sum"))
+        return pd.DataFrame(columns=["scrape_id", "t_s", "source", "target", "value"])
+    if df["scrape_id"].duplicated().any():
+        # several label sets a scrape (engines, GPUs): one value a scrape. Only then: grouping
+        # 72,000 scrapes an hour costs more than the whole figure
+        df = df.groupby(["scrape_id", "source", "target"], as_index=False, observed=True).agg(
+            t_s=("t_s", "first"), value=("value", "sum"))
+    return df[["scrape_id", "t_s", "source", "target", "value"]].sort_values("t_s", kind="stable").reset_index(drop=True)
 
 
 def key_figures(run: Run) -> dict:

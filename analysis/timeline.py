@@ -20,6 +20,7 @@ from tsdownsample import MinMaxLTTBDownsampler
 
 from analysis.cancel_table import POINT_LABELS, VERDICT_COLOURS
 from analysis.facts import memory_source, scheduler_targets
+from analysis.summary import series_frame
 from analysis.verdicts import TIMEPOINTS, CancelVerdict
 from runstore.reader import Run
 
@@ -47,7 +48,7 @@ class Trace:
 
 def metric_traces(run: Run, metric: str, by_labels: bool = False) -> list[Trace]:
     """One trace per target (label sets summed per scrape), or per (target, label set)."""
-    df = run.samples[run.samples["metric"] == metric]
+    df = run.series(metric) if by_labels else series_frame(run, metric)
     if df.empty:
         return []
     keys = ["source", "target", "labels"] if by_labels else ["source", "target"]
@@ -55,13 +56,10 @@ def metric_traces(run: Run, metric: str, by_labels: bool = False) -> list[Trace]
     for key, g in df.groupby(keys, observed=True, sort=False):
         source, target = key[0], key[1]
         labels = json.loads(key[2]) if by_labels else {}
-        if g["scrape_id"].duplicated().any():
-            g = g.groupby("scrape_id", sort=False).agg(t_s=("t_s", "first"), value=("value", "sum"))
-        t = g["t_s"].to_numpy(dtype=float)
-        v = g["value"].to_numpy(dtype=float)
-        order = np.argsort(t, kind="stable")
+        g = g.sort_values("t_s", kind="stable")
         name = str(target) + (f" gpu {labels.get('gpu')}" if "gpu" in labels else "")
-        out.append(Trace(name, str(source), str(target), t[order], v[order]))
+        out.append(Trace(name, str(source), str(target), g["t_s"].to_numpy(dtype=float),
+                         g["value"].to_numpy(dtype=float)))
     return out
 
 
@@ -109,20 +107,22 @@ def _prepare(run: Run, tr: Trace, x_range, n_out: int) -> tuple[np.ndarray, np.n
     return t, v
 
 
-def hit_rate_trace(run: Run, target: str, window_s: float = HIT_RATE_WINDOW_S) -> Trace | None:
-    """Prefix-cache hit rate over a sliding window: new hit tokens / new queried tokens. NaN where
-    nothing was queried in the window (a rate of nothing is not zero)."""
-    hits = [t for t in metric_traces(run, "prefix_cache_hits_tokens_total") if t.target == target]
-    queries = [t for t in metric_traces(run, "prefix_cache_queries_tokens_total") if t.target == target]
-    if not hits or not queries:
-        return None
-    h, q = hits[0], queries[0]
-    qv = np.interp(h.t, q.t, q.v) if len(q.t) else np.full(len(h.t), np.nan)
-    j = np.searchsorted(h.t, h.t - window_s, side="left")
-    dh, dq = h.v - h.v[j], qv - qv[j]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        rate = np.where(dq > 0, dh / dq, np.nan)
-    return Trace(target, h.source, target, h.t, np.clip(rate, 0, 1))
+def hit_rate_traces(run: Run, window_s: float = HIT_RATE_WINDOW_S) -> list[Trace]:
+    """Per target, the prefix-cache hit rate over a sliding window: new hit tokens / new queried
+    tokens. NaN where nothing was queried in the window (a rate of nothing is not zero)."""
+    queries = {q.target: q for q in metric_traces(run, "prefix_cache_queries_tokens_total")}
+    out = []
+    for h in metric_traces(run, "prefix_cache_hits_tokens_total"):
+        q = queries.get(h.target)
+        if q is None:
+            continue
+        qv = np.interp(h.t, q.t, q.v) if len(q.t) else np.full(len(h.t), np.nan)
+        j = np.searchsorted(h.t, h.t - window_s, side="left")
+        dh, dq = h.v - h.v[j], qv - qv[j]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rate = np.where(dq > 0, dh / dq, np.nan)
+        out.append(Trace(h.target, h.source, h.target, h.t, np.clip(rate, 0, 1)))
+    return out
 
 
 def memory_traces(run: Run) -> tuple[str, list[tuple[str, Trace]]]:
@@ -199,13 +199,10 @@ def timeline_figure(run: Run, verdicts: list[CancelVerdict], x_range: tuple[floa
                                      line=dict(color=colour, dash=style, width=1.5),
                                      hovertemplate="%{y:.0f}<extra>%{fullData.name}</extra>"),
                           row=row["requests"], col=1)
-    for target in targets:
-        tr = hit_rate_trace(run, target)
-        if tr is None:
-            continue
+    for tr in hit_rate_traces(run):
         t, v = _prepare(run, tr, x_range, max_points)
-        fig.add_trace(go.Scatter(x=t, y=100 * v, name=f"prefix hit rate {target}", mode="lines",
-                                 line=dict(color="#b279a2", dash=dash.get(target, "solid"), width=1.5),
+        fig.add_trace(go.Scatter(x=t, y=100 * v, name=f"prefix hit rate {tr.target}", mode="lines",
+                                 line=dict(color="#b279a2", dash=dash.get(tr.target, "solid"), width=1.5),
                                  hovertemplate="%{y:.0f} %<extra>%{fullData.name}</extra>"),
                       row=row["prefix"], col=1)
 

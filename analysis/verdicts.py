@@ -52,19 +52,12 @@ class CancelVerdict:
         return out
 
 
-def _metric_frame(run: Run, metric: str, target: str | None) -> pd.DataFrame:
-    df = series_frame(run, metric)
-    if target is not None and not df.empty:
-        df = df[df["target"] == target]
-    return df.sort_values("t_s").reset_index(drop=True)
-
-
 def scheduler_frame(run: Run, target: str | None = None) -> pd.DataFrame:
     """Per scrape: t_s, running, waiting, count (= running + waiting), kv, gen_tokens."""
     parts = {}
     for col, metric in (("running", "requests_running"), ("waiting", "requests_waiting"),
                         ("kv", "kv_cache_usage_ratio"), ("gen_tokens", "generation_tokens_total")):
-        df = _metric_frame(run, metric, target)
+        df = series_frame(run, metric, target)
         parts[col] = df.set_index("t_s")["value"] if not df.empty else pd.Series(dtype=float)
     frame = pd.DataFrame(parts).sort_index()
     frame.index.name = "t_s"
