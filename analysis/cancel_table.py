@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from analysis.verdicts import TIMEPOINTS, CancelVerdict
+from analysis.verdicts import TIMEPOINTS, CancelVerdict, ledger_by_scenario
 from runstore.reader import Run
 
 VERDICT_COLOURS = {
@@ -26,23 +26,6 @@ POINT_LABELS = {
 }
 LATENCY_COLUMNS = [f"{POINT_LABELS[a]} → {POINT_LABELS[b]} (ms)" for a, b in zip(TIMEPOINTS, TIMEPOINTS[1:])]
 COLUMNS = ["request_id", "scenario", "phase", "verdict", "stop_s", *LATENCY_COLUMNS, "neighbour", "probe", "why"]
-
-
-def _ledger_by_scenario(run: Run) -> dict:
-    """Per scenario, the ledger as numpy arrays sorted by send time (hundreds of cancels look here)."""
-    out = {}
-    if run.ledger.empty:
-        return out
-    for name, g in run.ledger.groupby("scenario", dropna=False):
-        g = g.sort_values("sent_mono_ns")
-        out[name] = {
-            "role": g["role"].to_numpy(dtype=object),
-            "sent": g["sent_mono_ns"].to_numpy(dtype=float),
-            "first": g["first_token_mono_ns"].to_numpy(dtype=float),
-            "state": g["terminal_state"].to_numpy(dtype=object),
-            "chunks": g["chunks"].to_numpy(dtype=float),
-        }
-    return out
 
 
 def _outcomes(by_scenario: dict, t0: int, v: CancelVerdict) -> tuple[str, str]:
@@ -70,7 +53,7 @@ def _outcomes(by_scenario: dict, t0: int, v: CancelVerdict) -> tuple[str, str]:
 
 def cancel_table(run: Run, verdicts: list[CancelVerdict]) -> pd.DataFrame:
     rows = []
-    by_scenario = _ledger_by_scenario(run)
+    by_scenario = ledger_by_scenario(run.ledger)
     t0 = run.info["started_mono_ns"]
     for v in verdicts:
         lat = list(v.latencies().values())

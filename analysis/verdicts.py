@@ -84,6 +84,22 @@ def ledger_inflight(ledger: pd.DataFrame, t0_ns: int, times_s: np.ndarray, abort
     return counts
 
 
+# what a cancel asks of the ledger rows of its scenario (who ran beside it, who was sent after it)
+LEDGER_ARRAYS = {"role": ("role", object), "sent": ("sent_mono_ns", float), "first": ("first_token_mono_ns", float),
+                 "state": ("terminal_state", object), "chunks": ("chunks", float)}
+NO_REQUESTS = {key: np.array([], dtype=dtype) for key, (_, dtype) in LEDGER_ARRAYS.items()}
+
+
+def ledger_by_scenario(ledger: pd.DataFrame) -> dict[str, dict[str, np.ndarray]]:
+    """Per scenario, the ledger as numpy arrays sorted by send time: hundreds of cancels look here."""
+    out = {}
+    columns = [col for col, _ in LEDGER_ARRAYS.values()]
+    for name, g in ledger.groupby("scenario", dropna=False):
+        g = g.sort_values("sent_mono_ns").reindex(columns=columns)  # a column a ledger lacks reads as unknown
+        out[name] = {key: g[col].to_numpy(dtype=dtype) for key, (col, dtype) in LEDGER_ARRAYS.items()}
+    return out
+
+
 def _events(run: Run, kind: str) -> pd.DataFrame:
     ev = run.events
     return ev[ev["kind"] == kind] if not ev.empty else ev
@@ -124,12 +140,7 @@ def judge_run(run: Run, grace_s: float = GRACE_S, metrics_target: str | None = N
         return frames[target]
 
     rows = {r["request_id"]: r for r in ledger.to_dict("records")}
-    # per scenario, as numpy: what each cancel asks of the ledger (who was sent after it)
-    by_scenario = {
-        name: {"sent": g["sent_mono_ns"].to_numpy(dtype=float), "first": g["first_token_mono_ns"].to_numpy(dtype=float),
-               "probe": (g["role"] == "probe").to_numpy(dtype=bool)}
-        for name, g in ledger.groupby("scenario", dropna=False)
-    }
+    by_scenario = ledger_by_scenario(ledger)
     out = []
     for stop in stops.itertuples(index=False):
         data = json.loads(stop.data)
@@ -142,14 +153,14 @@ def judge_run(run: Run, grace_s: float = GRACE_S, metrics_target: str | None = N
         t_app, t_abort = event_time("app_received", cid), event_time("engine_abort", cid)
         lrow = rows.get(rid)
         terminal = None if lrow is None else lrow["terminal_state"]
-        same = by_scenario.get(scenario) or {"sent": np.array([]), "first": np.array([]), "probe": np.array([], bool)}
+        same = by_scenario.get(scenario, NO_REQUESTS)
         # requests sent after the stop: the probe, and whatever may take the freed blocks
         if lrow is None:
             cancel_ns = 0.0
         else:
             cancel_ns = math.inf if pd.isna(lrow["cancel_mono_ns"]) else float(lrow["cancel_mono_ns"])
         later = same["sent"] >= cancel_ns
-        probe_firsts = same["first"][later & same["probe"]]
+        probe_firsts = same["first"][later & (same["role"] == "probe")]
         probe_firsts = probe_firsts[~np.isnan(probe_firsts)]
         t_probe = float((probe_firsts.min() - t0) / 1e9) if len(probe_firsts) else None
         tp = {"user_stop": t_stop, "app_received": t_app, "engine_abort": t_abort, "left_scheduler": None,
