@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
+import pandas as pd
 
 from analysis.facts import kv_pool, scheduler_targets
 from analysis.summary import series_frame
@@ -59,5 +58,16 @@ def capacity(run: Run, context_len: int = 2048, target: str | None = None) -> di
     }
 
 
-def fmt_ratio(x: float | None) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f} %"
+def capacity_frame(cap: dict) -> pd.DataFrame:
+    def pct(x):
+        return "n/a" if x is None else f"{100 * x:.1f} %"
+
+    rows = [("KV pool", f"{cap['pool_tokens']} tokens" if cap["pool_tokens"] else "n/a"),
+            (f"max concurrency at {cap['context_len']} tokens", cap["max_concurrency"]),
+            ("peak KV usage", pct(cap["peak_kv"])), ("p95 KV usage", pct(cap["p95_kv"])),
+            ("headroom at peak", f"{pct(cap['headroom_ratio'])} = {cap['headroom_tokens']} tokens "
+                                 f"= {cap['headroom_requests']} more requests of {cap['context_len']} tokens"),
+            ("peak running requests", cap["peak_running"]),
+            ("preemptions", cap["preemptions"]),
+            ("time with requests waiting", f"{cap['waiting_s']:.1f} s ({pct(cap['waiting_share'])})")]
+    return pd.DataFrame(rows, columns=["figure", "value"]).astype(str)

@@ -97,3 +97,17 @@ def _verdict_sentence(v: CancelVerdict) -> str:
         return (f"{who} looks held only because the engine's gauges had not refreshed: no tokens were generated, "
                 "so the numbers were stale rather than the request still running.")
     return f"{who} could not be judged from this run ({ev.get('why', 'not enough evidence')})."
+
+
+def pick_story_cancel(verdicts: list[CancelVerdict]) -> CancelVerdict | None:
+    """The cancel to tell the story with: the first one not released, else the released one whose
+    KV usage fell the most (the clearest picture of reserved memory staying flat while usage falls)."""
+    bad = [v for v in verdicts if v.verdict != "released"]
+    if bad or not verdicts:
+        return (bad or [None])[0]
+
+    def drop(v: CancelVerdict) -> float:
+        before, after = v.evidence.get("kv_before"), v.evidence.get("kv_after")
+        return (before - after) if before is not None and after is not None and before == before else -1.0
+
+    return max(verdicts, key=drop)

@@ -10,8 +10,8 @@ import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
 from analysis.cancel_table import VERDICT_COLOURS, cancel_table, cancel_window
-from analysis.capacity import capacity
-from analysis.explain import memory_story
+from analysis.capacity import capacity, capacity_frame
+from analysis.explain import memory_story, pick_story_cancel
 from analysis.facts import run_facts
 from analysis.timeline import timeline_figure
 from analysis.verdicts import CancelVerdict
@@ -46,40 +46,11 @@ def facts_frame(facts: dict) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["fact", "value"])
 
 
-def capacity_frame(cap: dict) -> pd.DataFrame:
-    def pct(x):
-        return "n/a" if x is None else f"{100 * x:.1f} %"
-
-    rows = [("KV pool", f"{cap['pool_tokens']} tokens" if cap["pool_tokens"] else "n/a"),
-            (f"max concurrency at {cap['context_len']} tokens", cap["max_concurrency"]),
-            ("peak KV usage", pct(cap["peak_kv"])), ("p95 KV usage", pct(cap["p95_kv"])),
-            ("headroom at peak", f"{pct(cap['headroom_ratio'])} = {cap['headroom_tokens']} tokens "
-                                 f"= {cap['headroom_requests']} more requests of {cap['context_len']} tokens"),
-            ("peak running requests", cap["peak_running"]),
-            ("preemptions", cap["preemptions"]),
-            ("time with requests waiting", f"{cap['waiting_s']:.1f} s ({pct(cap['waiting_share'])})")]
-    return pd.DataFrame(rows, columns=["figure", "value"]).astype(str)
-
-
 def styled_cancel_table(table: pd.DataFrame) -> str:
     def colour(v):
         return f"background-color: {VERDICT_COLOURS.get(v, '#fff')}; color: white; font-weight: 600"
 
     return table.style.map(colour, subset=["verdict"]).format(precision=1, na_rep="–").hide(axis="index").to_html()
-
-
-def pick_story_cancel(verdicts: list[CancelVerdict]) -> CancelVerdict | None:
-    """The cancel to tell the story with: the first one not released, else the released one whose
-    KV usage fell the most (the clearest picture of reserved memory staying flat while usage falls)."""
-    bad = [v for v in verdicts if v.verdict != "released"]
-    if bad or not verdicts:
-        return (bad or [None])[0]
-
-    def drop(v: CancelVerdict) -> float:
-        before, after = v.evidence.get("kv_before"), v.evidence.get("kv_after")
-        return (before - after) if before is not None and after is not None and before == before else -1.0
-
-    return max(verdicts, key=drop)
 
 
 def _fig_html(fig: go.Figure) -> str:

@@ -10,11 +10,10 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from analysis.cancel_table import cancel_table, release_latencies_ms, verdict_counts
-from analysis.capacity import capacity
+from analysis.capacity import capacity, capacity_frame
 from analysis.compare import compare_runs
-from analysis.explain import memory_story
+from analysis.explain import memory_story, pick_story_cancel
 from analysis.facts import VIEW_METRICS
-from analysis.html_report import capacity_frame, pick_story_cancel
 from analysis.verdicts import CancelVerdict, judge_run
 from runstore.reader import Run, StoreError, load_run
 

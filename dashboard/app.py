@@ -10,11 +10,11 @@ from pathlib import Path
 import streamlit as st
 
 from analysis.cancel_table import VERDICT_COLOURS, cancel_table, cancel_window
-from analysis.capacity import capacity
+from analysis.capacity import capacity, capacity_frame
 from analysis.compare import compare_runs
-from analysis.explain import memory_story
+from analysis.explain import memory_story, pick_story_cancel
 from analysis.facts import VIEW_METRICS, run_facts
-from analysis.html_report import capacity_frame, facts_frame, pick_story_cancel, report_html
+from analysis.html_report import facts_frame, report_html
 from analysis.timeline import timeline_figure
 from analysis.verdicts import GRACE_S, judge_run
 from runstore.paths import DEFAULT_STORE, store_dir, store_in_dir, stores_in_dir

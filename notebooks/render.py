@@ -64,6 +64,7 @@ def render(name: str, parameters: dict, html_out: Path, ipynb_out: Path | None =
     html_out.write_text(body)
     if ipynb_out is None:
         out_nb.unlink(missing_ok=True)
-    if failed or error_line(nb):
-        raise NotebookError(failed or error_line(nb))
+    failed = failed or error_line(nb)
+    if failed:
+        raise NotebookError(failed)
     return html_out

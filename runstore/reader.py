@@ -122,6 +122,7 @@ def _load_samples(con: sqlite3.Connection, path: Path, rid: int, only: list[str]
     at = pd.Index(series["id"]).get_indexer(series_id)
     sc = scrapes.set_index("id")
     pos = sc.index.get_indexer(scrape_id)
+
     def column(name: str) -> pd.Categorical:
         # categorical: a handful of distinct strings over millions of rows
         codes, uniques = pd.factorize(series[name])

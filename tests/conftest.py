@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -96,8 +97,6 @@ max_tokens = 1200
 
 def _engine_was_ahead(store: Path) -> bool:
     """A cancel whose request the server no longer counted at the stop (count below the ledger's)."""
-    import json
-
     doc = json.loads(cli("report", "latest", "--json", "--store", str(store)).stdout or "{}")
     return any((c["evidence"].get("count_before") or 0) < (c["evidence"].get("ledger_before") or 0)
                for c in doc.get("cancels", []))
