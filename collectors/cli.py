@@ -388,6 +388,12 @@ def record_cmd(
     raise typer.Exit(result.exit_code if result.exit_code else _report_exit(doc))
 
 
+def _check_html_folder(html_out: Path) -> None:
+    """Before any work: an --html file whose folder is missing is a usage error."""
+    if not html_out.parent.is_dir():
+        raise fail(f"--html {html_out}: the folder {html_out.parent} does not exist; create it or write elsewhere")
+
+
 @app.command()
 def report(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFAULT_STORE),
            as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
@@ -401,8 +407,8 @@ def report(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFAU
     from analysis.verdicts import report_document
     from runstore.reader import load_run
 
-    if html_out is not None and not html_out.parent.is_dir():
-        raise fail(f"--html {html_out}: the folder {html_out.parent} does not exist; create it or write elsewhere")
+    if html_out is not None:
+        _check_html_folder(html_out)
     if context_len <= 0:
         raise fail(f"--context-len {context_len}: give a positive number of tokens, e.g. --context-len 2048")
     try:
@@ -442,8 +448,7 @@ def notebook(name: str = typer.Argument(..., help="capacity_review or vram_plate
 
     if name not in available():
         raise fail(f"no notebook {name!r}: choose one of {', '.join(available())}")
-    if not html_out.parent.is_dir():
-        raise fail(f"--html {html_out}: the folder {html_out.parent} does not exist; create it or write elsewhere")
+    _check_html_folder(html_out)
     known = set(pm.inspect_notebook(str(NOTEBOOKS / f"{name}.ipynb")))
     params: dict = {"store": str(store)}
     if "run_ids" in known:
