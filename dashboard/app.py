@@ -52,6 +52,11 @@ def runs_table(path: str, version: tuple):
     return list_runs(path)
 
 
+def is_running(path: Path, run_id: int) -> bool:
+    runs = runs_table(str(path), store_version(path))
+    return bool((runs.loc[runs["id"] == run_id, "status"] == "running").any())
+
+
 def cancel_label(i: int, v) -> str:
     return f"#{i + 1} {v.scenario} · {v.verdict} · {v.request_id}"
 
@@ -215,8 +220,7 @@ def main() -> None:
     run_id, other_id = choose_run(path, sample)
     if run_id is None:
         return
-    runs = runs_table(str(path), store_version(path))
-    running = bool((runs.loc[runs["id"] == run_id, "status"] == "running").any())
+    running = is_running(path, run_id)
     follow = st.sidebar.toggle("Follow live", value=running, key="follow",
                                help="Reload the run every few seconds while it is being recorded.")
 
@@ -226,10 +230,8 @@ def main() -> None:
             show_run(path, int(run_id), other_id, sample)
         except StoreError as exc:
             st.error(str(exc))
-        if follow and running:
-            now = runs_table(str(path), store_version(path))
-            if not (now.loc[now["id"] == run_id, "status"] == "running").any():
-                st.rerun()  # the run ended: a full rerun stops the timer and shows the final state
+        if follow and running and not is_running(path, run_id):
+            st.rerun()  # the run ended: a full rerun stops the timer and shows the final state
 
     view()
 
