@@ -46,9 +46,8 @@ def open_runs(store: str, run_ids) -> list[ReviewRun]:
     out = []
     for rid in parse_run_ids(run_ids):
         run = load_run(store, rid, metrics=VIEW_METRICS)
-        grace = run.info.get("settings", {}).get("extra", {}).get("grace_s", 2.0)
         label = f"run {run.id}" + (f" ({run.info['name']})" if run.info.get("name") else "")
-        out.append(ReviewRun(label, run, judge_run(run, grace)))
+        out.append(ReviewRun(label, run, judge_run(run)))
     if len({r.label for r in out}) != len(out):
         raise StoreError(f"the same run was given twice: {[r.label for r in out]}")
     return out

@@ -105,7 +105,14 @@ def _events(run: Run, kind: str) -> pd.DataFrame:
     return ev[ev["kind"] == kind] if not ev.empty else ev
 
 
-def judge_run(run: Run, grace_s: float = GRACE_S, metrics_target: str | None = None) -> list[CancelVerdict]:
+def run_grace_s(run: Run) -> float:
+    """The grace window the run was recorded with (`record --grace`), else the default."""
+    return run.info.get("settings", {}).get("extra", {}).get("grace_s", GRACE_S)
+
+
+def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None = None) -> list[CancelVerdict]:
+    """One verdict per cancel; `grace_s` defaults to the run's own."""
+    grace_s = run_grace_s(run) if grace_s is None else grace_s
     t0 = run.info["started_mono_ns"]
     targets = [t["label"] for t in run.info.get("targets", [])]
     default_target = metrics_target or (targets[0] if targets else None)
@@ -268,8 +275,9 @@ def neighbours_ok(run: Run) -> bool:
     return bool(len(nb)) and bool((nb["terminal_state"] == "completed").all())
 
 
-def report_document(run: Run, grace_s: float = GRACE_S) -> dict:
-    verdicts = judge_run(run, grace_s)
+def report_document(run: Run, grace_s: float | None = None, verdicts: list[CancelVerdict] | None = None) -> dict:
+    """The report of a run; pass `verdicts` when they are already judged."""
+    verdicts = judge_run(run, grace_s) if verdicts is None else verdicts
     stats = sampling_stats(run)
     driven = run.info.get("settings", {}).get("extra", {}).get("driven_target")
     return {

@@ -404,7 +404,7 @@ def report(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFAU
     """The per-cancel table (verdicts with evidence) of a recorded run."""
     import json
 
-    from analysis.verdicts import report_document
+    from analysis.verdicts import judge_run, report_document
     from runstore.reader import load_run
 
     if html_out is not None:
@@ -415,14 +415,13 @@ def report(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFAU
         r = load_run(store, run)
     except StoreError as exc:
         raise fail(str(exc)) from None
-    grace_s = grace if grace is not None else r.info.get("settings", {}).get("extra", {}).get("grace_s", 2.0)
-    doc = report_document(r, grace_s)
+    verdicts = judge_run(r, grace)  # without --grace, the run's own
+    doc = report_document(r, verdicts=verdicts)
     if html_out is not None:
         from analysis.html_report import report_html
-        from analysis.verdicts import judge_run
 
         try:
-            html_out.write_text(report_html(r, judge_run(r, grace_s), context_len=context_len))
+            html_out.write_text(report_html(r, verdicts, context_len=context_len))
         except OSError as exc:
             raise fail(f"cannot write {html_out} ({exc.strerror}): choose a writable path for --html") from None
         print(f"wrote {html_out}", file=sys.stderr)

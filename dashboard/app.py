@@ -16,7 +16,7 @@ from analysis.explain import memory_story, pick_story_cancel
 from analysis.facts import VIEW_METRICS, run_facts
 from analysis.html_report import facts_frame, report_html
 from analysis.timeline import timeline_figure
-from analysis.verdicts import GRACE_S, judge_run
+from analysis.verdicts import judge_run
 from runstore.paths import DEFAULT_STORE, store_dir, store_in_dir, stores_in_dir
 from runstore.reader import StoreError, list_runs, load_run, resolve_run_id
 
@@ -43,8 +43,7 @@ def store_version(path: Path) -> tuple:
 def load_view(path: str, run_id: int, version: tuple):
     """(run, verdicts), shared read-only between sessions; a new `version` means the store grew."""
     run = load_run(path, run_id, metrics=VIEW_METRICS)
-    grace = run.info.get("settings", {}).get("extra", {}).get("grace_s", GRACE_S)
-    return run, judge_run(run, grace)
+    return run, judge_run(run)
 
 
 @st.cache_data(max_entries=12, show_spinner=False)
