@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from analysis.capacity import capacity
 from analysis.cancel_table import release_latencies_ms, verdict_counts
+from analysis.capacity import capacity
 from analysis.facts import run_facts
 from analysis.verdicts import CancelVerdict, neighbours_ok
 from runstore.reader import Run

@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analysis.cancel_table import cancel_table, cancel_window  # noqa: E402
 from analysis.capacity import capacity  # noqa: E402
-from analysis.facts import VIEW_METRICS, run_facts  # noqa: E402
 from analysis.explain import pick_story_cancel  # noqa: E402
+from analysis.facts import VIEW_METRICS, run_facts  # noqa: E402
 from analysis.timeline import timeline_figure  # noqa: E402
 from analysis.verdicts import judge_run  # noqa: E402
 from bench.synthetic import write_synthetic_run  # noqa: E402

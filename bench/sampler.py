@@ -23,18 +23,18 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from collectors import engine as engine_mod  # noqa: E402
-from collectors.process_memory import ProcessMemorySource  # noqa: E402
-from collectors.sampler import Sampler  # noqa: E402
-from collectors.store import StoreWriter, create_run, finish_run, open_store  # noqa: E402
-from collectors.vllm_metrics import VllmMetricsSource  # noqa: E402
+from collectors.engines import vllm as engine_mod  # noqa: E402
+from collectors.recording.sampler import Sampler  # noqa: E402
+from collectors.sources.process_memory import ProcessMemorySource  # noqa: E402
+from collectors.sources.vllm import VllmMetricsSource  # noqa: E402
+from runstore.writer import StoreWriter, create_run, finish_run, open_store  # noqa: E402
 
 
 def start_load(url: str, seconds: float) -> subprocess.Popen:
     """Bursts of 6 streams, back to back, for about `seconds` (bounded: at most 20 bursts)."""
     script = (
         "import asyncio, sys, time\n"
-        "from collectors.load import run_streams, served_model\n"
+        "from collectors.cancels.load import run_streams, served_model\n"
         f"url = {url!r}; end = time.monotonic() + {seconds}\n"
         "model = served_model(url)\n"
         "for _ in range(20):\n"

@@ -10,12 +10,13 @@ as a real full scrape does (about 69 per scrape).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
-from collectors.store import create_run, finish_run, open_store
+from runstore.records import EventRecord, GapRecord, LedgerRecord
+from runstore.writer import (create_run, finish_run, open_store, set_run_json, write_events, write_gaps, write_ledger,
+                             write_scrape_block)
 
 GiB = 1024**3
 T0_NS = 10_000_000_000  # monotonic start of the synthetic run
@@ -39,7 +40,7 @@ def _cycle_state(t: np.ndarray, period: float, leak: np.ndarray) -> dict[str, np
 def write_synthetic_run(path: str | Path, *, duration_s: float = 3600.0, hz: float = 20.0, cancels: int = 200,
                         leak_every: int = 20, nvml: bool = True, filler_series: int = 55,
                         gaps: int = 10, name: str = "synthetic") -> int:
-    """Write one completed run into the store at `path`; returns its id."""
+    """Write one completed run into the store at `path` through the run store's writer; returns its id."""
     con = open_store(path)
     period = duration_s / cancels
     targets = [{"label": "t0", "url": "http://127.0.0.1:8000"}]
@@ -51,7 +52,7 @@ def write_synthetic_run(path: str | Path, *, duration_s: float = 3600.0, hz: flo
     rid = create_run(con, name=name, targets=targets, engine=engine, settings=settings, wall_ns=WALL0_NS, mono_ns=T0_NS)
     cache = {"t0": {"num_gpu_blocks": "64", "block_size": "128", "kv_cache_size_tokens": "8192",
                     "kv_cache_memory_bytes": "None", "enable_prefix_caching": "True", "model_names": ["synthetic"]}}
-    con.execute("UPDATE runs SET cache = ? WHERE id = ?", (json.dumps(cache), rid))
+    set_run_json(con, rid, "cache", cache)
 
     n = int(duration_s * hz)
     t = np.arange(n) / hz
@@ -66,24 +67,25 @@ def write_synthetic_run(path: str | Path, *, duration_s: float = 3600.0, hz: flo
     for g in range(gaps):
         i = int((g + 0.5) * n / max(gaps, 1))
         missing[i:i + 3] = True
-        gap_rows.append((rid, "vllm", "t0", "missed", WALL0_NS + int(t[i] * 1e9), T0_NS + int(t[i] * 1e9),
-                         T0_NS + int(t[min(i + 3, n - 1)] * 1e9), 3, "synthetic"))
+        gap_rows.append(GapRecord("vllm", "t0", "missed", WALL0_NS + int(t[i] * 1e9), T0_NS + int(t[i] * 1e9),
+                                  T0_NS + int(t[min(i + 3, n - 1)] * 1e9), 3, "synthetic"))
     gen = np.cumsum(st["running"] * 20.0)
     queries = np.cumsum(((st["u"] >= 1.5) & (st["u"] < 1.55)) * 600.0 + ((st["u"] >= 5.3) & (st["u"] < 5.35)) * 100.0)
     hits = np.cumsum(((st["u"] >= 5.3) & (st["u"] < 5.35)) * 50.0)
+    engine_labels = (("engine", "0"), ("model_name", "synthetic"))
     vllm_series = {
-        ("requests_running", '{"engine": "0", "model_name": "synthetic"}'): st["running"],
-        ("requests_waiting", '{"engine": "0", "model_name": "synthetic"}'): st["waiting"],
-        ("kv_cache_usage_ratio", '{"engine": "0", "model_name": "synthetic"}'): st["kv"],
-        ("generation_tokens_total", '{"engine": "0", "model_name": "synthetic"}'): gen,
-        ("prefix_cache_queries_tokens_total", '{"engine": "0", "model_name": "synthetic"}'): queries,
-        ("prefix_cache_hits_tokens_total", '{"engine": "0", "model_name": "synthetic"}'): hits,
-        ("preemptions_total", '{"engine": "0", "model_name": "synthetic"}'): np.zeros(n),
+        ("requests_running", engine_labels): st["running"],
+        ("requests_waiting", engine_labels): st["waiting"],
+        ("kv_cache_usage_ratio", engine_labels): st["kv"],
+        ("generation_tokens_total", engine_labels): gen,
+        ("prefix_cache_queries_tokens_total", engine_labels): queries,
+        ("prefix_cache_hits_tokens_total", engine_labels): hits,
+        ("preemptions_total", engine_labels): np.zeros(n),
     }
     for f in range(filler_series):
-        vllm_series[(f"vllm:synthetic_filler_{f}", '{"engine": "0", "model_name": "synthetic"}')] = gen * (f + 1)
-    proc_series = {("engine_rss_bytes", "{}"): 1.62 * GiB + rng.normal(0, 2e6, n), ("engine_processes", "{}"): np.full(n, 3.0)}
-    gpu = '{"gpu": "0", "uuid": "GPU-synthetic"}'
+        vllm_series[(f"vllm:synthetic_filler_{f}", engine_labels)] = gen * (f + 1)
+    proc_series = {("engine_rss_bytes", ()): 1.62 * GiB + rng.normal(0, 2e6, n), ("engine_processes", ()): np.full(n, 3.0)}
+    gpu = (("gpu", "0"), ("uuid", "GPU-synthetic"))
     nvml_series = {
         ("gpu_memory_total_bytes", gpu): np.full(n, 141.0 * GiB),
         ("gpu_memory_used_bytes", gpu): 127.4 * GiB + rng.normal(0, 1e5, n),
@@ -96,29 +98,11 @@ def write_synthetic_run(path: str | Path, *, duration_s: float = 3600.0, hz: flo
 
     with con:
         for source, target, series, miss in sources:
-            ids = {}
-            for metric, labels in series:
-                cur = con.execute("INSERT INTO series(run_id, source, target, metric, labels) VALUES (?, ?, ?, ?, ?)",
-                                  (rid, source, target, metric, labels))
-                ids[(metric, labels)] = cur.lastrowid
             keep = np.nonzero(~miss)[0]
-            first = con.execute("SELECT coalesce(max(id), 0) FROM scrapes").fetchone()[0] + 1
-            scrape_ids = first + np.arange(len(keep))
             mono = T0_NS + (t[keep] * 1e9).astype(np.int64)
-            con.executemany(
-                "INSERT INTO scrapes(id, run_id, source, target, tick, wall_ns, mono_ns, duration_ns, ok, n_samples) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 1, ?)",
-                zip(scrape_ids.tolist(), [rid] * len(keep), [source] * len(keep), [target] * len(keep), keep.tolist(),
-                    (mono - T0_NS + WALL0_NS).tolist(), mono.tolist(), [3_000_000] * len(keep),
-                    [len(series)] * len(keep)))
-            # scrape by scrape, as the recorder writes them: a series' samples lie spread over the table
-            sids = np.array([ids[key] for key in series], dtype=np.int64)
-            vals = np.stack([values[keep] for values in series.values()])  # (series, scrapes)
-            con.executemany("INSERT INTO samples(run_id, series_id, scrape_id, value) VALUES (?, ?, ?, ?)",
-                            zip([rid] * vals.size, np.tile(sids, len(keep)).tolist(),
-                                np.repeat(scrape_ids, len(sids)).tolist(), vals.T.ravel().tolist()))
-        con.executemany("INSERT INTO gaps(run_id, source, target, kind, start_wall_ns, start_mono_ns, end_mono_ns, "
-                        "ticks, detail) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", gap_rows)
+            write_scrape_block(con, rid, source, target, series={key: values[keep] for key, values in series.items()},
+                               ticks=keep, wall_ns=mono - T0_NS + WALL0_NS, mono_ns=mono, duration_ns=3_000_000)
+        write_gaps(con, rid, gap_rows)
         _write_cancels(con, rid, period, cancels, leak)
     finish_run(con, rid, "completed", {"synthetic": True})
     con.close()
@@ -129,10 +113,11 @@ def _write_cancels(con, rid: int, period: float, cancels: int, leak: np.ndarray)
     def ns(s: float) -> int:
         return T0_NS + int(s * 1e9)
 
-    events, ledger = [], []
+    events: list[EventRecord] = []
+    ledger: list[LedgerRecord] = []
 
     def event(kind, t, request_id=None, **data):
-        events.append((rid, request_id, kind, WALL0_NS + int(t * 1e9), ns(t), json.dumps({**data, "metrics_target": "t0"})))
+        events.append(EventRecord(kind, WALL0_NS + int(t * 1e9), ns(t), request_id, {**data, "metrics_target": "t0"}))
 
     for k in range(cancels):
         c = k * period
@@ -146,17 +131,11 @@ def _write_cancels(con, rid: int, period: float, cancels: int, leak: np.ndarray)
         event("engine_abort", stop + 0.001, tgt, cancel_id=cid)
         event("probe_sent", c + 5.25, pr, scenario=scen)
         event("scenario_end", c + 12.0, scenario=scen, repeat=k)
-        cols = ("request_id", "scenario", "role", "n", "prompt_tokens", "max_tokens", "sent_mono_ns",
-                "first_token_mono_ns", "chunks", "tokens_after_cancel", "cancel_mono_ns", "closed_mono_ns",
-                "terminal_state", "reason", "error")
-        ledger.append(dict(zip(cols, (nb, scen, "neighbour", 1, 200, 180, ns(c + 1.0), ns(c + 1.05), 180, 0, None,
-                                      ns(c + 10.0), "completed", "length", None))))
-        ledger.append(dict(zip(cols, (tgt, scen, "target", 1, 600, 400, ns(c + 1.4), ns(c + 1.6), 70, 0, ns(stop),
-                                      ns(stop + 0.001), "cancelled", "client closed", None))))
-        ledger.append(dict(zip(cols, (pr, scen, "probe", 1, 100, 32, ns(c + 5.25), ns(c + 5.35), 32, 0, None,
-                                      ns(c + 7.0), "completed", "length", None))))
-    con.executemany("INSERT INTO events(run_id, request_id, kind, wall_ns, mono_ns, data) VALUES (?, ?, ?, ?, ?, ?)",
-                    events)
-    cols = list(ledger[0])
-    con.executemany(f"INSERT INTO ledger(run_id, {', '.join(cols)}) VALUES (?, {', '.join('?' for _ in cols)})",
-                    [(rid, *(r[c] for c in cols)) for r in ledger])
+        ledger.append(LedgerRecord(nb, scen, "neighbour", 1, 200, 180, ns(c + 1.0), ns(c + 1.05), 180, 0, None,
+                                   ns(c + 10.0), "completed", "length", None))
+        ledger.append(LedgerRecord(tgt, scen, "target", 1, 600, 400, ns(c + 1.4), ns(c + 1.6), 70, 0, ns(stop),
+                                   ns(stop + 0.001), "cancelled", "client closed", None))
+        ledger.append(LedgerRecord(pr, scen, "probe", 1, 100, 32, ns(c + 5.25), ns(c + 5.35), 32, 0, None,
+                                   ns(c + 7.0), "completed", "length", None))
+    write_events(con, rid, events)
+    write_ledger(con, rid, ledger)

@@ -1,1 +1,9 @@
-"""cancelwatch collectors: talk to the outside world (engines, NVML, /proc) and write runs."""
+"""cancelwatch collectors: talk to the outside world and write runs, in four rooms.
+
+sources/    one module per thing read (Prometheus text, vLLM /metrics, NVML, process memory)
+recording/  the sampler and the recording session (preflight, run, stats)
+cancels/    scenarios, the driver, the HTTP request modes, bounded load
+engines/    the embedded vLLM, its tiny model, the relay app for in-process cancels
+
+Collectors write through `runstore` and never import `analysis`.
+"""

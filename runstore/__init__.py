@@ -1,1 +1,5 @@
-"""The run store's schema and its read side, shared by collectors (writers) and analysis (readers)."""
+"""The run format, shared by the collectors (writers) and analysis (readers), importing neither.
+
+schema (the SQLite tables), records (what a run is made of, units in docstrings), writer, reader,
+errors, paths (the store-folder guard), compact (a store as one plain file). No SQL lives elsewhere.
+"""

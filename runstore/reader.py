@@ -13,9 +13,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-
-class StoreError(Exception):
-    """A store or run that cannot be read; the message names the fix."""
+from runstore.errors import StoreError
 
 
 def connect_readonly(path: str | Path) -> sqlite3.Connection:

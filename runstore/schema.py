@@ -99,5 +99,3 @@ CREATE TABLE IF NOT EXISTS ledger (
 );
 """
 
-RUN_STATUSES = ("running", "completed", "interrupted", "target_lost", "failed")
-GAP_KINDS = ("missed", "error", "parse_error", "lost")

@@ -11,8 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from collectors import engine as engine_mod
-from collectors.engine import free_port
+from collectors.engines import vllm as engine_mod
+from collectors.engines.vllm import free_port
 from tests.leaky_proxy import LeakyProxy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ def cli(*args: str, home: Path | None = None, timeout: float = 120, **kw) -> sub
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if home is not None:
         env["CANCELWATCH_HOME"] = str(home)
-    return subprocess.run([sys.executable, "-m", "collectors.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cancelwatch", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=kw.pop("cwd", ROOT), **kw)
 
 
@@ -69,7 +69,7 @@ def cli_popen(*args: str, home: Path | None = None, **kw) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if home is not None:
         env["CANCELWATCH_HOME"] = str(home)
-    return subprocess.Popen([sys.executable, "-m", "collectors.cli", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "cancelwatch", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, **kw)
 
 

@@ -14,7 +14,6 @@ from runstore.reader import load_run
 from tests.conftest import cli
 
 
-
 @pytest.fixture(scope="module")
 def default_run(engine, engine_home, tmp_path_factory):
     store = tmp_path_factory.mktemp("default") / "cw.db"

@@ -13,7 +13,7 @@ import httpx
 import psutil
 import pytest
 
-from collectors.engine import free_port
+from collectors.engines.vllm import free_port
 from tests.conftest import cli_popen
 
 ROOT = Path(__file__).resolve().parents[1]

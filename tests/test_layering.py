@@ -1,42 +1,120 @@
-"""Imports point down: dashboard/notebooks -> analysis -> runstore; collectors -> runstore. Nothing imports dashboard."""
+"""The house rules, checked on every import of every module.
+
+Imports point down: cancelwatch/dashboard/notebooks -> analysis -> runstore <- collectors. `runstore`
+(the run format) imports neither side; collectors never import analysis; nothing imports the CLI or
+the dashboard. Inside collectors, the four rooms: sources, engines and cancels stand on their own,
+recording puts sources and engines together. Hardware (pynvml) lives in one module, SQL in runstore.
+"""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+PROJECT = ("cancelwatch", "collectors", "runstore", "analysis", "dashboard", "notebooks", "bench")
+ROOMS = ("sources", "recording", "cancels", "engines")
+
+# package (or collectors room) -> what it must not import (project packages and outside modules)
 FORBIDDEN = {
-    "runstore": {"collectors", "analysis", "dashboard"},
-    "analysis": {"collectors", "dashboard", "streamlit", "httpx", "pynvml", "psutil"},
-    "collectors": {"dashboard"},
-    # the dashboard reads runs: it never samples, drives or starts anything
-    "dashboard": {"collectors", "httpx", "pynvml", "psutil"},
-    "notebooks": {"collectors", "dashboard", "httpx", "pynvml", "psutil"},
+    "runstore": {"collectors", "analysis", "cancelwatch", "dashboard", "notebooks", "bench", "httpx", "pynvml",
+                 "psutil", "streamlit"},
+    "analysis": {"collectors", "cancelwatch", "dashboard", "notebooks", "bench", "streamlit", "httpx", "pynvml",
+                 "psutil"},
+    "collectors": {"analysis", "cancelwatch", "dashboard", "notebooks", "bench", "streamlit"},
+    "collectors.sources": {"collectors.recording", "collectors.cancels", "collectors.engines"},
+    "collectors.engines": {"collectors.sources", "collectors.recording", "collectors.cancels"},
+    "collectors.cancels": {"collectors.sources", "collectors.recording", "collectors.engines"},
+    "collectors.recording": {"collectors.cancels"},
+    # the dashboard and the notebooks read runs: they never sample, drive or start anything
+    "dashboard": {"collectors", "cancelwatch", "notebooks", "httpx", "pynvml", "psutil"},
+    "notebooks": {"collectors", "cancelwatch", "dashboard", "httpx", "pynvml", "psutil"},
 }
+SQL = re.compile(r"\b(INSERT\s+(OR\s+\w+\s+)?INTO|SELECT\s+.+?\s+FROM|UPDATE\s+\w+\s+SET|CREATE\s+(TABLE|INDEX)|"
+                 r"DELETE\s+FROM|VACUUM)\b", re.IGNORECASE | re.DOTALL)
 
 
-def imported_top_levels(path: Path) -> set[str]:
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, root: Path) -> set[str]:
+    """Every module a file imports, relative imports resolved, `from a import b` counted as a and a.b."""
     tree = ast.parse(path.read_text())
+    package = module_name(path, root).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package[: len(package) - node.level + 1], *([base] if base else [])])
+            names.add(base)
+            names |= {f"{base}.{a.name}" for a in node.names}
     return names
 
 
-def test_imports_point_down():
+def hits(imported: set[str], forbidden: set[str]) -> set[str]:
+    return {f for f in forbidden if any(m == f or m.startswith(f + ".") for m in imported)}
+
+
+def violations(root: Path) -> list[str]:
     bad = []
-    for package, forbidden in FORBIDDEN.items():
-        for path in (ROOT / package).rglob("*.py"):
-            hits = imported_top_levels(path) & forbidden
-            if hits:
-                bad.append(f"{path.relative_to(ROOT)} imports {sorted(hits)}")
-    assert not bad, bad
+    for owner, forbidden in FORBIDDEN.items():
+        folder = root.joinpath(*owner.split("."))
+        for path in sorted(folder.rglob("*.py")):
+            found = hits(imported_modules(path, root), forbidden)
+            if found:
+                bad.append(f"{path.relative_to(root)} imports {sorted(found)}")
+    for path in sorted(root.joinpath("collectors").glob("*")):
+        if path.name not in (*ROOMS, "__init__.py", "__pycache__"):
+            bad.append(f"{path.relative_to(root)} is outside the four rooms of collectors/ ({', '.join(ROOMS)})")
+    for package in PROJECT:
+        if package == "runstore":
+            continue
+        for path in sorted(root.joinpath(package).rglob("*.py")):
+            if hits(imported_modules(path, root), {"sqlite3", "adbc_driver_sqlite", "adbc_driver_manager"}) or \
+                    SQL.search(path.read_text()):
+                bad.append(f"{path.relative_to(root)} holds SQL or a database driver: the run format is runstore's")
+    return bad
+
+
+def test_imports_point_down_and_collectors_keep_their_rooms():
+    assert violations(ROOT) == []
 
 
 def test_nvml_is_quarantined():
-    users = [p.relative_to(ROOT) for p in (ROOT / "collectors").rglob("*.py") if "pynvml" in imported_top_levels(p)]
-    assert [str(p) for p in users] == ["collectors/nvml.py"]
+    users = [str(p.relative_to(ROOT)) for p in sorted(ROOT.rglob("*.py"))
+             if ".venv" not in p.parts and p.parts[len(ROOT.parts)] in PROJECT
+             and hits(imported_modules(p, ROOT), {"pynvml"})]
+    assert users == ["collectors/sources/nvml.py"]
+
+
+@pytest.mark.parametrize("where, line, says", [
+    ("runstore/bad.py", "from collectors.sources.base import Source", "collectors"),
+    ("collectors/sources/bad.py", "from analysis.verdicts import judge_run", "analysis"),
+    ("collectors/sources/bad.py", "from ..recording import sampler", "collectors.recording"),
+    ("collectors/engines/bad.py", "import collectors.cancels.driver", "collectors.cancels"),
+    ("analysis/bad.py", "import httpx", "httpx"),
+    ("dashboard/bad.py", "from cancelwatch.cli import app", "cancelwatch"),
+    ("collectors/stray.py", "", "outside the four rooms"),
+    ("analysis/bad.py", "rows = con.execute('SELECT id FROM runs')", "SQL"),
+    ("bench/bad.py", "import sqlite3", "SQL"),
+])
+def test_a_bad_import_is_caught(tmp_path, where, line, says):
+    """The checker itself can fail: a tree with one bad file gives exactly one violation naming it."""
+    for package in PROJECT:
+        (tmp_path / package).mkdir()
+    for room in ROOMS:
+        (tmp_path / "collectors" / room).mkdir()
+        (tmp_path / "collectors" / room / "__init__.py").write_text("")
+    (tmp_path / where).write_text(line + "\n")
+    (found,) = violations(tmp_path)
+    assert where in found and says in found

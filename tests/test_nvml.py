@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from collectors.nvml import NvmlSource
-from collectors.recorder import PreflightError, RecordSettings, Target, build_sources
-from collectors.source import SourceError
+from collectors.recording.session import PreflightError, RecordSettings, Target, build_sources
+from collectors.sources.base import SourceError
+from collectors.sources.nvml import NvmlSource
 from tests.fakes.fake_pynvml import FakeGpu, FakeNvml
 
 
@@ -73,7 +73,7 @@ def test_no_driver_gives_a_hint():
 
 def test_nvml_on_without_driver_is_a_preflight_error(monkeypatch):
     # no vLLM needed to reach the NVML decision: stub only the target check
-    monkeypatch.setattr("collectors.vllm_metrics.VllmMetricsSource.check", lambda self: None)
+    monkeypatch.setattr("collectors.sources.vllm.VllmMetricsSource.check", lambda self: None)
     settings = RecordSettings(targets=[Target("t0", "http://127.0.0.1:9")], nvml="on")
     with pytest.raises(PreflightError, match="NVML is not available"):
         build_sources(settings, nvml_module=FakeNvml(driver_loaded=False))

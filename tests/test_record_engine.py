@@ -11,11 +11,10 @@ import time
 
 import pandas as pd
 import psutil
-import pytest
 
 from analysis.summary import series_frame
-from collectors import engine as engine_mod
-from collectors.load import run_streams
+from collectors.cancels.load import run_streams
+from collectors.engines import vllm as engine_mod
 from runstore.reader import load_run
 from tests.conftest import cli, cli_popen, free_port
 from tests.metrics_proxy import MetricsProxy
@@ -262,7 +261,7 @@ def test_engine_killed_mid_run_ends_target_lost_then_engine_down_cleans_up(priva
 
 def test_filtered_scrapes_give_the_same_series_as_full_bodies(engine):
     """After one full body the source asks /metrics/ for just the sample names it keeps."""
-    from collectors.vllm_metrics import VllmMetricsSource
+    from collectors.sources.vllm import VllmMetricsSource
 
     src = VllmMetricsSource(engine.url, "t0")
     full = src.sample(1, 2)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import time
 
-from collectors.samples import Sample
-from collectors.sampler import Sampler
-from collectors.source import ParseError, SourceError
-from collectors.store import GapRecord, ScrapeRecord
+from collectors.recording.sampler import Sampler
+from collectors.sources.base import ParseError, SourceError
+from runstore.records import GapRecord, Sample, ScrapeRecord
 
 
 class TimedSource:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from collectors.scenarios import BUILTIN, SUITES, ScenarioError, load_file, resolve
+from collectors.cancels.scenarios import BUILTIN, SUITES, ScenarioError, load_file, resolve
 from tests.conftest import cli
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from collectors.source import ParseError
-from collectors.vllm_metrics import LineMemo, cache_config, model_names, parse_vllm_metrics
+from collectors.sources.base import ParseError
+from collectors.sources.vllm import LineMemo, cache_config, model_names, parse_vllm_metrics
 from tests.conftest import FIXTURES
 
 V032 = FIXTURES / "vllm" / "0.32"

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from collectors.tiny_model import build  # noqa: E402
+from collectors.engines.tiny_model import build  # noqa: E402
 
 
 @pytest.fixture(scope="session")

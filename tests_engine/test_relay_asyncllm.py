@@ -8,7 +8,7 @@ import logging
 import pytest
 from vllm import SamplingParams
 
-from collectors.relay import AlreadyRan, Relay, RequestCancelled
+from collectors.engines.relay import AlreadyRan, Relay, RequestCancelled
 
 
 def prompt(n: int, seed: int = 0) -> str:

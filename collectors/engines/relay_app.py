@@ -5,7 +5,7 @@ It is the `inproc` scenario's target and an example for app authors: streaming c
 the relay to `AsyncLLM.abort()`, and the engine's Prometheus metrics on `/metrics`.
 Runs under the engine's Python:
 
-    python -m collectors.relay_app --model DIR --port 8100 [--load-format dummy] [shape flags]
+    python -m collectors.engines.relay_app --model DIR --port 8100 [--load-format dummy] [shape flags]
 """
 # no `from __future__ import annotations` here: FastAPI reads the handlers' annotations at run time
 
@@ -16,7 +16,7 @@ import json
 import time
 import uuid
 
-from collectors.relay import Relay, RequestCancelled
+from collectors.engines.relay import Relay, RequestCancelled
 
 
 def build_app(llm, served_name: str):

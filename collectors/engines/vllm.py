@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL_SCRIPT = Path(__file__).resolve().with_name("tiny_model.py")
 SERVED_NAME = "tiny"
 
@@ -130,8 +130,8 @@ def build_command(
 ) -> list[str]:
     """The server command line. Pure, so the GPU variant is testable without a GPU."""
     if relay:
-        # cancelwatch's relay app: AsyncLLM in process, cancels through collectors.relay
-        cmd = [engine_python, "-m", "collectors.relay_app", "--model", model]
+        # cancelwatch's relay app: AsyncLLM in process, cancels through collectors.engines.relay
+        cmd = [engine_python, "-m", "collectors.engines.relay_app", "--model", model]
     elif gpu:
         # A GPU user's vllm: the CLI entry point works there (its distribution is named vllm).
         cmd = [engine_python, "-m", "vllm.entrypoints.cli.main", "serve", model]
@@ -239,7 +239,7 @@ def start(
                         extra_args=extra_args)
     log_path = home / f"engine-{port}.log"
     log = open(log_path, "w")  # noqa: SIM115 - handed to the child, closed below
-    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)} if relay else None  # collectors.relay_app
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)} if relay else None  # collectors.engines.relay_app
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True, cwd=str(home), env=env)
     log.close()

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from collectors.samples import Sample, freeze_labels
-from collectors.source import SourceError
+from collectors.sources.base import SourceError
+from runstore.records import Sample, freeze_labels
 
 SOURCE_NAME = "nvml"
 NO_DRIVER_HINT = (

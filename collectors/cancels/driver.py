@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from collectors.load import make_prompt
-from collectors.scenarios import Scenario
-from collectors.store import EventRecord, LedgerRecord
+from collectors.cancels.load import make_prompt
+from collectors.cancels.scenarios import Scenario
+from runstore.records import EventRecord, LedgerRecord
 
 REQUEST_TIMEOUT_S = 120.0
 OWNER = "cancelwatch-driver"

@@ -6,8 +6,8 @@ import time
 
 import psutil
 
-from collectors.samples import Sample
-from collectors.source import SourceError
+from collectors.sources.base import SourceError
+from runstore.records import Sample
 
 SOURCE_NAME = "process"
 

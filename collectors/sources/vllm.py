@@ -14,8 +14,8 @@ from urllib.parse import urlencode, urlparse
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from collectors.samples import Labels, Sample, freeze_labels
-from collectors.source import ParseError, SourceError
+from collectors.sources.base import ParseError, SourceError
+from runstore.records import Labels, Sample, freeze_labels
 
 # Server sample name -> (our name, rank). When one body holds several server names for the same
 # series (vLLM 0.10 sends both KV names), the lowest rank wins. A vLLM rename breaks this dict,

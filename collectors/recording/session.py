@@ -12,13 +12,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from collectors import engine as engine_mod
-from collectors.nvml import NvmlSource
-from collectors.process_memory import ProcessMemorySource
-from collectors.sampler import Sampler
-from collectors.source import Source, SourceError
-from collectors.store import StoreWriter, create_run, finish_run, open_store
-from collectors.vllm_metrics import VllmMetricsSource, cache_config, model_names
+from collectors.engines import vllm as engine_mod
+from collectors.recording.sampler import Sampler
+from collectors.sources.base import Source
+from collectors.sources.nvml import NvmlSource
+from collectors.sources.process_memory import ProcessMemorySource
+from collectors.sources.vllm import VllmMetricsSource, cache_config, model_names
+from runstore.records import DriveSettings
+from runstore.writer import StoreWriter, create_run, finish_run, open_store
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -51,7 +52,14 @@ class RecordSettings:
     lost_after_s: float = 10.0
     home: Path = Path(".cancelwatch")
     max_hz: float = 200.0
-    extra: dict = field(default_factory=dict)  # stored with the run's settings (e.g. driven target, scenarios)
+    drive: DriveSettings | None = None  # set when the run drives scripted cancels (record)
+
+    def as_stored(self) -> dict:
+        """The run's `settings` column; the drive settings keep the key `extra` that stores already hold."""
+        out = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()
+               if k not in ("targets", "drive")}
+        out["extra"] = asdict(self.drive) if self.drive is not None else {}
+        return out
 
 
 @dataclass
@@ -152,13 +160,12 @@ def record(
     """
     con = open_store(settings.store)  # StoreError names the path
     wall_ns, mono_ns = time.time_ns(), time.monotonic_ns()
-    run_settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items() if k != "targets"}
     run_id = create_run(
         con,
         name=settings.name,
         targets=[asdict(t) for t in settings.targets],
         engine=engine_facts,
-        settings=run_settings,
+        settings=settings.as_stored(),
         wall_ns=wall_ns,
         mono_ns=mono_ns,
     )
@@ -238,11 +245,3 @@ def scheduler_reader(sampler: Sampler, target: str):
         return running, waiting
 
     return now
-
-
-def close_sources(sources: list[Source]) -> None:
-    for s in sources:
-        try:
-            s.close()
-        except SourceError:
-            pass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from collectors.samples import Sample
+from runstore.records import Sample
 
 
 class SourceError(Exception):

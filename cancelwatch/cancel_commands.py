@@ -1,0 +1,109 @@
+"""`cancelwatch record`: scripted cancels against a server while sampling it; prints the per-cancel report."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cancelwatch.console import DEFAULT_STORE, fail, home_dir, out, print_store_error
+from cancelwatch.report_commands import print_report, report_exit
+from collectors.engines import vllm as engine_mod
+from collectors.recording.session import EXIT_FAILED, PreflightError, RecordSettings, build_sources, parse_targets, record
+from runstore.errors import StoreError
+
+
+def record_cmd(
+    target: str = typer.Option(..., help="OpenAI-compatible server the scenarios talk to (engine, gateway or proxy)."),
+    metrics_url: Optional[str] = typer.Option(None, help="vLLM whose /metrics is sampled; default: --target."),
+    scenario: str = typer.Option("default", help="Suite, built-in scenario name, or a TOML file."),
+    hz: float = typer.Option(20.0),
+    nvml: str = typer.Option("auto"),
+    store: Path = typer.Option(DEFAULT_STORE),
+    name: Optional[str] = typer.Option(None),
+    pid: Optional[list[int]] = typer.Option(None),
+    lost_after: float = typer.Option(10.0),
+    grace: float = typer.Option(2.0, help="Seconds the scheduler has to reconcile after an abort."),
+    relay_url: Optional[str] = typer.Option(None, help="Relay app for in-process scenarios (inproc); default: start one."),
+):
+    """Run scripted cancels while sampling; one run holds samples, ledger and events. Prints the report."""
+    import httpx
+
+    from analysis.verdicts import report_document
+    from collectors.cancels.driver import Driver
+    from collectors.cancels.load import served_model
+    from collectors.cancels.scenarios import ScenarioError, resolve
+    from collectors.recording.session import scheduler_reader
+    from collectors.sources.process_memory import ProcessMemorySource
+    from collectors.sources.vllm import VllmMetricsSource
+    from runstore.reader import load_run
+
+    try:
+        scenarios = resolve(scenario)
+    except ScenarioError as exc:
+        raise fail(str(exc)) from None
+    try:
+        targets = parse_targets([metrics_url or target])
+        parse_targets([target])
+        model = served_model(target)
+    except PreflightError as exc:
+        raise fail(str(exc)) from None
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        raise fail(f"cannot list models at {target}/v1/models ({type(exc).__name__}): start the engine "
+                   "(cancelwatch engine up) or fix --target") from None
+    relay_state: dict = {}
+    try:
+        settings = RecordSettings(targets=targets, store=store, hz=hz, duration_s=None, nvml=nvml, name=name,
+                                  pids=list(pid or []), lost_after_s=lost_after, home=home_dir(),
+                                  extra={"driven_target": target, "scenarios": [s.name for s in scenarios],
+                                         "grace_s": grace, "model": model, "relay_url": relay_url})
+        sources, facts = build_sources(settings)
+
+        def driver_factory(writer, sampler):
+            async def start_relay():
+                # the in-process scenarios need an app that owns an AsyncLLM: cancelwatch's relay app,
+                # started only now (an idle second engine would cost CPU through the whole run)
+                url = relay_url
+                if url is None:
+                    state = await asyncio.to_thread(engine_mod.start, home_dir(), engine_mod.free_port(), relay=True)
+                    relay_state["state"] = state
+                    url = state.url
+                    proc = ProcessMemorySource([state.pid], target="relay")
+                    sampler.add_source(proc)
+                    relay_state["sources"] = [proc]
+                src = VllmMetricsSource(url, "relay", critical=False)
+                sampler.add_source(src)
+                relay_state.setdefault("sources", []).append(src)
+                all_targets = [*({"label": t.label, "url": t.url} for t in targets), {"label": "relay", "url": url}]
+                writer.set_run_json("targets", all_targets)
+                return Driver(url, await asyncio.to_thread(served_model, url), writer.put,
+                              scheduler_reader(sampler, "relay"), grace_s=grace, metrics_target="relay")
+
+            async def stop_relay():
+                for src in relay_state.get("sources", []):
+                    await asyncio.to_thread(sampler.remove_source, src)
+                if "state" in relay_state:
+                    await asyncio.to_thread(engine_mod.stop, home_dir(), relay_state["state"].port)
+
+            return Driver(target, model, writer.put, scheduler_reader(sampler, targets[0].label), grace_s=grace,
+                          metrics_target=targets[0].label, relay_factory=start_relay,
+                          relay_cleanup=stop_relay).run(scenarios)
+
+        result = record(settings, sources, facts, driver_factory=driver_factory)
+    except PreflightError as exc:
+        raise fail(str(exc)) from None
+    except engine_mod.EngineError as exc:
+        raise fail(f"could not start the relay app for in-process scenarios: {exc}", EXIT_FAILED) from None
+    except StoreError as exc:
+        raise fail(str(exc)) from None
+    finally:
+        if "state" in relay_state:  # also after Ctrl-C or a lost target
+            engine_mod.stop(home_dir(), relay_state["state"].port)
+    doc = report_document(load_run(store, result.run_id), grace)
+    print_report(doc)
+    print_store_error(result.stats)
+    out.print(f"run {result.run_id} {result.status} -> {store}")
+    raise typer.Exit(result.exit_code if result.exit_code else report_exit(doc))
+

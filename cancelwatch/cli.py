@@ -1,0 +1,35 @@
+"""The `cancelwatch` command line. Settings are read here, at the edge, and passed down.
+
+One module per command group: engine_commands (engine up/down/status), sampling_commands (sample,
+summary, runs, export, load), cancel_commands (record), report_commands (report, notebook).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from cancelwatch import cancel_commands, report_commands, sampling_commands
+from cancelwatch.engine_commands import engine_app
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
+                  help="cancelwatch: does a cancelled LLM request really leave the engine?")
+app.add_typer(engine_app, name="engine")
+for command in (sampling_commands.sample, sampling_commands.summary, sampling_commands.runs, sampling_commands.export,
+                sampling_commands.load):
+    app.command()(command)
+app.command("record")(cancel_commands.record_cmd)
+app.command()(report_commands.report)
+app.command()(report_commands.notebook)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

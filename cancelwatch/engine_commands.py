@@ -1,0 +1,74 @@
+"""`cancelwatch engine up|down|status`: the embedded vLLM (real vLLM, CPU build) on 127.0.0.1."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from cancelwatch.console import fail, home_dir, out
+from collectors.engines import vllm as engine_mod
+from collectors.recording.session import EXIT_FAILED, EXIT_USAGE
+
+engine_app = typer.Typer(no_args_is_help=True, help="The embedded vLLM engine (real vLLM, CPU build).")
+
+@engine_app.command("up")
+def engine_up(
+    port: int = typer.Option(8000, help="Port on 127.0.0.1."),
+    model: Optional[str] = typer.Option(None, help="Model directory; default: build the tiny Llama."),
+    max_num_seqs: int = typer.Option(4, help="Scheduler batch size (--max-num-seqs)."),
+    num_gpu_blocks: int = typer.Option(64, help="KV pool blocks (--num-gpu-blocks-override); 0 lets vLLM size it."),
+    block_size: int = typer.Option(128, help="Tokens per KV block."),
+    gpu: bool = typer.Option(False, help="Run `vllm serve` of a GPU vLLM install (engine python = this one)."),
+    engine_python: Optional[str] = typer.Option(None, help="Python that has vllm; default .venv-engine."),
+    relay: bool = typer.Option(False, help="Serve through cancelwatch's relay app (in-process AsyncLLM, POST /cancel)."),
+    timeout: float = typer.Option(600.0, help="Seconds to wait for /health."),
+    extra: Optional[list[str]] = typer.Argument(None, help="Extra vLLM flags, after --."),
+):
+    """Start the engine on 127.0.0.1 and wait until /health answers."""
+    shape = engine_mod.EngineShape(max_num_seqs=max_num_seqs, num_gpu_blocks=num_gpu_blocks or None, block_size=block_size)
+    if gpu:
+        shape.dtype, shape.gpu_memory_utilization, shape.max_num_batched_tokens = "auto", 0.9, None
+    try:
+        state = engine_mod.start(home_dir(), port=port, model=model, shape=shape, engine_python=engine_python,
+                                 gpu=gpu, extra_args=extra, timeout_s=timeout, relay=relay)
+    except engine_mod.PortBusy as exc:
+        raise fail(str(exc), EXIT_USAGE) from None
+    except engine_mod.EngineError as exc:
+        raise fail(str(exc), EXIT_FAILED) from None
+    out.print(f"engine up: {state.url} pid {state.pid} model {state.served_model_name} log {state.log_path}")
+
+
+@engine_app.command("down")
+def engine_down(port: Optional[int] = typer.Option(None, help="Port of the engine; default: all.")):
+    """Stop the engine(s) and every process under them."""
+    home = home_dir()
+    ports = [port] if port is not None else [s.port for s in engine_mod.all_states(home)]
+    stopped = [p for p in ports if engine_mod.stop(home, p)]
+    out.print(f"engine down: stopped {', '.join(map(str, stopped))}" if stopped else "engine down: nothing was running")
+
+
+@engine_app.command("status")
+def engine_status():
+    """Say which embedded engines run, with pid, URL, health and log."""
+    states = engine_mod.all_states(home_dir())
+    if not states:
+        out.print("no embedded engine is running (start one with: cancelwatch engine up)")
+        raise typer.Exit(1)
+    any_alive = False
+    for s in states:
+        alive = engine_mod.is_alive(s)
+        any_alive |= alive
+        health = "healthy" if alive and _healthy(s.url) else ("starting/unhealthy" if alive else "dead")
+        out.print(f"{s.url} pid {s.pid} {health} model {s.served_model_name} log {s.log_path}")
+    raise typer.Exit(0 if any_alive else 1)
+
+
+def _healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url + "/health", timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+

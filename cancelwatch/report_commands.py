@@ -1,0 +1,117 @@
+"""`cancelwatch report|notebook`: verdicts of a recorded run, as a table, JSON, HTML or a rendered notebook."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.table import Table
+
+from cancelwatch.console import DEFAULT_STORE, err, fail, out
+from collectors.recording.session import EXIT_FAILED
+from runstore.errors import StoreError
+
+
+def report_exit(doc: dict) -> int:
+    verdicts = [c["verdict"] for c in doc["cancels"]]
+    return 0 if doc["neighbours_ok"] and verdicts and all(v == "released" for v in verdicts) else EXIT_FAILED
+
+
+def print_report(doc: dict) -> None:
+    colours = {"released": "green", "leaked": "red", "stale_gauge": "yellow", "inconclusive": "magenta"}
+    table = Table(title=f"run {doc['run_id']} ({doc['status']}): cancels")
+    for col in ("scenario", "request", "phase", "verdict", "stop->app ms", "app->abort ms", "abort->left ms",
+                "left->reusable ms", "why"):
+        table.add_column(col)
+    for c in doc["cancels"]:
+        lat = list(c["latencies_ms"].values())
+        fmt = ["" if x is None else f"{x:.0f}" for x in lat]
+        why = c["evidence"].get("why") or c["evidence"].get("race") or ""
+        table.add_row(c["scenario"], c["request_id"][-8:], c["phase_at_cancel"],
+                      f"[{colours.get(c['verdict'], 'white')}]{c['verdict']}[/]", *fmt, why)
+    out.print(table)
+    out.print(f"neighbours ok: {doc['neighbours_ok']}")
+
+
+def _check_html_folder(html_out: Path) -> None:
+    """Before any work: an --html file whose folder is missing is a usage error."""
+    if not html_out.parent.is_dir():
+        raise fail(f"--html {html_out}: the folder {html_out.parent} does not exist; create it or write elsewhere")
+
+
+def report(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFAULT_STORE),
+           as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+           grace: Optional[float] = typer.Option(None, help="Grace window in s; default: the run's own."),
+           html_out: Optional[Path] = typer.Option(None, "--html", help="Also write a self-contained HTML report "
+                                                   "(the dashboard's figures, opens offline) to this file."),
+           context_len: int = typer.Option(2048, help="Context length (tokens) for the capacity figures of --html.")):
+    """The per-cancel table (verdicts with evidence) of a recorded run."""
+    import json
+
+    from analysis.verdicts import judge_run, report_document
+    from runstore.reader import load_run
+
+    if html_out is not None:
+        _check_html_folder(html_out)
+    if context_len <= 0:
+        raise fail(f"--context-len {context_len}: give a positive number of tokens, e.g. --context-len 2048")
+    try:
+        r = load_run(store, run)
+    except StoreError as exc:
+        raise fail(str(exc)) from None
+    verdicts = judge_run(r, grace)  # without --grace, the run's own
+    doc = report_document(r, verdicts=verdicts)
+    if html_out is not None:
+        from analysis.html_report import report_html
+
+        try:
+            html_out.write_text(report_html(r, verdicts, context_len=context_len))
+        except OSError as exc:
+            raise fail(f"cannot write {html_out} ({exc.strerror}): choose a writable path for --html") from None
+        print(f"wrote {html_out}", file=sys.stderr)
+    if as_json:
+        print(json.dumps(doc, indent=1, default=str))
+    else:
+        print_report(doc)
+    raise typer.Exit(report_exit(doc))
+
+
+def notebook(name: str = typer.Argument(..., help="capacity_review or vram_plateau (notebooks/NAME.ipynb)."),
+             run: List[str] = typer.Option(["latest"], "--run", help="Run id or 'latest'; repeat for several runs."),
+             store: Path = typer.Option(DEFAULT_STORE, help="Run store (SQLite)."),
+             param: List[str] = typer.Option([], "-p", "--param", help="Another notebook parameter as KEY=VALUE: "
+                                             "-p context_len=4096"),
+             html_out: Path = typer.Option(..., "--html", help="Where to write the rendered HTML (no code cells)."),
+             ipynb_out: Optional[Path] = typer.Option(None, "--ipynb", help="Also keep the executed notebook.")):
+    """Execute a notebook on runs with papermill and render it to HTML (plotly embedded, opens offline)."""
+    import papermill as pm
+
+    from notebooks.render import NOTEBOOKS, NotebookError, available, coerce, render
+
+    if name not in available():
+        raise fail(f"no notebook {name!r}: choose one of {', '.join(available())}")
+    _check_html_folder(html_out)
+    known = set(pm.inspect_notebook(str(NOTEBOOKS / f"{name}.ipynb")))
+    params: dict = {"store": str(store)}
+    if "run_ids" in known:
+        params["run_ids"] = ",".join(run)
+    elif len(run) > 1:
+        raise fail(f"{name} walks through one run: give --run once")
+    else:
+        params["run"] = run[0]
+    for item in param:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise fail(f"-p {item}: write KEY=VALUE, e.g. -p context_len=4096")
+        if key not in known:
+            raise fail(f"-p {key}: {name} has no such parameter; it takes {', '.join(sorted(known))}")
+        params[key] = coerce(value)
+    try:
+        render(name, params, html_out, ipynb_out)
+    except NotebookError as exc:
+        err.print(f"[bold red]error:[/] {exc} (the error cell is in {html_out})", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    print(f"wrote {html_out}", file=sys.stderr)
+

@@ -1,0 +1,1 @@
+"""Where the samples come from: one module per thing read, each behind the Source protocol (base)."""

@@ -1,0 +1,238 @@
+"""The write side of the run store: one SQLite file in WAL mode.
+
+Every statement that writes a run lives here. A recording writes through `StoreWriter` (one thread,
+batched commits); a run built in one go (the synthetic long run of the benchmarks and tests) uses the
+same statements through `write_scrape_block`, `write_gaps`, `write_events` and `write_ledger`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import queue
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from runstore.errors import StoreError
+from runstore.records import EventRecord, GapRecord, LedgerRecord, Sample, ScrapeRecord
+from runstore.schema import DDL, SCHEMA_VERSION
+
+RUN_JSON_COLUMNS = ("targets", "engine", "cache", "settings", "stats")
+LEDGER_COLUMNS = [f.name for f in dataclasses.fields(LedgerRecord)]
+
+_INSERT_SCRAPE = ("INSERT INTO scrapes(id, run_id, source, target, tick, wall_ns, mono_ns, duration_ns, ok, n_samples) "
+                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+_INSERT_SAMPLE = "INSERT INTO samples(run_id, series_id, scrape_id, value) VALUES (?, ?, ?, ?)"
+_INSERT_GAP = ("INSERT INTO gaps(run_id, source, target, kind, start_wall_ns, start_mono_ns, end_mono_ns, ticks, detail) "
+               "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
+_INSERT_EVENT = "INSERT INTO events(run_id, request_id, kind, wall_ns, mono_ns, data) VALUES (?, ?, ?, ?, ?, ?)"
+_INSERT_LEDGER = (f"INSERT OR REPLACE INTO ledger(run_id, {', '.join(LEDGER_COLUMNS)}) "
+                  f"VALUES (?, {', '.join('?' for _ in LEDGER_COLUMNS)})")
+
+
+def open_store(path: str | Path) -> sqlite3.Connection:
+    """Open (creating if needed) a run store for writing. StoreError names the path on failure."""
+    p = Path(path)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        con = sqlite3.connect(str(p), timeout=10.0, check_same_thread=False)
+        con.execute("PRAGMA journal_mode=WAL")
+        con.execute("PRAGMA synchronous=NORMAL")
+        con.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        if row is not None and row[0] != str(SCHEMA_VERSION):
+            con.close()
+            # checked before any DDL: a store of another version is left exactly as it was
+            raise StoreError(f"the run store at {p} has schema {row[0]}, this cancelwatch writes {SCHEMA_VERSION}: "
+                             "record into a new file with --store")
+        con.executescript(DDL)
+        con.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        con.commit()
+    except (OSError, sqlite3.Error) as exc:
+        raise StoreError(f"cannot write the run store at {p} ({exc}): choose a writable path with --store") from exc
+    return con
+
+
+def create_run(
+    con: sqlite3.Connection,
+    *,
+    name: str | None,
+    targets: list[dict],
+    engine: dict,
+    settings: dict,
+    wall_ns: int,
+    mono_ns: int,
+) -> int:
+    cur = con.execute(
+        "INSERT INTO runs(name, started_wall_ns, started_mono_ns, status, targets, engine, settings) "
+        "VALUES (?, ?, ?, 'running', ?, ?, ?)",
+        (name, wall_ns, mono_ns, json.dumps(targets), json.dumps(engine), json.dumps(settings)),
+    )
+    con.commit()
+    return int(cur.lastrowid)
+
+
+def finish_run(con: sqlite3.Connection, run_id: int, status: str, stats: dict, ended_wall_ns: int | None = None) -> None:
+    con.execute(
+        "UPDATE runs SET status = ?, ended_wall_ns = ?, stats = ? WHERE id = ?",
+        (status, ended_wall_ns or time.time_ns(), json.dumps(stats), run_id),
+    )
+    con.commit()
+
+
+def set_run_json(con: sqlite3.Connection, run_id: int, column: str, value) -> None:
+    """Replace one JSON column of a run (targets, engine, cache, settings, stats)."""
+    if column not in RUN_JSON_COLUMNS:
+        raise ValueError(f"not a JSON column of runs: {column}")
+    con.execute(f"UPDATE runs SET {column} = ? WHERE id = ?", (json.dumps(value), run_id))
+
+
+def labels_json(labels) -> str:
+    """How a series' labels are stored: a JSON object, keys sorted."""
+    return json.dumps(dict(labels), sort_keys=True)
+
+
+def series_id(con: sqlite3.Connection, run_id: int, source: str, target: str, metric: str, labels: str) -> int:
+    """The id of a series (created on first use); `labels` as `labels_json` gives it."""
+    con.execute("INSERT OR IGNORE INTO series(run_id, source, target, metric, labels) VALUES (?, ?, ?, ?, ?)",
+                (run_id, source, target, metric, labels))
+    return con.execute("SELECT id FROM series WHERE run_id=? AND source=? AND target=? AND metric=? AND labels=?",
+                       (run_id, source, target, metric, labels)).fetchone()[0]
+
+
+def _value(v: float) -> float | None:
+    return None if math.isnan(v) else v  # a server's NaN is stored as NULL
+
+
+def write_gaps(con: sqlite3.Connection, run_id: int, gaps: Iterable[GapRecord]) -> None:
+    con.executemany(_INSERT_GAP, [(run_id, g.source, g.target, g.kind, g.start_wall_ns, g.start_mono_ns, g.end_mono_ns,
+                                   g.ticks, g.detail[:500]) for g in gaps])
+
+
+def write_events(con: sqlite3.Connection, run_id: int, events: Iterable[EventRecord]) -> None:
+    con.executemany(_INSERT_EVENT, [(run_id, e.request_id, e.kind, e.wall_ns, e.mono_ns, json.dumps(e.data))
+                                    for e in events])
+
+
+def write_ledger(con: sqlite3.Connection, run_id: int, rows: Iterable[LedgerRecord]) -> None:
+    con.executemany(_INSERT_LEDGER, [(run_id, *(getattr(r, c) for c in LEDGER_COLUMNS)) for r in rows])
+
+
+def write_scrape_block(con: sqlite3.Connection, run_id: int, source: str, target: str, *,
+                       series: Mapping[tuple[str, tuple], Sequence[float]], ticks: Sequence[int],
+                       wall_ns: Sequence[int], mono_ns: Sequence[int], duration_ns: int) -> int:
+    """Many successful scrapes of one source at once, each holding one value of every series in `series`
+    ((metric, labels) -> one value per scrape). Rows land as a recording lays them, scrape by scrape.
+    Returns how many samples were written."""
+    n = len(ticks)
+    if not n:
+        return 0
+    first = con.execute("SELECT coalesce(max(id), 0) FROM scrapes").fetchone()[0] + 1
+    scrape_ids = first + np.arange(n, dtype=np.int64)
+    con.executemany(_INSERT_SCRAPE, zip(scrape_ids.tolist(), [run_id] * n, [source] * n, [target] * n,
+                                        [int(t) for t in ticks], [int(w) for w in wall_ns], [int(m) for m in mono_ns],
+                                        [duration_ns] * n, [1] * n, [len(series)] * n))
+    sids = np.array([series_id(con, run_id, source, target, metric, labels_json(labels))
+                     for metric, labels in series], dtype=np.int64)
+    vals = np.stack([np.asarray(v, dtype=float) for v in series.values()])  # (series, scrapes)
+    flat = vals.T.ravel()
+    stored = flat.astype(object)
+    stored[np.isnan(flat)] = None
+    con.executemany(_INSERT_SAMPLE, zip([run_id] * flat.size, np.tile(sids, n).tolist(),
+                                        np.repeat(scrape_ids, len(sids)).tolist(), stored.tolist()))
+    return int(flat.size)
+
+
+_STOP = object()
+
+
+class StoreWriter:
+    """Owns the store connection on its own thread; producers only enqueue.
+
+    Records are committed in one transaction every `flush_s` so that 20 Hz x several sources costs a
+    handful of commits a second, and a reader in another process sees the run grow.
+    """
+
+    def __init__(self, con: sqlite3.Connection, run_id: int, flush_s: float = 0.5):
+        self.con = con
+        self.run_id = run_id
+        self.flush_s = flush_s
+        self.samples_written = 0
+        self.scrapes_written = 0
+        self.error: BaseException | None = None
+        self._q: queue.Queue = queue.Queue()
+        self._series: dict[tuple, int] = {}
+        self._thread = threading.Thread(target=self._loop, name="store-writer", daemon=True)
+        self._thread.start()
+
+    def put(self, record: ScrapeRecord | GapRecord | EventRecord | LedgerRecord) -> None:
+        self._q.put(record)
+
+    def set_run_json(self, column: str, value: dict | list) -> None:
+        self._q.put(("json", column, value))
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self._q.put(_STOP)
+        self._thread.join(timeout_s)
+        if self.error is not None:
+            raise StoreError(f"writing the run store failed: {self.error}") from self.error
+
+    def _series_id(self, s: Sample, target: str) -> int:
+        key = (s.source, target, s.metric, s.labels)
+        sid = self._series.get(key)
+        if sid is None:
+            sid = self._series[key] = series_id(self.con, self.run_id, s.source, target, s.metric,
+                                                labels_json(s.labels))
+        return sid
+
+    def _write(self, rec) -> int | None:
+        """Write one record; for a scrape, return how many samples it stored."""
+        con = self.con
+        if isinstance(rec, ScrapeRecord):
+            cur = con.execute(_INSERT_SCRAPE, (None, self.run_id, rec.source, rec.target, rec.tick, rec.wall_ns,
+                                               rec.mono_ns, rec.duration_ns, int(rec.ok), len(rec.samples)))
+            scrape_id = cur.lastrowid
+            rows = [(self.run_id, self._series_id(s, rec.target), scrape_id, _value(s.value)) for s in rec.samples]
+            con.executemany(_INSERT_SAMPLE, rows)
+            return len(rows)
+        if isinstance(rec, GapRecord):
+            write_gaps(con, self.run_id, [rec])
+        elif isinstance(rec, EventRecord):
+            write_events(con, self.run_id, [rec])
+        elif isinstance(rec, LedgerRecord):
+            write_ledger(con, self.run_id, [rec])
+        elif isinstance(rec, tuple) and rec[0] == "json":
+            set_run_json(con, self.run_id, rec[1], rec[2])
+        return None
+
+    def _loop(self) -> None:
+        stop = False
+        while not stop:
+            batch = []
+            deadline = time.monotonic() + self.flush_s
+            while True:
+                try:
+                    rec = self._q.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if rec is _STOP:
+                    stop = True
+                    break
+                batch.append(rec)
+            if not batch:
+                continue
+            try:
+                with self.con:
+                    written = [self._write(rec) for rec in batch]
+                counts = [n for n in written if n is not None]
+                self.samples_written += sum(counts)
+                self.scrapes_written += len(counts)
+            except sqlite3.Error as exc:
+                # Keep draining so producers never block; the error surfaces at close().
+                self.error = exc
