@@ -7,7 +7,7 @@ PORT ?= 8000
 STORE ?= runs/cancelwatch.db
 DASHBOARD_PORT ?= 8501
 
-.PHONY: venv engine-venv browser test demo bench clean engine-down sample-run dashboard
+.PHONY: venv engine-venv browser test test-fast demo bench clean engine-down sample-run dashboard
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -36,6 +36,10 @@ browser:
 test: venv engine-venv browser
 	$(VENV)/bin/python -m pytest -v -rs tests
 	$(ENGINE_VENV)/bin/python -m pytest -v -rs -p no:cacheprovider tests_engine
+
+# Everyday subset: no engine, no browser (the tests marked engine/browser are left out).
+test-fast: venv
+	$(VENV)/bin/python -m pytest -q -rs -m "not engine and not browser" tests
 
 # Engine up, a 30 s sampling run under a small load with its summary, then the scripted cancels of the
 # default suite with their report; the engine is stopped, and the dashboard serves the runs just

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from analysis.verdicts import TIMEPOINTS, CancelVerdict, ledger_by_scenario
+from analysis.verdicts import LATENCIES, CancelVerdict, latency_label, ledger_by_scenario
 from runstore.reader import Run
 
 VERDICT_COLOURS = {
@@ -17,14 +17,7 @@ VERDICT_COLOURS = {
     "stale_gauge": "#f59e0b",
     "inconclusive": "#7f7f7f",
 }
-POINT_LABELS = {
-    "user_stop": "user stop",
-    "app_received": "app received",
-    "engine_abort": "engine abort",
-    "left_scheduler": "left scheduler",
-    "reusable": "reusable",
-}
-LATENCY_COLUMNS = [f"{POINT_LABELS[a]} → {POINT_LABELS[b]} (ms)" for a, b in zip(TIMEPOINTS, TIMEPOINTS[1:])]
+LATENCY_COLUMNS = [latency_label(a, b) for a, b in LATENCIES]
 COLUMNS = ["request_id", "scenario", "phase", "verdict", "stop_s", *LATENCY_COLUMNS, "neighbour", "probe", "why"]
 
 
@@ -56,7 +49,6 @@ def cancel_table(run: Run, verdicts: list[CancelVerdict]) -> pd.DataFrame:
     by_scenario = ledger_by_scenario(run.ledger)
     t0 = run.info["started_mono_ns"]
     for v in verdicts:
-        lat = list(v.latencies().values())
         neighbour, probe = _outcomes(by_scenario, t0, v)
         rows.append({
             "request_id": v.request_id,
@@ -64,10 +56,10 @@ def cancel_table(run: Run, verdicts: list[CancelVerdict]) -> pd.DataFrame:
             "phase": v.phase_at_cancel,
             "verdict": v.verdict,
             "stop_s": round(v.timepoints["user_stop"], 3),
-            **dict(zip(LATENCY_COLUMNS, lat)),
+            **{latency_label(a, b): v.latency_ms(a, b) for a, b in LATENCIES},
             "neighbour": neighbour,
             "probe": probe,
-            "why": v.evidence.get("why", ""),
+            "why": v.evidence.why or "",
         })
     df = pd.DataFrame(rows, columns=COLUMNS)
     for col in LATENCY_COLUMNS:
@@ -78,13 +70,13 @@ def cancel_table(run: Run, verdicts: list[CancelVerdict]) -> pd.DataFrame:
 def cancel_window(v: CancelVerdict, pad_s: float = 3.0) -> tuple[float, float]:
     """The stretch of the run a cancel's story plays in: from before the stop to after it was reusable."""
     pts = [t for t in v.timepoints.values() if t is not None]
-    end = max(pts + [v.timepoints["user_stop"] + v.evidence.get("grace_s", 2.0)])
+    end = max(pts + [v.timepoints["user_stop"] + v.evidence.grace_s])
     return v.timepoints["user_stop"] - pad_s, end + pad_s
 
 
 def release_latencies_ms(verdicts: list[CancelVerdict]) -> np.ndarray:
     """engine abort -> left scheduler, for the cancels that were released."""
-    out = [v.evidence.get("release_ms") for v in verdicts if v.verdict == "released"]
+    out = [v.evidence.release_ms for v in verdicts if v.verdict == "released"]
     return np.array([x for x in out if x is not None], dtype=float)
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.facts import kv_pool, scheduler_targets
-from analysis.summary import series_frame
+from analysis.series import series_frame
 from runstore.reader import Run
 
 

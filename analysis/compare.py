@@ -12,7 +12,7 @@ from analysis.verdicts import CancelVerdict, neighbours_ok
 from runstore.reader import Run
 
 
-def _pct(a: np.ndarray, q: float) -> float | None:
+def _quantile(a: np.ndarray, q: float) -> float | None:
     return float(np.quantile(a, q)) if len(a) else None
 
 
@@ -21,7 +21,7 @@ def run_column(run: Run, verdicts: list[CancelVerdict], context_len: int = 2048)
     cap = capacity(run, context_len)
     rel = release_latencies_ms(verdicts)
     counts = verdict_counts(verdicts)
-    probe_ttft = [v.timepoints["reusable"] - v.timepoints["user_stop"] for v in verdicts
+    stop_to_probe_s = [v.timepoints["reusable"] - v.timepoints["user_stop"] for v in verdicts
                   if v.timepoints.get("reusable") is not None]
     return {
         "name": facts["name"],
@@ -30,10 +30,10 @@ def run_column(run: Run, verdicts: list[CancelVerdict], context_len: int = 2048)
         "target": facts["driven_target"] or (facts["targets"][0]["url"] if facts["targets"] else None),
         "cancels": len(verdicts),
         **{f"verdict: {k}": n for k, n in counts.items()},
-        "release p50 (ms)": _pct(rel, 0.5),
-        "release p95 (ms)": _pct(rel, 0.95),
+        "release p50 (ms)": _quantile(rel, 0.5),
+        "release p95 (ms)": _quantile(rel, 0.95),
         "release max (ms)": float(rel.max()) if len(rel) else None,
-        "stop → probe first token p50 (ms)": _pct(1000 * np.array(probe_ttft), 0.5),
+        "stop → probe first token p50 (ms)": _quantile(1000 * np.array(stop_to_probe_s), 0.5),
         "neighbours all completed": neighbours_ok(run) if not run.ledger.empty else None,
         "KV pool (tokens)": cap["pool_tokens"],
         "peak KV usage (%)": None if cap["peak_kv"] is None else 100 * cap["peak_kv"],

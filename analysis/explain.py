@@ -24,8 +24,9 @@ def _gib(x: float | None) -> str:
     return "n/a" if x is None else f"{x / GiB:.2f} GiB"
 
 
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{100 * x:.0f} %"
+def _percent(ratio: float | None) -> str:
+    """A ratio (0..1) as a percent string."""
+    return "n/a" if ratio is None else f"{100 * ratio:.0f} %"
 
 
 def memory_story(run: Run, verdicts: list[CancelVerdict], cancel: CancelVerdict | None = None) -> list[str]:
@@ -38,12 +39,12 @@ def memory_story(run: Run, verdicts: list[CancelVerdict], cancel: CancelVerdict 
     if cancel is not None:
         t_stop = cancel.timepoints["user_stop"]
         t_after = cancel.timepoints.get("left_scheduler") or (cancel.timepoints.get("engine_abort") or t_stop) + 2.0
-        target = cancel.evidence.get("metrics_target")
+        target = cancel.evidence.metrics_target
         kv_tr = next((k for k in kv if k.target == target), kv[0] if kv else None)
         mem_before = sum(x for x in (_level(tr.t, tr.v, t_stop - 2.0, t_stop) for tr in held) if x is not None) if held else None
         mem_after = sum(x for x in (_level(tr.t, tr.v, t_after, t_after + 2.0) for tr in held) if x is not None) if held else None
-        kv_before = cancel.evidence.get("kv_before")
-        kv_after = cancel.evidence.get("kv_after")
+        kv_before = cancel.evidence.kv_before
+        kv_after = cancel.evidence.kv_after
         if kv_after is None and kv_tr is not None:
             kv_after = _level(kv_tr.t, kv_tr.v, t_after, t_after + 0.5)
         if held and mem_before and mem_after:
@@ -55,10 +56,10 @@ def memory_story(run: Run, verdicts: list[CancelVerdict], cancel: CancelVerdict 
         if cancel.phase_at_cancel == "queued":
             sentences.append(
                 "The request was still waiting in the queue when it was cancelled, so it held no KV-cache space: "
-                f"the share of the pool in use stayed at {_pct(kv_before)}, and its place in the queue went to the next request.")
-        elif kv_before is not None and not (isinstance(kv_before, float) and math.isnan(kv_before)):
+                f"the share of the pool in use stayed at {_percent(kv_before)}, and its place in the queue went to the next request.")
+        elif kv_before is not None and not math.isnan(kv_before):
             sentences.append(
-                f"Inside that reserved pool, the share holding requests went from {_pct(kv_before)} to {_pct(kv_after)}: "
+                f"Inside that reserved pool, the share holding requests went from {_percent(kv_before)} to {_percent(kv_after)}: "
                 "the cancelled request's space went back to the pool, ready for the next request.")
         sentences.append(_verdict_sentence(cancel))
         return sentences
@@ -72,7 +73,7 @@ def memory_story(run: Run, verdicts: list[CancelVerdict], cancel: CancelVerdict 
             "at start-up and keeps it, so this number does not fall when a request is cancelled.")
     if kv:
         peak = max(float(np.nanmax(k.v)) for k in kv if len(k.v))
-        sentences.append(f"What does move is the share of that pool holding requests (KV-cache usage, peak {_pct(peak)}), "
+        sentences.append(f"What does move is the share of that pool holding requests (KV-cache usage, peak {_percent(peak)}), "
                          "and it fell after the cancels that were released.")
     if verdicts:
         parts = [f"{n} {name.replace('_', ' ')}" for name, n in counts.items() if n]
@@ -89,14 +90,14 @@ def _verdict_sentence(v: CancelVerdict) -> str:
         probe = tp.get("reusable")
         tail = (f", and a new request got in {1000 * (probe - tp['user_stop']):.0f} ms after the Stop"
                 if probe is not None else ", but no new request was seen getting in")
-        return f"{who} left the engine {ev.get('release_ms', 0):.0f} ms after the cancel reached it{tail}."
+        return f"{who} left the engine {ev.release_ms or 0:.0f} ms after the cancel reached it{tail}."
     if v.verdict == "leaked":
-        return (f"{who} was NOT released: the engine still counted it {ev.get('grace_s', 2):g} s after the cancel and "
+        return (f"{who} was NOT released: the engine still counted it {ev.grace_s:g} s after the cancel and "
                 "kept generating for nobody; the cancel was lost on the way (a proxy or app that does not pass it on).")
     if v.verdict == "stale_gauge":
         return (f"{who} looks held only because the engine's gauges had not refreshed: no tokens were generated, "
                 "so the numbers were stale rather than the request still running.")
-    return f"{who} could not be judged from this run ({ev.get('why', 'not enough evidence')})."
+    return f"{who} could not be judged from this run ({ev.why or 'not enough evidence'})."
 
 
 def pick_story_cancel(verdicts: list[CancelVerdict]) -> CancelVerdict | None:
@@ -107,7 +108,7 @@ def pick_story_cancel(verdicts: list[CancelVerdict]) -> CancelVerdict | None:
         return (bad or [None])[0]
 
     def drop(v: CancelVerdict) -> float:
-        before, after = v.evidence.get("kv_before"), v.evidence.get("kv_after")
-        return (before - after) if before is not None and after is not None and before == before else -1.0
+        before, after = v.evidence.kv_before, v.evidence.kv_after
+        return (before - after) if before is not None and after is not None and not math.isnan(before) else -1.0
 
     return max(verdicts, key=drop)

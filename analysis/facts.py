@@ -7,6 +7,7 @@ from datetime import datetime, timezone
 
 from analysis.summary import sampling_stats
 from runstore.reader import Run
+from runstore.records import DriveSettings
 
 # the series the dashboard, the report and the notebooks read; load_run(metrics=...) takes only these
 VIEW_METRICS = (
@@ -84,7 +85,7 @@ def run_facts(run: Run) -> dict:
         "started_utc": started.strftime("%Y-%m-%d %H:%M:%S"),
         "duration_s": (ended - info["started_wall_ns"]) / 1e9 if ended else None,
         "targets": [{"label": t["label"], "url": t.get("url")} for t in info.get("targets", [])],
-        "driven_target": settings.get("extra", {}).get("driven_target"),
+        "driven_target": DriveSettings.of_run(settings).driven_target,
         "engine": "embedded vLLM (CPU build)" if any(e.get("embedded") for e in engines.values()) else "external",
         "model": model,
         "served_model": ", ".join(served) if served else None,

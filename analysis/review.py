@@ -86,8 +86,8 @@ def comparison(runs: list[ReviewRun], context_len: int) -> pd.DataFrame:
 
 def latency_distribution(runs: list[ReviewRun]) -> pd.DataFrame:
     """Long table of release latencies for a histogram: run, scenario, release (ms)."""
-    rows = [{"run": r.label, "scenario": v.scenario, "release (ms)": v.evidence.get("release_ms")}
-            for r in runs for v in r.verdicts if v.verdict == "released" and v.evidence.get("release_ms") is not None]
+    rows = [{"run": r.label, "scenario": v.scenario, "release (ms)": v.evidence.release_ms}
+            for r in runs for v in r.verdicts if v.verdict == "released" and v.evidence.release_ms is not None]
     return pd.DataFrame(rows, columns=["run", "scenario", "release (ms)"])
 
 

@@ -6,6 +6,7 @@ import math
 
 import pandas as pd
 
+from analysis.series import series_frame
 from runstore.reader import Run
 
 KEY_SERIES = {
@@ -40,20 +41,6 @@ def sampling_stats(run: Run) -> pd.DataFrame:
             }
         )
     return pd.DataFrame(rows)
-
-
-def series_frame(run: Run, metric: str, target: str | None = None) -> pd.DataFrame:
-    """One metric's samples summed over its label sets per scrape, in time order (of one target when
-    given): columns scrape_id, t_s, source, target, value."""
-    df = run.series(metric, target=target)
-    if df.empty:
-        return pd.DataFrame(columns=["scrape_id", "t_s", "source", "target", "value"])
-    if df["scrape_id"].duplicated().any():
-        # several label sets a scrape (engines, GPUs): one value a scrape. Only then: grouping
-        # 72,000 scrapes an hour costs more than the whole figure
-        df = df.groupby(["scrape_id", "source", "target"], as_index=False, observed=True).agg(
-            t_s=("t_s", "first"), value=("value", "sum"))
-    return df[["scrape_id", "t_s", "source", "target", "value"]].sort_values("t_s", kind="stable").reset_index(drop=True)
 
 
 def key_figures(run: Run) -> dict:

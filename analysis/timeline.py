@@ -18,10 +18,10 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 from tsdownsample import MinMaxLTTBDownsampler
 
-from analysis.cancel_table import POINT_LABELS, VERDICT_COLOURS
+from analysis.cancel_table import VERDICT_COLOURS
 from analysis.facts import memory_source, scheduler_targets
-from analysis.summary import series_frame
-from analysis.verdicts import TIMEPOINTS, CancelVerdict
+from analysis.series import series_frame
+from analysis.verdicts import POINT_LABELS, TIMEPOINTS, CancelVerdict
 from runstore.reader import Run
 
 GiB = 1024**3

@@ -20,18 +20,40 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
-from analysis.summary import sampling_stats, series_frame
+from analysis.evidence import Evidence
+from analysis.series import scheduler_frame
+from analysis.summary import sampling_stats
 from runstore.reader import Run
+from runstore.records import DriveSettings
 
 GRACE_S = 2.0
 MIN_SAMPLES = 5
 HORIZON_S = 60.0  # how far past the abort a request that did not leave in the grace is followed
 TIMEPOINTS = ("user_stop", "app_received", "engine_abort", "left_scheduler", "reusable")
+POINT_LABELS = {
+    "user_stop": "user stop",
+    "app_received": "app received",
+    "engine_abort": "engine abort",
+    "left_scheduler": "left scheduler",
+    "reusable": "reusable",
+}
+# the four latencies: from each timepoint to the next
+LATENCIES = tuple(zip(TIMEPOINTS, TIMEPOINTS[1:]))
+
+
+def latency_key(a: str, b: str) -> str:
+    """The latency's key in the report's JSON: `user_stop->app_received_ms`."""
+    return f"{a}->{b}_ms"
+
+
+def latency_label(a: str, b: str) -> str:
+    """The latency's name in every table shown to a person: `user stop → app received (ms)`."""
+    return f"{POINT_LABELS[a]} → {POINT_LABELS[b]} (ms)"
 
 
 @dataclass
@@ -39,48 +61,39 @@ class CancelVerdict:
     request_id: str
     scenario: str
     phase_at_cancel: str
-    timepoints: dict
+    timepoints: dict  # timepoint -> instant, s since the run started; None where not reached
     verdict: str
-    evidence: dict = field(default_factory=dict)
+    evidence: Evidence
     terminal_state: str | None = None
 
+    def latency_ms(self, a: str, b: str) -> float | None:
+        """Duration, ms from timepoint `a` to `b`; None when either was not reached."""
+        ta, tb = self.timepoints.get(a), self.timepoints.get(b)
+        return None if ta is None or tb is None else round((tb - ta) * 1000, 1)
+
     def latencies(self) -> dict:
-        out = {}
-        for a, b in zip(TIMEPOINTS, TIMEPOINTS[1:]):
-            ta, tb = self.timepoints.get(a), self.timepoints.get(b)
-            out[f"{a}->{b}_ms"] = None if ta is None or tb is None else round((tb - ta) * 1000, 1)
-        return out
+        return {latency_key(a, b): self.latency_ms(a, b) for a, b in LATENCIES}
+
+    def as_json(self) -> dict:
+        return {"request_id": self.request_id, "scenario": self.scenario, "phase_at_cancel": self.phase_at_cancel,
+                "timepoints": dict(self.timepoints), "verdict": self.verdict, "evidence": self.evidence.as_json(),
+                "terminal_state": self.terminal_state, "latencies_ms": self.latencies()}
 
 
-def scheduler_frame(run: Run, target: str | None = None) -> pd.DataFrame:
-    """Per scrape: t_s, running, waiting, count (= running + waiting), kv, gen_tokens."""
-    parts = {}
-    for col, metric in (("running", "requests_running"), ("waiting", "requests_waiting"),
-                        ("kv", "kv_cache_usage_ratio"), ("gen_tokens", "generation_tokens_total")):
-        df = series_frame(run, metric, target)
-        parts[col] = df.set_index("t_s")["value"] if not df.empty else pd.Series(dtype=float)
-    frame = pd.DataFrame(parts).sort_index()
-    frame.index.name = "t_s"
-    frame = frame.reset_index()
-    if frame.empty:
-        return pd.DataFrame(columns=["t_s", "running", "waiting", "count", "kv", "gen_tokens"])
-    frame["count"] = frame["running"] + frame["waiting"]
-    return frame
-
-
-def ledger_inflight(ledger: pd.DataFrame, t0_ns: int, times_s: np.ndarray, abort_s: dict[str, float]) -> np.ndarray:
-    """Sequences the client believes are in the server at each time: sent and not yet closed/aborted."""
-    counts = np.zeros(len(times_s))
+def ledger_inflight(ledger: pd.DataFrame, t0_ns: int, times: np.ndarray, aborted_at: dict[str, float]) -> np.ndarray:
+    """Sequences the client believes are in the server at each of `times` (instants, s since the run
+    started): sent and not yet closed, or not yet aborted (`aborted_at`: request id -> instant)."""
+    counts = np.zeros(len(times))
     for row in ledger.itertuples(index=False):
-        if row.sent_mono_ns is None or (isinstance(row.sent_mono_ns, float) and math.isnan(row.sent_mono_ns)):
+        if pd.isna(row.sent_mono_ns):
             continue
-        start = (row.sent_mono_ns - t0_ns) / 1e9
-        end = abort_s.get(row.request_id)
-        if end is None:
+        t_sent = (row.sent_mono_ns - t0_ns) / 1e9
+        t_gone = aborted_at.get(row.request_id)
+        if t_gone is None:
             closed = row.closed_mono_ns
-            end = math.inf if closed is None or (isinstance(closed, float) and math.isnan(closed)) else (closed - t0_ns) / 1e9
-        n = int(row.n) if row.n == row.n else 1
-        counts += n * ((times_s >= start) & (times_s < end))
+            t_gone = math.inf if pd.isna(closed) else (closed - t0_ns) / 1e9
+        n = 1 if pd.isna(row.n) else int(row.n)
+        counts += n * ((times >= t_sent) & (times < t_gone))
     return counts
 
 
@@ -106,8 +119,9 @@ def _events(run: Run, kind: str) -> pd.DataFrame:
 
 
 def run_grace_s(run: Run) -> float:
-    """The grace window the run was recorded with (`record --grace`), else the default."""
-    return run.info.get("settings", {}).get("extra", {}).get("grace_s", GRACE_S)
+    """Duration, s: the grace window the run was recorded with (`record --grace`), else the default."""
+    grace_s = DriveSettings.of_run(run.info.get("settings")).grace_s
+    return GRACE_S if grace_s is None else grace_s
 
 
 def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None = None) -> list[CancelVerdict]:
@@ -131,17 +145,17 @@ def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None
     def event_time(kind: str, cancel_id: str) -> float | None:
         return trace.get((kind, cancel_id))
 
-    abort_s = {}
+    aborted_at = {}  # request id -> instant of its engine abort
     for row in stops.itertuples(index=False):
         t = event_time("engine_abort", json.loads(row.data).get("cancel_id"))
         if t is not None:
-            abort_s[row.request_id] = t
+            aborted_at[row.request_id] = t
 
     def frame_for(target):
         if target not in frames:
             sched = scheduler_frame(run, target)
             times = sched["t_s"].to_numpy()
-            inflight = ledger_inflight(ledger, t0, times, abort_s) if len(times) else np.array([])
+            inflight = ledger_inflight(ledger, t0, times, aborted_at) if len(times) else np.array([])
             cols = {c: sched[c].to_numpy(dtype=float) for c in ("t_s", "count", "kv", "gen_tokens")}
             frames[target] = (cols, inflight)
         return frames[target]
@@ -172,34 +186,32 @@ def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None
         t_probe = float((probe_firsts.min() - t0) / 1e9) if len(probe_firsts) else None
         tp = {"user_stop": t_stop, "app_received": t_app, "engine_abort": t_abort, "left_scheduler": None,
               "reusable": t_probe}
-        ev: dict = {"grace_s": grace_s, "metrics_target": target}
         # the request finished on its own before the cancel took effect: it left like any completion
         t_ref = t_abort if t_abort is not None else (
             (lrow["closed_mono_ns"] - t0) / 1e9 if lrow is not None and terminal == "completed" else None)
-        if terminal == "completed":
-            ev["race"] = "completed before the cancel took effect"
         # each cancel looks at its own stretch of the run: an hour at 20 Hz is 72,000 samples a series
         lo = int(np.searchsorted(cols_all["t_s"], t_stop - 1.0, side="left"))
         hi = int(np.searchsorted(cols_all["t_s"], max(t_ref or t_stop, t_stop) + HORIZON_S, side="right"))
         sched = {c: a[lo:hi] for c, a in cols_all.items()}
         times, inflight = sched["t_s"], inflight_all[lo:hi]
         window = (times >= t_stop - 1.0) & (times <= (t_ref or t_stop) + grace_s)
-        ev["samples_in_window"] = int(window.sum())
-        if t_ref is None or ev["samples_in_window"] < MIN_SAMPLES:
-            ev["why"] = "no abort recorded" if t_ref is None else "too few samples around the cancel"
+        ev = Evidence(grace_s=grace_s, metrics_target=target, samples_in_window=int(window.sum()),
+                      race="completed before the cancel took effect" if terminal == "completed" else None)
+        if t_ref is None or ev.samples_in_window < MIN_SAMPLES:
+            ev.why = "no abort recorded" if t_ref is None else "too few samples around the cancel"
             out.append(CancelVerdict(rid, scenario, phase, tp, "inconclusive", ev, terminal))
             continue
         before = (times >= t_stop - 1.0) & (times < t_stop)
         foreign = (sched["count"] > inflight + 0.5) & before
-        ev["count_before"] = float(sched["count"][before][-1]) if before.any() else None
-        ev["ledger_before"] = float(inflight[before][-1]) if before.any() else None
+        ev.count_before = float(sched["count"][before][-1]) if before.any() else None
+        ev.ledger_before = float(inflight[before][-1]) if before.any() else None
         kv_before = float(sched["kv"][before][-1]) if before.any() else math.nan
-        if ev["count_before"] is not None and ev["ledger_before"] is not None and ev["count_before"] < ev["ledger_before"]:
-            ev["note"] = ("the server counted fewer requests than the client before the stop: a request had already "
-                          "finished in the engine while its tokens were still on their way to the client")
-        ev["kv_before"] = kv_before
+        if ev.count_before is not None and ev.ledger_before is not None and ev.count_before < ev.ledger_before:
+            ev.note = ("the server counted fewer requests than the client before the stop: a request had already "
+                       "finished in the engine while its tokens were still on their way to the client")
+        ev.kv_before = kv_before
         if foreign.sum() >= 2:
-            ev["why"] = f"the server counted more requests than the ledger before the cancel ({int(foreign.sum())} samples): foreign traffic"
+            ev.why = f"the server counted more requests than the ledger before the cancel ({int(foreign.sum())} samples): foreign traffic"
             out.append(CancelVerdict(rid, scenario, phase, tp, "inconclusive", ev, terminal))
             continue
         after = np.nonzero(times >= t_ref)[0]
@@ -208,11 +220,11 @@ def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None
         # token the KV drop must show on its own
         firsts = same["first"][later]
         firsts = firsts[~np.isnan(firsts)]
-        others_in_s = float((firsts.min() - t0) / 1e9) if len(firsts) else math.inf
+        t_others_first = float((firsts.min() - t0) / 1e9) if len(firsts) else math.inf
         kv_vals = sched["kv"]
         below = kv_vals < kv_before if not math.isnan(kv_before) else np.zeros(len(times), dtype=bool)
         drop = after[below[after]]
-        ev["kv_drop_s"] = float(times[drop[0]]) if len(drop) else None
+        ev.kv_drop_s = float(times[drop[0]]) if len(drop) else None
         count_ok_all = sched["count"] <= inflight + 1e-9
         # gauges refresh only on an engine step: a release is only shown by a sample that moved
         # (count, KV or generated tokens) since the last one before the abort
@@ -230,18 +242,19 @@ def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None
         count_ok = count_ok_all.copy()
         if grace_end:
             count_ok[:grace_end] = np.logical_and.accumulate(count_ok_all[:grace_end][::-1])[::-1]
-        kv_ok = (times >= others_in_s) | below if needs_kv_drop else np.ones(len(times), dtype=bool)
+        kv_ok = (times >= t_others_first) | below if needs_kv_drop else np.ones(len(times), dtype=bool)
         ok = count_ok & kv_ok & (moved if len(pre) else True)
         hits = after[ok[after]]
         left = int(hits[0]) if len(hits) else None
         if left is not None and times[left] - t_ref <= grace_s:
             tp["left_scheduler"] = float(times[left])
-            ev.update(count_after=float(sched["count"][left]), ledger_after=float(inflight[left]),
-                      kv_after=float(sched["kv"][left]),
-                      release_ms=round((times[left] - t_ref) * 1000, 1),
-                      samples_to_release=int(left - after[0]) + 1)
+            ev.count_after = float(sched["count"][left])
+            ev.ledger_after = float(inflight[left])
+            ev.kv_after = float(sched["kv"][left])
+            ev.release_ms = round((times[left] - t_ref) * 1000, 1)
+            ev.samples_to_release = int(left - after[0]) + 1
             if t_probe is None:
-                ev["probe"] = "not admitted"
+                ev.probe = "not admitted"
             out.append(CancelVerdict(rid, scenario, phase, tp, "released", ev, terminal))
             continue
         if left is not None:
@@ -251,21 +264,22 @@ def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None
         gen = gen[~np.isnan(gen)]
         stepping = len(gen) >= 2 and gen[-1] > gen[0]
         excess = sched["count"][in_grace] - inflight[in_grace]
-        ev.update(excess_max=float(excess.max()) if len(excess) else None, engine_stepping=bool(stepping),
-                  generation_tokens_delta=float(gen[-1] - gen[0]) if len(gen) >= 2 else None)
+        ev.excess_max = float(excess.max()) if len(excess) else None
+        ev.engine_stepping = bool(stepping)
+        ev.generation_tokens_delta = float(gen[-1] - gen[0]) if len(gen) >= 2 else None
         if not len(excess) or excess.max() <= 0:
             refreshed = bool(moved[in_grace].any())
-            ev["gauges_refreshed"] = refreshed
+            ev.gauges_refreshed = refreshed
             if not refreshed:
-                ev["why"] = "no engine step refreshed the gauges within the grace: they are stale until the next step"
+                ev.why = "no engine step refreshed the gauges within the grace: they are stale until the next step"
                 out.append(CancelVerdict(rid, scenario, phase, tp, "stale_gauge", ev, terminal))
             else:
-                ev["why"] = "the count reconciled but KV usage did not fall within the grace"
+                ev.why = "the count reconciled but KV usage did not fall within the grace"
                 out.append(CancelVerdict(rid, scenario, phase, tp, "inconclusive", ev, terminal))
             continue
         verdict = "leaked" if stepping else "stale_gauge"
-        ev["why"] = ("the server still counts the request after the grace while it keeps generating"
-                     if stepping else "gauges stayed up but no tokens were generated: stale until the next step")
+        ev.why = ("the server still counts the request after the grace while it keeps generating"
+                  if stepping else "gauges stayed up but no tokens were generated: stale until the next step")
         out.append(CancelVerdict(rid, scenario, phase, tp, verdict, ev, terminal))
     return out
 
@@ -279,7 +293,7 @@ def report_document(run: Run, grace_s: float | None = None, verdicts: list[Cance
     """The report of a run; pass `verdicts` when they are already judged."""
     verdicts = judge_run(run, grace_s) if verdicts is None else verdicts
     stats = sampling_stats(run)
-    driven = run.info.get("settings", {}).get("extra", {}).get("driven_target")
+    driven = DriveSettings.of_run(run.info.get("settings")).driven_target
     return {
         "run_id": run.id,
         "name": run.info.get("name"),
@@ -288,9 +302,5 @@ def report_document(run: Run, grace_s: float | None = None, verdicts: list[Cance
         "status": run.info["status"],
         "neighbours_ok": neighbours_ok(run),
         "sampling": json.loads(stats.to_json(orient="records")) if not stats.empty else [],
-        "cancels": [
-            {**{k: v for k, v in asdict(v).items() if k != "terminal_state"}, "terminal_state": v.terminal_state,
-             "latencies_ms": v.latencies()}
-            for v in verdicts
-        ],
+        "cancels": [v.as_json() for v in verdicts],
     }

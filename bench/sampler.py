@@ -23,7 +23,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from collectors.engines import vllm as engine_mod  # noqa: E402
+from collectors.engines import vllm_server as engine_mod  # noqa: E402
 from collectors.recording.sampler import Sampler  # noqa: E402
 from collectors.sources.process_memory import ProcessMemorySource  # noqa: E402
 from collectors.sources.vllm import VllmMetricsSource  # noqa: E402

@@ -10,9 +10,10 @@ import typer
 
 from cancelwatch.console import DEFAULT_STORE, fail, home_dir, out, print_store_error
 from cancelwatch.report_commands import print_report, report_exit
-from collectors.engines import vllm as engine_mod
+from collectors.engines import vllm_server as engine_mod
 from collectors.recording.session import EXIT_FAILED, PreflightError, RecordSettings, build_sources, parse_targets, record
 from runstore.errors import StoreError
+from runstore.records import DriveSettings
 
 
 def record_cmd(
@@ -31,7 +32,7 @@ def record_cmd(
     """Run scripted cancels while sampling; one run holds samples, ledger and events. Prints the report."""
     import httpx
 
-    from analysis.verdicts import report_document
+    from analysis.verdicts import judge_run, report_document
     from collectors.cancels.driver import Driver
     from collectors.cancels.load import served_model
     from collectors.cancels.scenarios import ScenarioError, resolve
@@ -57,8 +58,8 @@ def record_cmd(
     try:
         settings = RecordSettings(targets=targets, store=store, hz=hz, duration_s=None, nvml=nvml, name=name,
                                   pids=list(pid or []), lost_after_s=lost_after, home=home_dir(),
-                                  extra={"driven_target": target, "scenarios": [s.name for s in scenarios],
-                                         "grace_s": grace, "model": model, "relay_url": relay_url})
+                                  drive=DriveSettings(driven_target=target, scenarios=[s.name for s in scenarios],
+                                                      grace_s=grace, model=model, relay_url=relay_url))
         sources, facts = build_sources(settings)
 
         def driver_factory(writer, sampler):
@@ -101,8 +102,10 @@ def record_cmd(
     finally:
         if "state" in relay_state:  # also after Ctrl-C or a lost target
             engine_mod.stop(home_dir(), relay_state["state"].port)
-    doc = report_document(load_run(store, result.run_id), grace)
-    print_report(doc)
+    recorded = load_run(store, result.run_id)
+    verdicts = judge_run(recorded, grace)
+    doc = report_document(recorded, verdicts=verdicts)
+    print_report(doc, verdicts)
     print_store_error(result.stats)
     out.print(f"run {result.run_id} {result.status} -> {store}")
     raise typer.Exit(result.exit_code if result.exit_code else report_exit(doc))

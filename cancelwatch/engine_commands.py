@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from cancelwatch.console import fail, home_dir, out
-from collectors.engines import vllm as engine_mod
+from collectors.engines import vllm_server as engine_mod
 from collectors.recording.session import EXIT_FAILED, EXIT_USAGE
 
 engine_app = typer.Typer(no_args_is_help=True, help="The embedded vLLM engine (real vLLM, CPU build).")

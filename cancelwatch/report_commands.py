@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import typer
 from rich.table import Table
@@ -13,24 +13,30 @@ from cancelwatch.console import DEFAULT_STORE, err, fail, out
 from collectors.recording.session import EXIT_FAILED
 from runstore.errors import StoreError
 
+if TYPE_CHECKING:
+    from analysis.verdicts import CancelVerdict
+
 
 def report_exit(doc: dict) -> int:
     verdicts = [c["verdict"] for c in doc["cancels"]]
     return 0 if doc["neighbours_ok"] and verdicts and all(v == "released" for v in verdicts) else EXIT_FAILED
 
 
-def print_report(doc: dict) -> None:
+def print_report(doc: dict, verdicts: list[CancelVerdict]) -> None:
+    """The cancels as a table (latency columns named as in the dashboard's cancel table), then the
+    neighbours' outcome; `doc` is the run's report_document, `verdicts` the cancels it was made of."""
+    from analysis.verdicts import LATENCIES, latency_label
+
     colours = {"released": "green", "leaked": "red", "stale_gauge": "yellow", "inconclusive": "magenta"}
     table = Table(title=f"run {doc['run_id']} ({doc['status']}): cancels")
-    for col in ("scenario", "request", "phase", "verdict", "stop->app ms", "app->abort ms", "abort->left ms",
-                "left->reusable ms", "why"):
+    for col in ("scenario", "request", "phase", "verdict", *(latency_label(a, b) for a, b in LATENCIES), "why"):
         table.add_column(col)
-    for c in doc["cancels"]:
-        lat = list(c["latencies_ms"].values())
+    for v in verdicts:
+        lat = (v.latency_ms(a, b) for a, b in LATENCIES)
         fmt = ["" if x is None else f"{x:.0f}" for x in lat]
-        why = c["evidence"].get("why") or c["evidence"].get("race") or ""
-        table.add_row(c["scenario"], c["request_id"][-8:], c["phase_at_cancel"],
-                      f"[{colours.get(c['verdict'], 'white')}]{c['verdict']}[/]", *fmt, why)
+        why = v.evidence.why or v.evidence.race or ""
+        table.add_row(v.scenario, v.request_id[-8:], v.phase_at_cancel,
+                      f"[{colours.get(v.verdict, 'white')}]{v.verdict}[/]", *fmt, why)
     out.print(table)
     out.print(f"neighbours ok: {doc['neighbours_ok']}")
 
@@ -74,7 +80,7 @@ def report(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFAU
     if as_json:
         print(json.dumps(doc, indent=1, default=str))
     else:
-        print_report(doc)
+        print_report(doc, verdicts)
     raise typer.Exit(report_exit(doc))
 
 

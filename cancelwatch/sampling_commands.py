@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from pathlib import Path
 from typing import Optional
@@ -119,7 +120,7 @@ def runs(store: Path = typer.Option(DEFAULT_STORE)):
     for col in ("id", "name", "status", "started (UTC)", "duration s", "targets"):
         table.add_column(col)
     for r in df.itertuples(index=False):
-        dur = "" if r.duration_s != r.duration_s else f"{r.duration_s:.1f}"
+        dur = "" if math.isnan(r.duration_s) else f"{r.duration_s:.1f}"
         table.add_row(str(r.id), r.name or "", r.status, r.started.strftime("%Y-%m-%d %H:%M:%S"), dur, r.targets)
     out.print(table)
 

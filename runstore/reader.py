@@ -68,9 +68,20 @@ class Run:
     gaps: pd.DataFrame
     events: pd.DataFrame = field(default_factory=pd.DataFrame)
     ledger: pd.DataFrame = field(default_factory=pd.DataFrame)
+    # (the samples frame it was built from, metric -> row positions in it): a mask over millions of
+    # samples per call cost more than the figures built from them
+    _rows_by_metric: tuple[pd.DataFrame, dict] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def _metric_rows(self, metric: str) -> np.ndarray:
+        cached = self._rows_by_metric
+        if cached is None or cached[0] is not self.samples:  # built once, again only if samples is replaced
+            index = self.samples.groupby("metric", observed=True, sort=False).indices if not self.samples.empty else {}
+            cached = self._rows_by_metric = (self.samples, index)
+        return cached[1].get(metric, np.array([], dtype=np.intp))
 
     def series(self, metric: str, source: str | None = None, target: str | None = None) -> pd.DataFrame:
-        df = self.samples[self.samples["metric"] == metric]
+        """One metric's samples in the samples' order, with their index, of one source and target when given."""
+        df = self.samples.iloc[self._metric_rows(metric)]
         if source is not None:
             df = df[df["source"] == source]
         if target is not None:

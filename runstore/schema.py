@@ -20,7 +20,7 @@ CREATE TABLE IF NOT EXISTS runs (
     started_mono_ns INTEGER NOT NULL,
     ended_wall_ns INTEGER,
     status TEXT NOT NULL,            -- running | completed | interrupted | target_lost | failed
-    targets TEXT NOT NULL,           -- JSON list of {label, url, metrics_url}
+    targets TEXT NOT NULL,           -- JSON list of {label, url}
     engine TEXT NOT NULL DEFAULT '{}',   -- JSON: embedded engine facts (pid, model, flags)
     cache TEXT NOT NULL DEFAULT '{}',    -- JSON: per target label, vllm:cache_config_info labels
     settings TEXT NOT NULL DEFAULT '{}', -- JSON: sampler settings

@@ -107,7 +107,7 @@ def series_id(con: sqlite3.Connection, run_id: int, source: str, target: str, me
 
 
 def _value(v: float) -> float | None:
-    return None if math.isnan(v) else v  # a server's NaN is stored as NULL
+    return None if v is None or math.isnan(v) else v  # a server's NaN is stored as NULL
 
 
 def write_gaps(con: sqlite3.Connection, run_id: int, gaps: Iterable[GapRecord]) -> None:

@@ -11,12 +11,62 @@ from pathlib import Path
 import psutil
 import pytest
 
-from collectors.engines import vllm as engine_mod
-from collectors.engines.vllm import free_port
+from collectors.engines import vllm_server as engine_mod
+from collectors.engines.vllm_server import free_port
+from tests.fixture_server import MetricsFixtureServer
 from tests.leaky_proxy import LeakyProxy
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
+
+# Fixtures that start (or stand for) the embedded engine: a test using any of them, directly or through
+# another fixture, is marked `engine`, so `-m "not engine"` never starts one.
+ENGINE_FIXTURES = frozenset({"engine", "private_engine", "engine_home", "proxy_and_direct_runs"})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.engine)
+
+
+_current = {"engine": False, "nodeid": ""}
+
+
+@pytest.fixture(autouse=True)
+def _no_engine_outside_engine_tests(request, monkeypatch):
+    """A test not marked `engine` that tries to start one fails instead (in process, or `engine up`
+    through `cli`): the fast subset (-m "not engine") must never start an engine."""
+    marked = request.node.get_closest_marker("engine") is not None
+    _current.update(engine=marked, nodeid=request.node.nodeid)
+    if not marked:
+        def refuse(*args, **kw):
+            pytest.fail(f"{request.node.nodeid} starts an engine but is not marked `engine`")
+
+        monkeypatch.setattr(engine_mod, "start", refuse)
+    yield
+    _current.update(engine=False, nodeid="")
+
+
+def _guard_cli(args: tuple[str, ...]) -> None:
+    if args[:2] == ("engine", "up") and not _current["engine"]:
+        pytest.fail(f"{_current['nodeid']} runs `engine up` but is not marked `engine`")
+
+
+@pytest.fixture
+def metrics_server():
+    """`metrics_server(body_or_path, filtered=...)` starts a loopback server of a recorded /metrics body
+    (tests/fixture_server.py) and returns it; every one started is shut down after the test."""
+    servers: list[MetricsFixtureServer] = []
+
+    def start(body, **kw) -> MetricsFixtureServer:
+        server = MetricsFixtureServer(body, **kw).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -58,6 +108,7 @@ def private_engine(tmp_path):
 
 def cli(*args: str, home: Path | None = None, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     """Run the real `cancelwatch` command line in a subprocess."""
+    _guard_cli(args)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if home is not None:
         env["CANCELWATCH_HOME"] = str(home)
@@ -66,6 +117,7 @@ def cli(*args: str, home: Path | None = None, timeout: float = 120, **kw) -> sub
 
 
 def cli_popen(*args: str, home: Path | None = None, **kw) -> subprocess.Popen:
+    _guard_cli(args)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if home is not None:
         env["CANCELWATCH_HOME"] = str(home)

@@ -12,11 +12,20 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from PIL import Image
 
-from collectors.engines.vllm import free_port
+from analysis.cancel_table import VERDICT_COLOURS
+from analysis.facts import VIEW_METRICS
+from analysis.verdicts import judge_run
+from collectors.engines.vllm_server import free_port
+from runstore.reader import load_run
 from tests.conftest import cli_popen
 
 ROOT = Path(__file__).resolve().parents[1]
+# every test here drives Chromium; the ones that record from the engine are marked `engine` as well
+# (tests/conftest.py marks them by the engine fixtures they use)
+pytestmark = pytest.mark.browser
+
 CHROMIUM = "/usr/bin/chromium"
 # the machine has no internet: without these Chromium keeps trying to reach Google's hosts
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -74,10 +83,34 @@ def browser(tmp_path):
             b.close()
 
 
+# per trace of the first figure, what plotly drew in its SVG: marker points and the length of the line path
+DRAWN = """() => Array.from(document.querySelectorAll('.js-plotly-plot')[0].querySelectorAll('g.trace.scatter'))
+    .map(g => ({name: g.__data__[0].trace.name, points: g.querySelectorAll('path.point').length,
+                line: Array.from(g.querySelectorAll('path.js-line'))
+                           .reduce((n, p) => n + (p.getAttribute('d') || '').length, 0)}))"""
+# the verdict table's cells as text: the grid paints a canvas and keeps an accessible table beside it
+TABLE_ROWS = """() => { const t = Array.from(document.querySelectorAll('[data-testid="stDataFrame"]'))
+    .filter(e => e.offsetParent !== null).map(e => e.querySelector('table')).filter(Boolean)[0];
+    return t ? Array.from(t.querySelectorAll('tr')).map(r => Array.from(r.querySelectorAll('th,td'))
+                                                            .map(c => c.innerText.trim())) : []; }"""
+
+
+def pixels(png: Path, colour: str) -> int:
+    """How many pixels of a screenshot have exactly this #rrggbb colour."""
+
+    rgb = tuple(int(colour[i:i + 2], 16) for i in (1, 3, 5))
+    with Image.open(png) as im:
+        return dict((c, n) for n, c in im.convert("RGB").getcolors(maxcolors=1 << 24)).get(rgb, 0)
+
+
 def test_the_served_dashboard_shows_the_timeline_and_the_verdict_table(proxy_and_direct_runs, served, browser,
                                                                         tmp_path):
+
     # the recordings come first (fixture order): a browser idling beside them takes CPU from the engine
     store, *_ = proxy_and_direct_runs
+    run = load_run(store, 1, metrics=VIEW_METRICS)
+    verdicts = judge_run(run)
+    assert [v.verdict for v in verdicts] == ["leaked", "leaked"]
     url = served(store.parent)
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(f"{url}/?store={store.name}&run=1", timeout=60_000)
@@ -86,15 +119,33 @@ def test_the_served_dashboard_shows_the_timeline_and_the_verdict_table(proxy_and
     page.wait_for_function("() => Array.from(document.querySelectorAll('[data-testid=\"stDataFrame\"]'))"
                            ".some(e => e.offsetParent !== null)", timeout=60_000)
     text = page.inner_text("body")
-    assert "Why is GPU memory still high?" in text and "Cancels (2)" in text
+    assert "Why is GPU memory still high?" in text and f"Cancels ({len(verdicts)})" in text
     assert "Traceback" not in text
-    assert page.locator(".js-plotly-plot").count() >= 2
-    # the plotted figure carries the cancels and the scheduler traces
-    names = page.evaluate("() => Array.from(document.querySelectorAll('.js-plotly-plot'))[0].data.map(t => t.name)")
-    assert "cancel: leaked" in names and any(n and n.startswith("KV usage") for n in names), names
+    assert page.locator(".js-plotly-plot").count() == 2  # the timeline and the story's zoomed figure
+    # the timeline as drawn: a marker at every timepoint of every cancel, in its verdict's trace, and
+    # the KV usage and running lines of the target
+    page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot')[0]"
+                           ".querySelectorAll('g.trace.scatter path.point').length > 0", timeout=30_000)
+    drawn = {d["name"]: d for d in page.evaluate(DRAWN)}
+    for verdict in {v.verdict for v in verdicts}:
+        n = sum(t is not None for v in verdicts if v.verdict == verdict for t in v.timepoints.values())
+        assert drawn[f"cancel: {verdict}"]["points"] == n, drawn
+    assert drawn["KV usage t0"]["line"] > 0 and drawn["running t0"]["line"] > 0, drawn
+    # the verdict table: one row per cancel, with its request id and verdict
+    rows = page.evaluate(TABLE_ROWS)
+    assert rows, "no verdict table"
+    head = rows[0]
+    shown = [(r[head.index("request_id")], r[head.index("verdict")]) for r in rows[1:]]
+    assert shown == [(v.request_id, v.verdict) for v in verdicts], rows
+    # and as a person sees it: the KV usage line in its colour on the page, and each verdict cell of the
+    # table filled with the verdict's colour (a blank or failed page has none of either)
     shot = tmp_path / "dashboard.png"
     page.screenshot(path=str(shot), full_page=True)
-    assert shot.stat().st_size > 20_000
+    assert pixels(shot, "#e45756") > 100, "no KV usage line in the screenshot"
+    grid = page.locator('[data-testid="stDataFrame"]').filter(has=page.locator("table")).first
+    grid.scroll_into_view_if_needed()
+    grid.screenshot(path=str(tmp_path / "verdicts.png"))
+    assert pixels(tmp_path / "verdicts.png", VERDICT_COLOURS["leaked"]) > 500 * len(verdicts)
 
 
 def test_a_live_run_is_followed_until_it_completes(served, browser, engine, engine_home, tmp_path):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 
-from collectors.engines import vllm as engine_mod
-from collectors.engines.vllm import EngineShape, build_command
+from collectors.engines import vllm_server as engine_mod
+from collectors.engines.vllm_server import EngineShape, build_command
 
 
 def flag(cmd, name):

@@ -135,7 +135,7 @@ def test_review_helpers():
         review.parse_run_ids(" , ")
     runs = review.open_runs(str(SAMPLE), "latest")
     lat = review.release_latency_summary(runs, 100.0)
-    released = [v.evidence["release_ms"] for v in runs[0].verdicts if v.verdict == "released"]
+    released = [v.evidence.release_ms for v in runs[0].verdicts if v.verdict == "released"]
     assert lat.iloc[0]["released"] == len(released) and lat.iloc[0]["max (ms)"] == max(released)
     assert lat.iloc[0]["within 100 ms"] == f"{sum(x <= 100 for x in released)} of {len(runs[0].verdicts)}"
     with pytest.raises(StoreError):

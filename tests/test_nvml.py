@@ -1,12 +1,15 @@
-"""The NVML source against a hand-written fake (no GPU here); real units and shapes."""
+"""The NVML source against a hand-written fake (no GPU here); real units and shapes. The vLLM target
+beside it is a recorded /metrics body served on loopback (tests/fixture_server.py)."""
 
 from __future__ import annotations
 
 import pytest
 
+from collectors.engines.vllm_server import free_port
 from collectors.recording.session import PreflightError, RecordSettings, Target, build_sources
 from collectors.sources.base import SourceError
 from collectors.sources.nvml import NvmlSource
+from tests.conftest import FIXTURES
 from tests.fakes.fake_pynvml import FakeGpu, FakeNvml
 
 
@@ -71,17 +74,29 @@ def test_no_driver_gives_a_hint():
         src.sample(0, 0)
 
 
-def test_nvml_on_without_driver_is_a_preflight_error(monkeypatch):
-    # no vLLM needed to reach the NVML decision: stub only the target check
-    monkeypatch.setattr("collectors.sources.vllm.VllmMetricsSource.check", lambda self: None)
-    settings = RecordSettings(targets=[Target("t0", "http://127.0.0.1:9")], nvml="on")
+def test_nvml_on_without_driver_is_a_preflight_error(metrics_server, tmp_path):
+    # no engine needed to reach the NVML decision: the target is a recorded idle /metrics body served
+    # on loopback, so the vLLM source's preflight reads a real body over a real socket
+    server = metrics_server(FIXTURES / "vllm" / "0.32" / "idle.txt")
+    settings = RecordSettings(targets=[Target("t0", server.url)], nvml="on", home=tmp_path)
     with pytest.raises(PreflightError, match="NVML is not available"):
         build_sources(settings, nvml_module=FakeNvml(driver_loaded=False))
     settings.nvml = "auto"
     sources, facts = build_sources(settings, nvml_module=FakeNvml(driver_loaded=False))
     assert [s.name for s in sources] == ["vllm"] and facts["nvml"].startswith("off")
+    assert "Driver Not Loaded" in facts["nvml"]
+    for s in sources:
+        s.close()
     sources, facts = build_sources(settings, nvml_module=FakeNvml())
     assert [s.name for s in sources] == ["vllm", "nvml"] and facts["nvml"] == "on"
+    assert [s.target for s in sources if s.name == "vllm"] == ["t0"]
+    for s in sources:
+        s.close()
+    assert server.paths and set(server.paths) == {"/metrics"}  # each preflight read the full body
+    # and a target that does not answer stops the preflight before NVML is asked
+    settings.targets = [Target("t0", f"http://127.0.0.1:{free_port()}")]
+    with pytest.raises(PreflightError, match="t0 unreachable"):
+        build_sources(settings, nvml_module=FakeNvml())
 
 
 def test_real_pynvml_on_this_machine_fails_cleanly():

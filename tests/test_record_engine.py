@@ -12,9 +12,9 @@ import time
 import pandas as pd
 import psutil
 
-from analysis.summary import series_frame
+from analysis.series import series_frame
 from collectors.cancels.load import run_streams
-from collectors.engines import vllm as engine_mod
+from collectors.engines import vllm_server as engine_mod
 from runstore.reader import load_run
 from tests.conftest import cli, cli_popen, free_port
 from tests.metrics_proxy import MetricsProxy
@@ -265,9 +265,9 @@ def test_filtered_scrapes_give_the_same_series_as_full_bodies(engine):
 
     src = VllmMetricsSource(engine.url, "t0")
     full = src.sample(1, 2)
-    assert src._filtered_path is not None and "name%5B%5D=vllm%3Anum_requests_running" in src._filtered_path
-    filtered_body = src.fetch(src._filtered_path)
-    assert len(filtered_body) < len(src.fetch()) / 2
+    assert src.endpoint._filtered_path is not None and "name%5B%5D=vllm%3Anum_requests_running" in src.endpoint._filtered_path
+    filtered_body = src.endpoint.fetch(src.endpoint._filtered_path)
+    assert len(filtered_body) < len(src.endpoint.fetch()) / 2
     again = src.sample(3, 4)
     assert sorted((s.metric, s.labels) for s in again) == sorted((s.metric, s.labels) for s in full)
     src.close()

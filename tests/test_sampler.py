@@ -5,15 +5,15 @@ from __future__ import annotations
 import time
 
 from collectors.recording.sampler import Sampler
-from collectors.sources.base import ParseError, SourceError
+from collectors.sources.base import ParseError, Source, SourceError
 from runstore.records import GapRecord, Sample, ScrapeRecord
 
 
-class TimedSource:
+class TimedSource(Source):
     """Takes `delay_s` per read; fails with `errors[i]` on read i when given."""
 
-    def __init__(self, name, delay_s=0.0, errors=None):
-        self.name, self.target, self.delay_s = name, "x", delay_s
+    def __init__(self, name, delay_s=0.0, errors=None, critical=False):
+        self.name, self.target, self.delay_s, self.critical = name, "x", delay_s, critical
         self.errors = errors or {}
         self.reads = 0
 
@@ -91,10 +91,17 @@ def test_parse_errors_are_counted_and_retried_next_tick():
 
 
 def test_a_source_failing_past_the_grace_is_lost():
-    src = TimedSource("vllm", errors={i: SourceError("refused") for i in range(1000)})
+    src = TimedSource("vllm", errors={i: SourceError("refused") for i in range(1000)}, critical=True)
     sampler, records = run([src], 1.5, lost_after_s=0.5)
     assert sampler.lost.is_set()
     assert gaps(records, "vllm", "lost")
+
+
+def test_a_source_that_is_not_critical_is_never_lost():
+    src = TimedSource("nvml", errors={i: SourceError("driver gone") for i in range(1000)})
+    sampler, records = run([src], 1.5, lost_after_s=0.5)
+    assert not sampler.lost.is_set()
+    assert not gaps(records, "nvml", "lost") and gaps(records, "nvml", "error")
 
 
 def test_a_crashing_source_does_not_kill_the_sampler():

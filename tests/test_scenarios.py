@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from collectors.cancels.scenarios import BUILTIN, SUITES, ScenarioError, load_file, resolve
+from collectors.cancels.scenarios import APIS, BUILTIN, MODES, SUITES, TRIGGERS, ScenarioError, load_file, resolve
 from tests.conftest import cli
 
 
@@ -16,7 +16,13 @@ def write(tmp_path, text):
 
 def test_default_suite_has_every_builtin():
     assert [s.name for s in resolve("default")] == SUITES["default"] == list(BUILTIN)
-    assert {"queued", "prefill", "decode", "race", "disconnect", "nonstream_timeout", "n2", "burst", "resubmit"} <= set(BUILTIN)
+    # the built-ins cover every way a cancel can be triggered, sent and delivered, and each says what it proves
+    builtins = list(BUILTIN.values())
+    assert {s.trigger for s in builtins} == set(TRIGGERS)
+    assert {s.mode for s in builtins} == set(MODES)
+    assert {s.api for s in builtins} == set(APIS)
+    assert {s.stream for s in builtins} == {True, False}
+    assert all(s.proves for s in builtins), [s.name for s in builtins if not s.proves]
     assert [s.name for s in resolve("decode,race")] == ["decode", "race"]
 
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import fields
 
 import numpy as np
 import pandas as pd
 
+from analysis.evidence import REPORTED_WITH, Evidence
 from analysis.verdicts import judge_run
 from runstore.reader import Run
 
@@ -64,26 +67,31 @@ def test_released_when_count_and_kv_drop_right_after_the_abort():
     assert v.verdict == "released"
     assert 2.05 <= v.timepoints["left_scheduler"] <= 2.1
     assert v.timepoints["reusable"] == 2.3
-    assert v.evidence["kv_before"] == 0.4 and v.evidence["kv_after"] == 0.1
+    assert v.evidence.kv_before == 0.4 and v.evidence.kv_after == 0.1
 
 
 def test_leaked_when_the_server_keeps_counting_and_generating():
     run = build_run(lambda t: 2.0 if t < 5.0 else 1.0, lambda t: 0.4, steady_gen)
     (v,) = judge_run(run)
-    assert v.verdict == "leaked" and v.evidence["engine_stepping"] is True
-    assert v.evidence["excess_max"] == 1.0
+    assert v.verdict == "leaked" and v.evidence.engine_stepping is True
+    assert v.evidence.excess_max == 1.0
+    # KV never fell: the drop was looked for, so its key is there, empty
+    doc = v.evidence.as_json()
+    assert "kv_drop_s" in doc and doc["kv_drop_s"] is None and "release_ms" not in doc
 
 
 def test_stale_gauge_when_nothing_steps_after_the_abort():
     run = build_run(lambda t: 2.0, lambda t: 0.4, lambda t: 100 + 20 * min(t, 2.0))
     (v,) = judge_run(run)
-    assert v.verdict == "stale_gauge" and v.evidence["engine_stepping"] is False
+    assert v.verdict == "stale_gauge" and v.evidence.engine_stepping is False
 
 
 def test_foreign_traffic_makes_it_inconclusive():
     run = build_run(lambda t: 3.0 if t < 2.05 else 2.0, lambda t: 0.4 if t < 2.05 else 0.1, steady_gen)
     (v,) = judge_run(run)
-    assert v.verdict == "inconclusive" and "foreign" in v.evidence["why"]
+    assert v.verdict == "inconclusive" and "foreign" in v.evidence.why
+    doc = v.evidence.as_json()
+    assert doc["kv_before"] == 0.4 and "kv_drop_s" not in doc and "engine_stepping" not in doc
 
 
 def test_a_count_that_reconciles_only_briefly_is_not_a_release():
@@ -91,3 +99,23 @@ def test_a_count_that_reconciles_only_briefly_is_not_a_release():
     run = build_run(lambda t: 1.0 if 2.05 <= t < 2.1 else (2.0 if t < 5 else 1.0), lambda t: 0.4, steady_gen)
     (v,) = judge_run(run)
     assert v.verdict == "leaked"
+
+
+def test_evidence_keeps_a_reached_field_that_is_none_and_leaves_out_an_unreached_one():
+    ev = Evidence(grace_s=2.0, metrics_target="t0", samples_in_window=3)
+    assert list(ev.as_json()) == ["grace_s", "metrics_target", "samples_in_window"]
+    ev.kv_before = math.nan  # the stage before the stop was reached, with no sample in it
+    doc = ev.as_json()
+    assert doc["count_before"] is None and doc["ledger_before"] is None and math.isnan(doc["kv_before"])
+    assert not {"note", "kv_drop_s", "excess_max", "generation_tokens_delta"} & set(doc)
+    ev.engine_stepping = False
+    doc = ev.as_json()
+    assert doc["kv_drop_s"] is None and doc["excess_max"] is None and doc["generation_tokens_delta"] is None
+    assert not {"release_ms", "gauges_refreshed", "why"} & set(doc)
+    assert json.dumps(doc).count("NaN") == 1
+
+
+def test_evidence_groups_name_its_own_fields():
+    names = [f.name for f in fields(Evidence)]
+    for f in fields(Evidence):
+        assert set(f.metadata.get(REPORTED_WITH, ())) <= set(names) - {f.name}, f.name

@@ -1,11 +1,14 @@
-"""Golden parser tests on real /metrics bodies recorded from the embedded engine (vLLM 0.32, CPU)."""
+"""Golden parser tests on real /metrics bodies recorded from the embedded engine (vLLM 0.32, CPU), and
+the vLLM source reading them over a loopback socket (tests/fixture_server.py): full and filtered scrapes."""
 
 from __future__ import annotations
+
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
 from collectors.sources.base import ParseError
-from collectors.sources.vllm import LineMemo, cache_config, model_names, parse_vllm_metrics
+from collectors.sources.vllm import LineMemo, VllmMetricsSource, cache_config, model_names, parse_vllm_metrics
 from tests.conftest import FIXTURES
 
 V032 = FIXTURES / "vllm" / "0.32"
@@ -39,9 +42,9 @@ def test_golden_scheduler_values(fixture, running, waiting, kv):
 def test_loaded_counters_and_label_sets():
     samples = parse_vllm_metrics((V032 / "loaded.txt").read_text(), 0, 0)
     assert one(samples, "prefix_cache_hits_tokens_total") == 5760.0
-    assert one(samples, "prefix_cache_queries_tokens_total") > 5760.0
+    assert one(samples, "prefix_cache_queries_tokens_total") == 17000.0
     finished = {dict(k)["finished_reason"]: v for k, v in values(samples, "requests_finished_total").items()}
-    assert set(finished) >= {"stop", "length", "abort"}
+    assert finished == {"stop": 0.0, "length": 12.0, "abort": 0.0, "error": 0.0, "repetition": 0.0}
     reasons = {dict(k)["reason"] for k in values(samples, "vllm:num_requests_waiting_by_reason")}
     assert reasons == {"capacity", "deferred"}
     names = {s.metric for s in samples}
@@ -108,3 +111,46 @@ def test_memo_gives_the_same_samples():
         assert sorted(parse_vllm_metrics(text, 1, 2, memo=memo), key=repr) == sorted(
             parse_vllm_metrics(text, 1, 2), key=repr
         )
+
+
+def series(samples) -> dict:
+    return {(s.metric, s.labels): s.value for s in samples}
+
+
+def test_the_source_reads_a_full_body_then_only_the_names_it_keeps(metrics_server):
+    body = (V032 / "loaded.txt").read_text()
+    server = metrics_server(body)
+    src = VllmMetricsSource(server.url, "t0")
+    try:
+        assert src.check() is None
+        got = [src.sample(2 * i, 2 * i + 1) for i in range(3)]
+    finally:
+        src.close()
+    want = series(parse_vllm_metrics(body, 0, 0))
+    assert [series(g) for g in got] == [want, want, want]
+    # the preflight and the first sample read full bodies; then the filtered route, twice
+    assert [urlsplit(p).path for p in server.paths] == ["/metrics", "/metrics", "/metrics/", "/metrics/"]
+    asked = set(parse_qs(urlsplit(server.paths[2]).query)["name[]"])
+    assert "vllm:num_requests_running" in asked and "vllm:kv_cache_usage_perc" in asked
+    assert not any(n.endswith(("_bucket", "_created")) or not n.startswith("vllm:") for n in asked), asked
+    assert server.paths[3] == server.paths[2]
+
+
+def test_a_404_on_the_filtered_scrape_falls_back_to_full_bodies(metrics_server):
+    """A server without the filterable /metrics/ route: one filtered request, then full bodies only,
+    and sampling goes on with the same series."""
+    body = (V032 / "loaded.txt").read_text()
+    server = metrics_server(body, filtered=404)
+    src = VllmMetricsSource(server.url, "t0")
+    try:
+        got = [src.sample(2 * i, 2 * i + 1) for i in range(4)]
+    finally:
+        src.close()
+    want = series(parse_vllm_metrics(body, 0, 0))
+    assert [series(g) for g in got] == [want] * 4
+    assert all(s.wall_ns == 2 and s.mono_ns == 3 for s in got[1])  # the second sample is its own scrape
+    paths = [urlsplit(p) for p in server.paths]
+    assert [(p.path, bool(p.query)) for p in paths] == [("/metrics", False), ("/metrics/", True),
+                                                         ("/metrics", False), ("/metrics", False),
+                                                         ("/metrics", False)]
+    assert "vllm:num_requests_running" in parse_qs(paths[1].query)["name[]"]

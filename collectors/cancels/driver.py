@@ -9,42 +9,18 @@ Every request loop is bounded in count and time.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import httpx
 
 from collectors.cancels.load import make_prompt
 from collectors.cancels.scenarios import Scenario
+from collectors.cancels.streams import (REQUEST_TIMEOUT_S, Request, build_request, cancel_in_app, disconnect, now_ns,
+                                        run_request)
 from runstore.records import EventRecord, LedgerRecord
 
-REQUEST_TIMEOUT_S = 120.0
-OWNER = "cancelwatch-driver"
 IDLE_WAIT_S = 30.0
-
-
-def now_ns() -> int:
-    return time.monotonic_ns()
-
-
-@dataclass
-class Request:
-    """One request in flight: its ledger row plus what the trigger watchers look at."""
-
-    row: LedgerRecord
-    api: str
-    body: dict
-    stream: bool = True
-    timeout_s: float = REQUEST_TIMEOUT_S
-    tokens: int = 0
-    finished_choices: set = field(default_factory=set)
-    response: httpx.Response | None = None
-    task: asyncio.Task | None = None
-    cancel_requested: bool = False
-    app_received_ns: int | None = None
-    abort_done_ns: int | None = None
 
 
 class Driver:
@@ -80,99 +56,14 @@ class Driver:
                     *, n: int = 1, api: str = "completions", stream: bool = True, prompt: str | None = None,
                     timeout_s: float = REQUEST_TIMEOUT_S) -> Request:
         rid = f"cw-{scenario.name}-{role}-{uuid.uuid4().hex[:8]}"
-        prompt = prompt or make_prompt(prompt_tokens, seed)
-        body: dict = {"model": self.model, "max_tokens": max_tokens, "stream": stream, "ignore_eos": True, "n": n}
-        if api == "chat":
-            body["messages"] = [{"role": "user", "content": prompt}]
-        else:
-            body["prompt"] = prompt
         row = LedgerRecord(request_id=rid, scenario=scenario.name, role=role, n=n, prompt_tokens=prompt_tokens,
                            max_tokens=max_tokens)
-        return Request(row=row, api=api, body=body, stream=stream, timeout_s=timeout_s)
+        return build_request(row, self.model, prompt or make_prompt(prompt_tokens, seed), api=api, stream=stream,
+                           timeout_s=timeout_s)
 
     def send(self, req: Request) -> Request:
-        req.task = asyncio.create_task(self._run(req))
+        req.task = asyncio.create_task(run_request(self.client, self.base_url, req))
         return req
-
-    async def _run(self, req: Request) -> None:
-        path = "/v1/chat/completions" if req.api == "chat" else "/v1/completions"
-        row = req.row
-        row.sent_mono_ns = now_ns()
-        try:
-            if req.stream:
-                await self._stream(req, path)
-            else:
-                await self._plain(req, path)
-        except asyncio.CancelledError:
-            # the app-side cancel: the task got it; closing the response closes the engine connection
-            req.app_received_ns = req.app_received_ns or now_ns()
-            if req.response is not None:
-                await req.response.aclose()
-            req.abort_done_ns = now_ns()
-            row.terminal_state, row.reason = "cancelled", "task cancelled"
-        except httpx.TimeoutException as exc:
-            req.app_received_ns = now_ns()
-            row.terminal_state, row.reason = ("cancelled", "client timeout") if req.cancel_requested else ("error", "timeout")
-            row.error = type(exc).__name__
-            req.abort_done_ns = now_ns()  # httpx has dropped the connection by the time it raises
-        except (httpx.HTTPError, json.JSONDecodeError) as exc:
-            if req.cancel_requested:
-                row.terminal_state, row.reason = "cancelled", "stream closed by client"
-            else:
-                row.terminal_state, row.error = "error", f"{type(exc).__name__}: {exc}"
-        finally:
-            row.closed_mono_ns = now_ns()
-            if row.terminal_state is None:
-                row.terminal_state = "error"
-
-    def _count(self, req: Request, payload: dict) -> None:
-        for choice in payload.get("choices", []):
-            text = choice.get("text")
-            if text is None:
-                text = (choice.get("delta") or {}).get("content")
-            if text:
-                req.tokens += 1
-                if req.row.first_token_mono_ns is None:
-                    req.row.first_token_mono_ns = now_ns()
-                if req.cancel_requested:
-                    req.row.tokens_after_cancel += 1
-            if choice.get("finish_reason"):
-                req.finished_choices.add(choice.get("index", 0))
-                req.row.reason = choice["finish_reason"]
-        req.row.chunks = req.tokens
-
-    async def _stream(self, req: Request, path: str) -> None:
-        async with self.client.stream("POST", self.base_url + path, json=req.body,
-                                      headers={"X-Request-Id": req.row.request_id, "X-Owner": OWNER}) as resp:
-            req.response = resp
-            if resp.status_code != 200:
-                await resp.aread()
-                req.row.terminal_state, req.row.error = "error", f"HTTP {resp.status_code}: {resp.text[:200]}"
-                return
-            try:
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[6:]
-                    if data == "[DONE]":
-                        break
-                    self._count(req, json.loads(data))
-            except asyncio.CancelledError:
-                req.app_received_ns = now_ns()  # before the response (and its connection) is closed
-                raise
-        done = len(req.finished_choices) >= req.row.n
-        req.row.terminal_state = "completed" if done else ("cancelled" if req.cancel_requested else "error")
-
-    async def _plain(self, req: Request, path: str) -> None:
-        resp = await self.client.post(self.base_url + path, json=req.body, timeout=req.timeout_s,
-                                      headers={"X-Request-Id": req.row.request_id})
-        if resp.status_code != 200:
-            req.row.terminal_state, req.row.error = "error", f"HTTP {resp.status_code}: {resp.text[:200]}"
-            return
-        payload = resp.json()
-        req.row.first_token_mono_ns = now_ns()
-        req.tokens = req.row.chunks = int(payload.get("usage", {}).get("completion_tokens", 0))
-        req.row.terminal_state, req.row.reason = "completed", payload["choices"][0].get("finish_reason")
 
     # ------------------------------------------------------------------ triggers
     async def _until(self, cond, timeout_s: float) -> bool:
@@ -189,9 +80,9 @@ class Driver:
         if s.trigger == "after_ms":
             await asyncio.sleep(v / 1000.0)
         elif s.trigger == "after_tokens":
-            await self._until(lambda: all(t.tokens >= v or t.task.done() for t in targets), 60)
+            await self._until(lambda: all(t.chunks >= v or t.task.done() for t in targets), 60)
         elif s.trigger == "near_completion_tokens":
-            await self._until(lambda: all(t.tokens >= t.row.max_tokens - v or t.task.done() for t in targets), 60)
+            await self._until(lambda: all(t.chunks >= t.row.max_tokens - v or t.task.done() for t in targets), 60)
         elif s.trigger == "before_first_token":
             await asyncio.sleep(v / 1000.0)
         elif s.trigger == "while_queued":
@@ -204,7 +95,7 @@ class Driver:
     def _phase(self, s: Scenario, req: Request) -> str:
         if req.task.done():
             return "completed"
-        if req.tokens > 0 or req.row.first_token_mono_ns is not None:
+        if req.chunks > 0 or req.row.first_token_mono_ns is not None:
             return "decode"
         if s.trigger == "while_queued":
             return "queued"
@@ -216,21 +107,12 @@ class Driver:
         req.cancel_requested = True
         req.row.cancel_mono_ns = t_stop
         self.event("user_stop", req.row.request_id, t_stop, scenario=s.name, phase=phase, cancel_id=cancel_id,
-                   mode=s.mode, tokens_at_cancel=req.tokens)
+                   mode=s.mode, tokens_at_cancel=req.chunks)
         if s.mode == "explicit":
-            # the app's own cancel call: the relay checks the owner, cancels the serving task, whose
-            # finally awaits AsyncLLM.abort(); the answer carries the relay's clock readings
-            resp = await self.client.post(f"{self.base_url}/cancel/{req.row.request_id}", headers={"X-Owner": OWNER})
-            status = (resp.json() or {}).get("status") or {}
-            req.app_received_ns = status.get("cancel_received_ns")
-            req.abort_done_ns = status.get("abort_returned_ns")
-            explicit = (req.app_received_ns, req.abort_done_ns)
+            explicit = await cancel_in_app(self.client, self.base_url, req)
+            req.app_received_ns, req.engine_abort_ns = explicit
         elif s.mode == "disconnect":
-            # no cancel call: the client just closes the stream under the reader
-            req.app_received_ns = now_ns()
-            if req.response is not None:
-                await req.response.aclose()
-            req.abort_done_ns = now_ns()
+            await disconnect(req)
         elif s.mode == "cancel":
             req.task.cancel()
         try:
@@ -238,17 +120,17 @@ class Driver:
         except (asyncio.CancelledError, asyncio.TimeoutError):
             pass
         if s.mode == "explicit":
-            req.app_received_ns, req.abort_done_ns = explicit  # not the client's view of the closing stream
+            req.app_received_ns, req.engine_abort_ns = explicit  # not the client's view of the closing stream
         if req.row.terminal_state == "completed":
-            req.app_received_ns = req.abort_done_ns = None  # the request won the race
+            req.app_received_ns = req.engine_abort_ns = None  # the request won the race
         self._trace_after_stop(req, cancel_id)
 
     def _trace_after_stop(self, req: Request, cancel_id: str) -> None:
         """Timepoints 2 and 3 of a cancel, where they were reached."""
         if req.app_received_ns:
             self.event("app_received", req.row.request_id, req.app_received_ns, cancel_id=cancel_id)
-        if req.abort_done_ns:
-            self.event("engine_abort", req.row.request_id, req.abort_done_ns, cancel_id=cancel_id)
+        if req.engine_abort_ns:
+            self.event("engine_abort", req.row.request_id, req.engine_abort_ns, cancel_id=cancel_id)
 
     async def wait_idle(self, timeout_s: float = IDLE_WAIT_S) -> bool:
         def idle() -> bool:
@@ -264,11 +146,11 @@ class Driver:
         reqs: list[Request] = []
         neighbour = self.send(self.new_request(s, "neighbour", 200, s.neighbour_max_tokens, seed + 1))
         reqs.append(neighbour)
-        await self._until(lambda: neighbour.tokens > 0 or neighbour.task.done(), 30)
+        await self._until(lambda: neighbour.chunks > 0 or neighbour.task.done(), 30)
         for i in range(s.fillers):
             reqs.append(self.send(self.new_request(s, "filler", 100, s.filler_max_tokens, seed + 10 + i)))
         if s.fillers:
-            await self._until(lambda: all(r.tokens > 0 or r.task.done() for r in reqs), 30)
+            await self._until(lambda: all(r.chunks > 0 or r.task.done() for r in reqs), 30)
         targets = [
             self.send(self.new_request(s, "target", s.prompt_tokens, s.max_tokens, seed + 100 + i, n=s.n, api=s.api,
                                        stream=s.stream, timeout_s=s.timeout_s if s.mode == "timeout" else REQUEST_TIMEOUT_S))

@@ -49,8 +49,8 @@ class Entry:
     task: asyncio.Task | None = None
     state: str = "running"  # running -> completed | cancelled | error
     registered_ns: int = field(default_factory=time.monotonic_ns)
-    cancel_received_ns: int | None = None
-    abort_returned_ns: int | None = None
+    app_received_ns: int | None = None
+    engine_abort_ns: int | None = None
     abort_attempts: int = 0
     abort_ok: bool | None = None  # None: no abort needed (completed) or not yet tried
     outputs: int = 0
@@ -96,7 +96,7 @@ class Relay:
         entry = Entry(request_id, owner, f"{request_id}-{uuid.uuid4().hex[:8]}", task=asyncio.current_task())
         self.entries[request_id] = entry
         if early_owner == owner:
-            entry.cancel_received_ns = time.monotonic_ns()
+            entry.app_received_ns = time.monotonic_ns()
             self._finish(entry, "cancelled")
             entry.abort_ok = True  # nothing reached the engine, nothing to release
             raise RequestCancelled(f"{request_id} was cancelled before it started")
@@ -134,7 +134,7 @@ class Relay:
                             self.max_abort_attempts, exc)
                 await asyncio.sleep(self.abort_retry_s * attempt)
                 continue
-            entry.abort_returned_ns = time.monotonic_ns()
+            entry.engine_abort_ns = time.monotonic_ns()
             entry.abort_ok = True
             self.on_event("abort_returned", entry, attempts=attempt)
             return True
@@ -157,8 +157,8 @@ class Relay:
             return "kept_until_registered"
         if entry.owner != owner:
             return "rejected_not_owner"
-        if entry.cancel_received_ns is None:
-            entry.cancel_received_ns = time.monotonic_ns()
+        if entry.app_received_ns is None:
+            entry.app_received_ns = time.monotonic_ns()
         if not self._finish(entry, "cancelled"):
             return f"already_{entry.state}"
         task = entry.task
@@ -172,7 +172,7 @@ class Relay:
             return None
         return {"request_id": e.request_id, "engine_request_id": e.engine_request_id, "owner": e.owner,
                 "state": e.state, "released": e.released, "abort_ok": e.abort_ok, "abort_attempts": e.abort_attempts,
-                "cancel_received_ns": e.cancel_received_ns, "abort_returned_ns": e.abort_returned_ns,
+                "app_received_ns": e.app_received_ns, "engine_abort_ns": e.engine_abort_ns,
                 "outputs": e.outputs}
 
 

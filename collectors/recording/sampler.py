@@ -107,7 +107,7 @@ class _SourceState:
 class Sampler:
     """Samples `sources` at `hz` until `stop()`; hands scrapes and gaps to `sink(record)`.
 
-    A critical source failing without pause for `lost_after_s` is marked lost and `lost` is set, so
+    A critical source (`Source.critical`) failing without pause for `lost_after_s` is marked lost and `lost` is set, so
     the recorder can end the run; it is still retried with back-off until then.
     """
 
@@ -117,7 +117,6 @@ class Sampler:
         sink,
         hz: float = 20.0,
         lost_after_s: float = 10.0,
-        critical_sources: tuple[str, ...] = ("vllm",),
         on_samples=None,
         boost_priority: bool = True,
     ):
@@ -127,7 +126,6 @@ class Sampler:
         self.sink = sink
         self.period_ns = int(1e9 / hz)
         self.lost_after_ns = int(lost_after_s * 1e9)
-        self.critical_sources = critical_sources
         self.on_samples = on_samples
         self.boost_priority = boost_priority
         self.stats = {id(s): SourceStats(s.name, s.target) for s in sources}
@@ -195,7 +193,7 @@ class Sampler:
             make_thread_realtime()
         state = _SourceState(src, self.stats[id(src)])
         st = state.stats
-        workers = max(1, int(getattr(src, "max_in_flight", 1)))
+        workers = max(1, int(src.max_in_flight))
         pool = ThreadPoolExecutor(workers, thread_name_prefix=f"read-{src.name}-{src.target}",
                                   initializer=raise_thread_priority if self.boost_priority else None)
         period = self.period_ns
@@ -283,8 +281,7 @@ class Sampler:
         if state.fail_gap is None:
             state.fail_gap = _Gap(kind, wall_ns, mono_ns, str(error))
         state.fail_gap.ticks += 1
-        critical = getattr(src, "critical", src.name in self.critical_sources)
-        if critical and not st.lost and end - state.fail_gap.mono_ns >= self.lost_after_ns:
+        if src.critical and not st.lost and end - state.fail_gap.mono_ns >= self.lost_after_ns:
             st.lost = True
             self.sink(GapRecord(src.name, src.target, "lost", state.fail_gap.wall_ns, state.fail_gap.mono_ns, end, 0, str(error)))
             self.lost.set()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from collectors.sources.base import SourceError
+from collectors.sources.base import Source, SourceError
 from runstore.records import Sample, freeze_labels
 
 SOURCE_NAME = "nvml"
@@ -26,7 +26,7 @@ def load_pynvml() -> ModuleType:
     return pynvml
 
 
-class NvmlSource:
+class NvmlSource(Source):
     """Per GPU: total/free/used/reserved bytes; per engine process: used GPU bytes."""
 
     name = SOURCE_NAME

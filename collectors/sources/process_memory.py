@@ -6,13 +6,13 @@ import time
 
 import psutil
 
-from collectors.sources.base import SourceError
+from collectors.sources.base import Source, SourceError
 from runstore.records import Sample
 
 SOURCE_NAME = "process"
 
 
-class ProcessMemorySource:
+class ProcessMemorySource(Source):
     """Sums RSS over the given root pids and all their descendants.
 
     Walking the process tree scans /proc, so it is refreshed at most every `tree_refresh_s`; RSS
