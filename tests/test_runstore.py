@@ -1,0 +1,127 @@
+"""The run format on its own: what the writer writes, the reader reads back, without an engine."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from runstore.errors import StoreError
+from runstore.reader import list_runs, load_run
+from runstore.records import DriveSettings, EventRecord, GapRecord, LedgerRecord, Sample, ScrapeRecord, freeze_labels
+from runstore.writer import (StoreWriter, create_run, finish_run, open_store, write_events, write_gaps, write_ledger,
+                             write_scrape_block)
+
+T0 = 5_000_000_000  # monotonic start of the run, ns
+W0 = 1_790_000_000_000_000_000  # wall clock at the start, ns
+LABELS = freeze_labels({"engine": "0", "model_name": "tiny"})
+
+
+def scrape(tick: int, running: float, kv: float, source: str = "vllm", target: str = "t0") -> ScrapeRecord:
+    at = T0 + tick * 50_000_000
+    samples = [Sample(source, "requests_running", running, LABELS, W0 + at - T0, at),
+               Sample(source, "kv_cache_usage_ratio", kv, LABELS, W0 + at - T0, at)]
+    return ScrapeRecord(source, target, tick, W0 + at - T0, at, 2_000_000, True, samples)
+
+
+def recorded_run(path) -> int:
+    """A small run as a recording writes it: through StoreWriter, from several threads' records."""
+    con = open_store(path)
+    settings = {"hz": 20.0, "extra": {"driven_target": "http://127.0.0.1:8000", "grace_s": 1.5,
+                                      "scenarios": ["decode"], "model": "tiny", "relay_url": None}}
+    rid = create_run(con, name="round-trip", targets=[{"label": "t0", "url": "http://127.0.0.1:8000"}],
+                     engine={"nvml": "off"}, settings=settings, wall_ns=W0, mono_ns=T0)
+    writer = StoreWriter(con, rid, flush_s=0.05)
+    for tick, (running, kv) in enumerate([(1, 0.25), (2, 0.5), (1, math.nan), (0, 0.0)]):
+        writer.put(scrape(tick, running, kv))
+    writer.put(ScrapeRecord("vllm", "t0", 4, W0 + 200_000_000, T0 + 200_000_000, 1_000_000_000, False, []))
+    writer.put(GapRecord("vllm", "t0", "error", W0 + 200_000_000, T0 + 200_000_000, T0 + 300_000_000, 2,
+                         "connection refused" * 50))
+    writer.put(EventRecord("user_stop", W0 + 60_000_000, T0 + 60_000_000, "cw-decode-target-1",
+                           {"scenario": "decode", "phase": "decode", "cancel_id": "c1"}))
+    row = LedgerRecord("cw-decode-target-1", "decode", "target", n=2, prompt_tokens=600, max_tokens=1500,
+                       sent_mono_ns=T0 + 10_000_000, chunks=3)
+    writer.put(row)
+    row.terminal_state, row.reason, row.chunks = "cancelled", "task cancelled", 7
+    writer.put(row)  # the same request again: its row is replaced, not doubled
+    writer.set_run_json("cache", {"t0": {"num_gpu_blocks": "64", "block_size": "128"}})
+    writer.close()
+    finish_run(con, rid, "completed", {"samples_written": writer.samples_written}, ended_wall_ns=W0 + 10**9)
+    con.close()
+    return rid
+
+
+def test_what_the_writer_writes_the_reader_reads(tmp_path):
+    store = tmp_path / "cw.db"
+    rid = recorded_run(store)
+    run = load_run(store, "latest")
+    assert run.id == rid and run.info["status"] == "completed" and run.info["name"] == "round-trip"
+    assert run.info["stats"] == {"samples_written": 8}
+    assert run.info["cache"] == {"t0": {"num_gpu_blocks": "64", "block_size": "128"}}
+    assert DriveSettings.of_run(run.info["settings"]) == DriveSettings("http://127.0.0.1:8000", ["decode"], 1.5, "tiny")
+    assert (run.info["ended_wall_ns"] - run.info["started_wall_ns"]) == 10**9
+
+    kv = run.series("kv_cache_usage_ratio")
+    assert kv["t_s"].tolist() == [0.0, 0.05, 0.1, 0.15]
+    assert kv["value"].tolist()[:2] == [0.25, 0.5] and math.isnan(kv["value"].iloc[2])  # NaN stays missing
+    assert run.series("requests_running", source="vllm", target="t0")["value"].tolist() == [1, 2, 1, 0]
+    assert set(run.samples["labels"]) == {json.dumps(dict(LABELS), sort_keys=True)}
+    assert run.series("no_such_metric").empty
+
+    assert run.scrapes["ok"].tolist() == [1, 1, 1, 1, 0] and run.scrapes["n_samples"].tolist() == [2, 2, 2, 2, 0]
+    (gap,) = run.gaps.itertuples(index=False)
+    assert (gap.kind, gap.ticks, gap.t_s, gap.end_t_s) == ("error", 2, 0.2, 0.3)
+    assert len(gap.detail) == 500  # long details are cut, not refused
+    (ev,) = run.events.itertuples(index=False)
+    assert (ev.kind, ev.request_id, ev.t_s) == ("user_stop", "cw-decode-target-1", 0.06)
+    assert json.loads(ev.data)["cancel_id"] == "c1"
+    (led,) = run.ledger.to_dict("records")
+    assert (led["n"], led["chunks"], led["terminal_state"], led["reason"]) == (2, 7, "cancelled", "task cancelled")
+    assert led["sent_mono_ns"] == T0 + 10_000_000 and led["first_token_mono_ns"] is None
+    assert list_runs(store)["name"].tolist() == ["round-trip"]
+
+
+def test_only_the_asked_metrics_are_read(tmp_path):
+    store = tmp_path / "cw.db"
+    recorded_run(store)
+    run = load_run(store, "latest", metrics=["requests_running"])
+    assert set(run.samples["metric"]) == {"requests_running"} and len(run.samples) == 4
+
+
+def test_a_block_write_reads_back_like_a_recording(tmp_path):
+    """write_scrape_block (the synthetic long run's path) lays rows as StoreWriter does."""
+    rec, block = tmp_path / "rec.db", tmp_path / "block.db"
+    recorded_run(rec)
+    con = open_store(block)
+    rid = create_run(con, name="block", targets=[], engine={}, settings={}, wall_ns=W0, mono_ns=T0)
+    mono = T0 + np.arange(4) * 50_000_000
+    with con:
+        n = write_scrape_block(con, rid, "vllm", "t0", ticks=np.arange(4), wall_ns=mono - T0 + W0, mono_ns=mono,
+                               duration_ns=2_000_000,
+                               series={("requests_running", LABELS): np.array([1, 2, 1, 0.0]),
+                                       ("kv_cache_usage_ratio", LABELS): np.array([0.25, 0.5, math.nan, 0.0])})
+        write_gaps(con, rid, [])
+        write_events(con, rid, [])
+        write_ledger(con, rid, [])
+    finish_run(con, rid, "completed", {})
+    con.close()
+    assert n == 8
+    a, b = load_run(rec, "latest"), load_run(block, "latest")
+    cols = ["source", "target", "metric", "labels", "value", "t_s", "duration_ns"]
+    ok = a.samples[a.samples["scrape_id"].isin(a.scrapes[a.scrapes["ok"] == 1]["id"])]
+    assert ok[cols].astype(str).values.tolist() == b.samples[cols].astype(str).values.tolist()
+
+
+def test_a_store_of_another_schema_is_left_as_it_was(tmp_path):
+    store = tmp_path / "old.db"
+    recorded_run(store)
+    con = open_store(store)
+    con.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
+    con.commit()
+    con.close()
+    before = store.read_bytes()
+    with pytest.raises(StoreError, match="has schema 1.*--store"):
+        open_store(store)
+    assert store.read_bytes() == before
