@@ -15,8 +15,16 @@ from pathlib import Path
 import numpy as np
 
 from runstore.records import EventRecord, GapRecord, LedgerRecord
-from runstore.writer import (create_run, finish_run, open_store, set_run_json, write_events, write_gaps, write_ledger,
-                             write_scrape_block)
+from runstore.writer import (
+    create_run,
+    finish_run,
+    open_store,
+    set_run_json,
+    write_events,
+    write_gaps,
+    write_ledger,
+    write_scrape_block,
+)
 
 GiB = 1024**3
 T0_NS = 10_000_000_000  # monotonic start of the synthetic run

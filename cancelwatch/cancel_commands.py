@@ -26,6 +26,7 @@ def record_cmd(
     name: Optional[str] = typer.Option(None),
     pid: Optional[list[int]] = typer.Option(None),
     lost_after: float = typer.Option(10.0),
+    engine_log: Optional[Path] = typer.Option(None, help="The log of an engine you run yourself (vLLM with --enable-log-requests), followed for its per-request lines; the embedded engine's is read on its own."),
     grace: float = typer.Option(2.0, help="Seconds the scheduler has to reconcile after an abort."),
     relay_url: Optional[str] = typer.Option(None, help="Relay app for in-process scenarios (inproc); default: start one."),
 ):
@@ -58,6 +59,7 @@ def record_cmd(
     try:
         settings = RecordSettings(targets=targets, store=store, hz=hz, duration_s=None, nvml=nvml, name=name,
                                   pids=list(pid or []), lost_after_s=lost_after, home=home_dir(),
+                                  engine_log=engine_log,
                                   drive=DriveSettings(driven_target=target, scenarios=[s.name for s in scenarios],
                                                       grace_s=grace, model=model, relay_url=relay_url))
         sources, facts = build_sources(settings)

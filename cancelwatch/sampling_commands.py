@@ -47,13 +47,15 @@ def sample(
     name: Optional[str] = typer.Option(None, help="Run name."),
     pid: Optional[list[int]] = typer.Option(None, help="Engine pid(s) for process memory; default: the embedded engine's."),
     lost_after: float = typer.Option(10.0, help="Seconds a target may fail before the run ends as target_lost."),
+    engine_log: Optional[Path] = typer.Option(None, help="The log of an engine you run yourself (vLLM with --enable-log-requests), followed for its per-request lines; the embedded engine's is read on its own."),
 ):
     """Sample the scheduler and memory only; prints the run id. Ctrl-C ends the run as interrupted."""
     import time
 
     try:
         settings = RecordSettings(targets=parse_targets(target), store=store, hz=hz, duration_s=duration or None,
-                                  nvml=nvml, name=name, pids=list(pid or []), lost_after_s=lost_after, home=home_dir())
+                                  nvml=nvml, name=name, pids=list(pid or []), lost_after_s=lost_after, home=home_dir(),
+                                  engine_log=engine_log)
         sources, facts = build_sources(settings)
     except PreflightError as exc:
         raise fail(str(exc)) from None

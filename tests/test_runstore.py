@@ -11,8 +11,16 @@ import pytest
 from runstore.errors import StoreError
 from runstore.reader import list_runs, load_run
 from runstore.records import DriveSettings, EventRecord, GapRecord, LedgerRecord, Sample, ScrapeRecord, freeze_labels
-from runstore.writer import (StoreWriter, create_run, finish_run, open_store, write_events, write_gaps, write_ledger,
-                             write_scrape_block)
+from runstore.writer import (
+    StoreWriter,
+    create_run,
+    finish_run,
+    open_store,
+    write_events,
+    write_gaps,
+    write_ledger,
+    write_scrape_block,
+)
 
 T0 = 5_000_000_000  # monotonic start of the run, ns
 W0 = 1_790_000_000_000_000_000  # wall clock at the start, ns

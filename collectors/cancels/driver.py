@@ -16,8 +16,15 @@ import httpx
 
 from collectors.cancels.load import make_prompt
 from collectors.cancels.scenarios import Scenario
-from collectors.cancels.streams import (REQUEST_TIMEOUT_S, Request, build_request, cancel_in_app, disconnect, now_ns,
-                                        run_request)
+from collectors.cancels.streams import (
+    REQUEST_TIMEOUT_S,
+    Request,
+    build_request,
+    cancel_in_app,
+    disconnect,
+    now_ns,
+    run_request,
+)
 from runstore.records import EventRecord, LedgerRecord
 
 IDLE_WAIT_S = 30.0

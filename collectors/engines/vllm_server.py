@@ -33,6 +33,20 @@ class PortBusy(EngineError):
     pass
 
 
+# vLLM's own log format with a year and milliseconds in the date, so that the engine log source can
+# place each request's lines (Added request / Aborted request(s)) on the run's clock
+LOGGING_CONFIG = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"vllm": {
+        "()": "vllm.logging_utils.NewLineFormatter", "datefmt": "%Y-%m-%d %H:%M:%S", "log_level": "INFO",
+        "format": "(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asctime)s.%(msecs)03d "
+                  "[%(fileinfo)s:%(lineno)d] %(message)s"}},
+    "handlers": {"vllm": {"class": "logging.StreamHandler", "formatter": "vllm", "level": "INFO",
+                          "stream": "ext://sys.stdout"}},
+    "loggers": {"vllm": {"handlers": ["vllm"], "level": "INFO", "propagate": False}},
+}
+
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1}
 
 
@@ -239,7 +253,14 @@ def start(
                         extra_args=extra_args)
     log_path = home / f"engine-{port}.log"
     log = open(log_path, "w")  # noqa: SIM115 - handed to the child, closed below
-    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)} if relay else None  # collectors.engines.relay_app
+    env = dict(os.environ)
+    if relay:
+        env["PYTHONPATH"] = str(PROJECT_ROOT)  # collectors.engines.relay_app
+    if not gpu:
+        # a GPU user's vllm may predate the formatter fields used here: it keeps its own format
+        config = home / "vllm-logging.json"
+        config.write_text(json.dumps(LOGGING_CONFIG, indent=1))
+        env["VLLM_LOGGING_CONFIG_PATH"] = str(config)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True, cwd=str(home), env=env)
     log.close()

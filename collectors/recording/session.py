@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 from collectors.engines import vllm_server as engine_mod
 from collectors.recording.sampler import Sampler
 from collectors.sources.base import Source
+from collectors.sources.engine_log import EngineLogSource
 from collectors.sources.nvml import NvmlSource
 from collectors.sources.process_memory import ProcessMemorySource
 from collectors.sources.vllm import VllmMetricsSource, cache_config, model_names
@@ -26,6 +27,10 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_TARGET_LOST = 3
 EXIT_INTERRUPTED = 130
+
+
+NO_ENGINE_LOG = ("no engine log: the target is not cancelwatch's embedded engine; pass --engine-log PATH "
+                 "(the log of a vLLM started with --enable-log-requests)")
 
 
 class PreflightError(Exception):
@@ -53,6 +58,7 @@ class RecordSettings:
     home: Path = Path(".cancelwatch")
     max_hz: float = 200.0
     drive: DriveSettings | None = None  # set when the run drives scripted cancels (record)
+    engine_log: Path | None = None  # the log of an engine not started by cancelwatch (--engine-log)
 
     def as_stored(self) -> dict:
         """The run's `settings` column; the drive settings keep the key `extra` that stores already hold."""
@@ -103,6 +109,7 @@ def build_sources(settings: RecordSettings, nvml_module=None) -> tuple[list[Sour
     sources: list[Source] = []
     engine_facts: dict = {"targets": {}}
     pids = list(settings.pids)
+    logs: dict[str, str] = {}  # target label -> the engine log followed for it
     for t in settings.targets:
         src = VllmMetricsSource(t.url, t.label)
         problem = src.check()
@@ -121,6 +128,22 @@ def build_sources(settings: RecordSettings, nvml_module=None) -> tuple[list[Sour
             }
             if not settings.pids:
                 pids.append(state.pid)
+            logs[t.label] = state.log_path
+    if settings.engine_log is not None:
+        logs = {settings.targets[0].label: str(settings.engine_log)}
+    engine_facts["engine_log"] = {t.label: {"off": NO_ENGINE_LOG} for t in settings.targets}
+    for label, path in logs.items():
+        log = EngineLogSource(path, target=label)
+        problem = log.check()
+        if problem and settings.engine_log is not None:
+            for s in sources:
+                s.close()
+            raise PreflightError(problem)
+        if problem:
+            engine_facts["engine_log"][label] = {"off": problem}
+            continue
+        sources.append(log)
+        engine_facts["engine_log"][label] = {"path": path}
     if pids:
         proc = ProcessMemorySource(pids, target="engine")
         problem = proc.check()
@@ -177,6 +200,9 @@ def record(
         if src.name == "vllm" and src.target not in caches:
             caches[src.target] = {**cache_config(samples), "model_names": model_names(samples)}
             writer.set_run_json("cache", dict(caches))
+        if isinstance(src, EngineLogSource):
+            for event in src.take_events():
+                writer.put(event)
 
     sampler = Sampler(sources, writer.put, hz=settings.hz, lost_after_s=settings.lost_after_s, on_samples=on_samples)
     stop = stop or threading.Event()
