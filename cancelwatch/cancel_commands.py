@@ -11,7 +11,14 @@ import typer
 from cancelwatch.console import DEFAULT_STORE, fail, home_dir, out, print_store_error
 from cancelwatch.report_commands import print_report, report_exit
 from collectors.engines import vllm_server as engine_mod
-from collectors.recording.session import EXIT_FAILED, PreflightError, RecordSettings, build_sources, parse_targets, record
+from collectors.recording.session import (
+    EXIT_FAILED,
+    PreflightError,
+    RecordSettings,
+    build_sources,
+    parse_targets,
+    record,
+)
 from runstore.errors import StoreError
 from runstore.records import DriveSettings
 

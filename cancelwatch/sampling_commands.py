@@ -13,7 +13,14 @@ from rich.live import Live
 from rich.table import Table
 
 from cancelwatch.console import DEFAULT_STORE, err, fail, home_dir, out, print_store_error
-from collectors.recording.session import EXIT_FAILED, PreflightError, RecordSettings, build_sources, parse_targets, record
+from collectors.recording.session import (
+    EXIT_FAILED,
+    PreflightError,
+    RecordSettings,
+    build_sources,
+    parse_targets,
+    record,
+)
 from runstore.errors import StoreError
 
 

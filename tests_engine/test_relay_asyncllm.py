@@ -231,3 +231,133 @@ def test_a_cancelled_request_is_never_retried(loop, llm):
         with pytest.raises(AlreadyRan):
             await consume(relay, "once-2", "alice", (prompt(10), 3))
     loop.run_until_complete(go())
+
+
+class Tracked:
+    """The engine's output iterator, remembering whether the relay closed it."""
+
+    def __init__(self, outputs):
+        self.outputs = outputs
+        self.closed = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.outputs.__anext__()
+
+    async def aclose(self):
+        self.closed = True
+        await self.outputs.aclose()
+
+
+class TrackedEngine(Engine):
+    def __init__(self, llm, abort_failures: int = 0, abort_hangs: int = 0):
+        super().__init__(llm, abort_failures)
+        self.abort_hangs = abort_hangs
+        self.streams: list[Tracked] = []
+
+    def generate(self, engine_id, payload):
+        if isinstance(payload, dict):  # relay_app's payload: prompt and SamplingParams
+            self.generated.append(engine_id)
+            stream = Tracked(self.llm.generate(payload["prompt"], payload["params"], engine_id))
+        else:
+            stream = Tracked(super().generate(engine_id, payload))
+        self.streams.append(stream)
+        return stream
+
+    async def abort(self, engine_id):
+        if self.abort_hangs > 0:
+            self.abort_hangs -= 1
+            self.aborts.append(engine_id)
+            await asyncio.sleep(3600)  # an engine core that never answers
+        await super().abort(engine_id)
+
+
+def test_an_abort_that_hangs_is_cut_off_and_retried(loop, llm, caplog):
+    async def go():
+        eng = TrackedEngine(llm, abort_hangs=1)
+        relay, events = make_relay(eng, abort_timeout_s=0.3, abort_retry_s=0.01)
+        got = []
+        task = asyncio.create_task(consume(relay, "hang-1", "alice", (prompt(50), 1000), got=got))
+        assert await until(lambda: len(got) >= 3)
+        await relay.cancel("hang-1", "alice")
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+        entry = relay.entries["hang-1"]
+        assert entry.abort_attempts == 2 and entry.released and not eng.in_engine(entry.engine_request_id)
+        assert eng.streams[-1].closed
+    with caplog.at_level(logging.WARNING, logger="cancelwatch.relay"):
+        loop.run_until_complete(go())
+    assert any("no answer within 0.3 s" in r.message for r in caplog.records)
+
+
+def test_finished_entries_and_tombstones_are_pruned_but_running_ones_kept(loop, llm):
+    async def go():
+        eng = TrackedEngine(llm)
+        relay, _ = make_relay(eng, keep_s=0.2, max_entries=3)
+        for i in range(5):
+            await consume(relay, f"done-{i}", "alice", (prompt(10, i), 2))
+            assert await relay.cancel(f"never-{i}", "alice") == "kept_until_registered"
+        relay.prune()
+        assert sorted(relay.entries) == ["done-2", "done-3", "done-4"]  # the oldest beyond max_entries went
+        assert sorted(relay.early) == ["never-2", "never-3", "never-4"]
+        got = []
+        running = asyncio.create_task(consume(relay, "running-1", "alice", (prompt(50), 1000), got=got))
+        assert await until(lambda: len(got) >= 2)
+        await asyncio.sleep(0.3)
+        relay.prune()
+        assert list(relay.entries) == ["running-1"] and relay.early == {}  # past keep_s; running is kept
+        await relay.cancel("running-1", "alice")
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        assert relay.issue_id() != relay.issue_id()
+    loop.run_until_complete(go())
+
+
+def test_a_client_that_goes_away_from_relay_app_is_aborted_and_its_iterator_closed(loop, llm):
+    """A real HTTP client disconnects mid-stream from relay_app under uvicorn: Starlette cancels the
+    streaming task through anyio, which cancels every later await in that scope; the abort still runs
+    (retried after an injected failure) and the engine's iterator is still closed."""
+    import socket
+
+    import httpx
+    import uvicorn
+
+    from collectors.engines.relay_app import build_app
+
+    async def go():
+        eng = TrackedEngine(llm, abort_failures=1)
+        relay, events = make_relay(eng, abort_retry_s=0.01)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(build_app(llm, "tiny", relay=relay), host="127.0.0.1", port=port,
+                                               log_level="warning", lifespan="off"))
+        serving = asyncio.create_task(server.serve())
+        try:
+            assert await until(lambda: server.started, 20)
+            async with httpx.AsyncClient(timeout=30) as client:
+                async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
+                                         json={"model": "tiny", "prompt": prompt(60), "max_tokens": 2000,
+                                               "ignore_eos": True},
+                                         headers={"X-Request-Id": "chosen-by-client", "X-Owner": "alice"}) as resp:
+                    rid = resp.headers["x-relay-request-id"]
+                    assert rid != "chosen-by-client" and resp.headers["x-client-request-id"] == "chosen-by-client"
+                    chunks = 0
+                    async for line in resp.aiter_lines():
+                        chunks += line.startswith("data: ")
+                        if chunks >= 5:
+                            break
+                # the response is closed unread: the connection goes, nothing is sent to /cancel
+            assert await until(lambda: relay.status(rid)["abort_ok"] is not None, 20), relay.status(rid)
+            st = relay.status(rid)
+            assert st["state"] == "cancelled" and st["abort_attempts"] == 2 and st["released"], st
+            engine_id = st["engine_request_id"]
+            assert eng.aborts == [engine_id, engine_id] and not eng.in_engine(engine_id)
+            assert await until(lambda: eng.streams[-1].closed, 5)
+            assert ("abort_returned", rid) in events
+        finally:
+            server.should_exit = True
+            await asyncio.wait_for(serving, 20)
+    loop.run_until_complete(go())

@@ -78,7 +78,12 @@ async def run_request(client: httpx.AsyncClient, base_url: str, req: Request) ->
         if req.response is not None:
             await req.response.aclose()
         req.engine_abort_ns = now_ns()
-        row.terminal_state, row.reason = "cancelled", "task cancelled"
+        if req.stream and row.max_tokens and row.chunks >= row.max_tokens * row.n:
+            # every token the request could give had arrived: it ended by length in the engine, and
+            # only the finish marker was still on its way when the cancel came. A completion.
+            row.terminal_state, row.reason = "completed", "length (finish marker not read before the cancel)"
+        else:
+            row.terminal_state, row.reason = "cancelled", "task cancelled"
     except httpx.TimeoutException as exc:
         req.app_received_ns = now_ns()
         row.terminal_state, row.reason = ("cancelled", "client timeout") if req.cancel_requested else ("error", "timeout")
@@ -156,8 +161,10 @@ async def disconnect(req: Request) -> None:
 
 
 async def cancel_in_app(client: httpx.AsyncClient, base_url: str, req: Request) -> tuple[int | None, int | None]:
-    """The app's own cancel call: the relay checks the owner and cancels the serving task, whose
-    finally awaits AsyncLLM.abort(). Returns the relay's (app received, engine abort) readings."""
-    resp = await client.post(f"{base_url}/cancel/{req.row.request_id}", headers={"X-Owner": OWNER})
+    """The app's own cancel call, for the id the app issued (its `X-Relay-Request-Id` header): the relay
+    checks the owner and cancels the serving task, whose finally awaits AsyncLLM.abort(). Returns the
+    relay's (app received, engine abort) readings."""
+    app_id = req.response.headers.get("x-relay-request-id") if req.response is not None else None
+    resp = await client.post(f"{base_url}/cancel/{app_id or req.row.request_id}", headers={"X-Owner": OWNER})
     status = (resp.json() or {}).get("status") or {}
     return status.get("app_received_ns"), status.get("engine_abort_ns")

@@ -6,11 +6,18 @@ Importable on its own (standard library only) as an example for app authors. It 
 - a cancel that arrives before its request is registered is kept, and the request is then never
   started (or, with `early_cancel="reject"`, the cancel is rejected explicitly);
 - completion and cancel race through one terminal transition: whichever comes first wins;
-- the `finally` path of a stream awaits `abort()` and closes the engine's iterator;
-- an abort that fails is retried a bounded number of times with a logged alert, and such a request
-  is never reported as released;
+- the `finally` path of a stream awaits `abort()` and then closes the engine's iterator, in nested
+  try/finally so the iterator is closed even when the abort raises or is cancelled. Both run in a
+  task of their own: under Starlette/anyio a client that goes away cancels every later await of the
+  serving task, and the engine must still be told;
+- an abort that fails or hangs is retried a bounded number of times, each attempt bounded in time,
+  with a logged alert, and such a request is never reported as released;
+- CancelledError is never swallowed: the serving task still sees its cancellation;
 - a duplicate cancel is idempotent and touches no other request;
-- a cancelled request is never retried automatically.
+- a cancelled request is never retried automatically; request ids come from the app (`issue_id`),
+  never from the client, so an id is never served twice;
+- finished entries and the tombstones of early cancels are pruned after `keep_s` (and beyond
+  `max_entries`), so the registry's memory is bounded.
 
 `generate(engine_request_id, payload)` must return an async iterator of outputs (vLLM:
 `AsyncLLM.generate`), and `abort(engine_request_id)` a coroutine (vLLM: `AsyncLLM.abort`).
@@ -49,6 +56,7 @@ class Entry:
     task: asyncio.Task | None = None
     state: str = "running"  # running -> completed | cancelled | error
     registered_ns: int = field(default_factory=time.monotonic_ns)
+    finished_ns: int | None = None
     app_received_ns: int | None = None
     engine_abort_ns: int | None = None
     abort_attempts: int = 0
@@ -63,17 +71,43 @@ class Entry:
 
 class Relay:
     def __init__(self, generate, abort, *, max_abort_attempts: int = 3, abort_retry_s: float = 0.05,
-                 early_cancel: str = "keep", on_event=None):
+                 abort_timeout_s: float = 2.0, early_cancel: str = "keep", on_event=None, keep_s: float = 300.0,
+                 max_entries: int = 10_000):
         if early_cancel not in ("keep", "reject"):
             raise ValueError("early_cancel must be 'keep' or 'reject'")
         self._generate = generate
         self._abort = abort
         self.max_abort_attempts = max_abort_attempts
         self.abort_retry_s = abort_retry_s
+        self.abort_timeout_s = abort_timeout_s
         self.early_cancel = early_cancel
         self.on_event = on_event or (lambda kind, entry, **data: None)
+        self.keep_s = keep_s
+        self.max_entries = max_entries
         self.entries: dict[str, Entry] = {}
-        self.early: dict[str, str] = {}  # request id -> owner of a cancel that came first
+        self.early: dict[str, tuple[str, int]] = {}  # request id -> (owner, when) of a cancel that came first
+        self._releases: set[asyncio.Task] = set()  # aborts under way, held until they end
+
+    @staticmethod
+    def issue_id() -> str:
+        """A fresh request id for the app to hand to its client (never taken from the client)."""
+        return uuid.uuid4().hex
+
+    def prune(self, now_ns: int | None = None) -> None:
+        """Forget finished entries and early-cancel tombstones older than `keep_s`, and the oldest of
+        them beyond `max_entries`; requests still running are never forgotten."""
+        now_ns = time.monotonic_ns() if now_ns is None else now_ns
+        horizon = now_ns - int(self.keep_s * 1e9)
+        done = sorted((e.finished_ns, rid) for rid, e in self.entries.items() if e.finished_ns is not None)
+        excess = max(0, len(self.entries) - self.max_entries)
+        for i, (finished_ns, rid) in enumerate(done):
+            if finished_ns < horizon or i < excess:
+                del self.entries[rid]
+        tombs = sorted((at, rid) for rid, (_, at) in self.early.items())
+        excess = max(0, len(tombs) - self.max_entries)
+        for i, (at, rid) in enumerate(tombs):
+            if at < horizon or i < excess:
+                del self.early[rid]
 
     # ------------------------------------------------------------------ the one terminal transition
     def _finish(self, entry: Entry, state: str) -> bool:
@@ -81,18 +115,20 @@ class Relay:
         if entry.state in TERMINAL:
             return False
         entry.state = state
+        entry.finished_ns = time.monotonic_ns()
         self.on_event(state, entry)
         return True
 
     # ------------------------------------------------------------------ serving
     async def stream(self, request_id: str, owner: str, payload):
         """Serve one request: yields the engine's outputs until it completes or is cancelled."""
+        self.prune()
         prior = self.entries.get(request_id)
         if prior is not None:
             if prior.state == "cancelled":
                 raise RequestCancelled(f"{request_id} was cancelled; a cancelled request is not retried")
             raise AlreadyRan(f"{request_id} has already been served")
-        early_owner = self.early.pop(request_id, None)
+        early_owner = self.early.pop(request_id, (None, 0))[0]
         entry = Entry(request_id, owner, f"{request_id}-{uuid.uuid4().hex[:8]}", task=asyncio.current_task())
         self.entries[request_id] = entry
         if early_owner == owner:
@@ -116,10 +152,22 @@ class Relay:
             self._finish(entry, "error")
             raise
         finally:
-            # cancelled, failed, or the consumer went away: the engine must drop the request
+            # cancelled, failed, or the consumer went away: the engine must drop the request. Started
+            # before the first await here, in a task of its own, so a cancellation that hits every
+            # await of this task (anyio) cannot stop it; awaited through a shield, so this task still
+            # waits for it when it can and still sees its own cancellation when it comes
             if not completed:
                 self._finish(entry, "cancelled")
+            release = asyncio.ensure_future(self._release(entry, outputs, abort=not completed))
+            self._releases.add(release)
+            release.add_done_callback(self._releases.discard)
+            await asyncio.shield(release)
+
+    async def _release(self, entry: Entry, outputs, abort: bool) -> None:
+        try:
+            if abort:
                 await self._abort_with_retries(entry)
+        finally:
             await _aclose(outputs)
 
     async def _abort_with_retries(self, entry: Entry) -> bool:
@@ -127,11 +175,12 @@ class Relay:
         for attempt in range(1, self.max_abort_attempts + 1):
             entry.abort_attempts = attempt
             try:
-                await self._abort(entry.engine_request_id)
-            except Exception as exc:  # noqa: BLE001 - any failure is retried, then alerted
-                last = exc
+                await asyncio.wait_for(self._abort(entry.engine_request_id), self.abort_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - any failure (a hang included) is retried, then alerted
+                last = exc if not isinstance(exc, TimeoutError) else TimeoutError(
+                    f"no answer within {self.abort_timeout_s:g} s")
                 log.warning("abort of %s failed (attempt %d/%d): %s", entry.engine_request_id, attempt,
-                            self.max_abort_attempts, exc)
+                            self.max_abort_attempts, last)
                 await asyncio.sleep(self.abort_retry_s * attempt)
                 continue
             entry.engine_abort_ns = time.monotonic_ns()
@@ -147,13 +196,14 @@ class Relay:
     # ------------------------------------------------------------------ cancelling
     async def cancel(self, request_id: str, owner: str) -> str:
         """Cancel on behalf of `owner`. Returns what happened; never touches another request."""
+        self.prune()
         entry = self.entries.get(request_id)
         if entry is None:
             if self.early_cancel == "reject":
                 return "rejected_unknown"
-            if request_id in self.early and self.early[request_id] != owner:
+            if request_id in self.early and self.early[request_id][0] != owner:
                 return "rejected_not_owner"
-            self.early[request_id] = owner
+            self.early[request_id] = (owner, time.monotonic_ns())
             return "kept_until_registered"
         if entry.owner != owner:
             return "rejected_not_owner"
@@ -181,5 +231,5 @@ async def _aclose(it) -> None:
     if close is not None:
         try:
             await close()
-        except (RuntimeError, asyncio.CancelledError):
+        except RuntimeError:  # already running or closed elsewhere; a cancellation goes on up
             pass

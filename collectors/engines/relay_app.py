@@ -2,7 +2,10 @@
 
 It is the `inproc` scenario's target and an example for app authors: streaming completions
 (OpenAI-shaped SSE), an explicit `POST /cancel/{request_id}` (owner in `X-Owner`) that goes through
-the relay to `AsyncLLM.abort()`, and the engine's Prometheus metrics on `/metrics`.
+the relay to `AsyncLLM.abort()`, and the engine's Prometheus metrics on `/metrics`. The app issues
+each request's id and returns it in the `X-Relay-Request-Id` header (the client's own X-Request-Id
+is only echoed in `X-Client-Request-Id`); a client that goes away closes the relay's stream at once,
+so the engine is told then, not when the garbage collector gets to it.
 Runs under the engine's Python:
 
     python -m collectors.engines.relay_app --model DIR --port 8100 [--load-format dummy] [shape flags]
@@ -14,19 +17,31 @@ import argparse
 import asyncio
 import json
 import time
-import uuid
 
 from collectors.engines.relay import Relay, RequestCancelled
 
 
-def build_app(llm, served_name: str):
+def build_app(llm, served_name: str, relay: Relay | None = None):
+    """The app around `llm`; `relay` replaces the default one (tests count its aborts)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    relay = Relay(generate=lambda engine_id, p: llm.generate(p["prompt"], p["params"], engine_id), abort=llm.abort)
+    class ClosingStreamingResponse(StreamingResponse):
+        """Closes its body however the response ends. Starlette cancels the streaming task when the
+        client goes, but leaves the body generator suspended where it was (at a `yield`, while a
+        chunk was being sent): only closing it runs the relay's finally, and so the abort."""
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                await self.body_iterator.aclose()
+
+    relay = relay or Relay(generate=lambda engine_id, p: llm.generate(p["prompt"], p["params"], engine_id),
+                           abort=llm.abort)
     app = FastAPI()
     app.state.relay = relay
 
@@ -45,15 +60,16 @@ def build_app(llm, served_name: str):
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await request.json()
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        rid = relay.issue_id()
         owner = request.headers.get("x-owner", "anonymous")
         params = SamplingParams(max_tokens=int(body.get("max_tokens", 16)), ignore_eos=bool(body.get("ignore_eos")),
                                 temperature=float(body.get("temperature", 1.0)), output_kind=RequestOutputKind.DELTA)
         payload = {"prompt": body["prompt"], "params": params}
 
         async def sse():
+            stream = relay.stream(rid, owner, payload)
             try:
-                async for out in relay.stream(rid, owner, payload):
+                async for out in stream:
                     c = out.outputs[0]
                     chunk = {"id": rid, "object": "text_completion", "model": served_name,
                              "choices": [{"index": 0, "text": c.text, "finish_reason": c.finish_reason}]}
@@ -61,8 +77,13 @@ def build_app(llm, served_name: str):
                 yield "data: [DONE]\n\n"
             except RequestCancelled:
                 return
+            finally:
+                await stream.aclose()
 
-        return StreamingResponse(sse(), media_type="text/event-stream")
+        headers = {"X-Relay-Request-Id": rid}
+        if request.headers.get("x-request-id"):
+            headers["X-Client-Request-Id"] = request.headers["x-request-id"]
+        return ClosingStreamingResponse(sse(), media_type="text/event-stream", headers=headers)
 
     @app.post("/cancel/{rid}")
     async def cancel(rid: str, request: Request):
