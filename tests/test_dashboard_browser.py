@@ -88,11 +88,16 @@ DRAWN = """() => Array.from(document.querySelectorAll('.js-plotly-plot')[0].quer
     .map(g => ({name: g.__data__[0].trace.name, points: g.querySelectorAll('path.point').length,
                 line: Array.from(g.querySelectorAll('path.js-line'))
                            .reduce((n, p) => n + (p.getAttribute('d') || '').length, 0)}))"""
-# the verdict table's cells as text: the grid paints a canvas and keeps an accessible table beside it
-TABLE_ROWS = """() => { const t = Array.from(document.querySelectorAll('[data-testid="stDataFrame"]'))
-    .filter(e => e.offsetParent !== null).map(e => e.querySelector('table')).filter(Boolean)[0];
-    return t ? Array.from(t.querySelectorAll('tr')).map(r => Array.from(r.querySelectorAll('th,td'))
-                                                            .map(c => c.innerText.trim())) : []; }"""
+# the verdict table's cells as text: the grid paints a canvas and keeps an accessible table beside it.
+# The page holds several data frames (run facts, capacity, ...) that render in their own time: pick the
+# one whose header names the request and the verdict, or none yet
+TABLE_ROWS = """() => { for (const e of document.querySelectorAll('[data-testid="stDataFrame"]')) {
+        const t = e.querySelector('table');
+        if (!t || e.offsetParent === null) continue;
+        const rows = Array.from(t.querySelectorAll('tr')).map(r => Array.from(r.querySelectorAll('th,td'))
+                                                                       .map(c => c.innerText.trim()));
+        if (rows.length > 1 && rows[0].includes('request_id') && rows[0].includes('verdict')) return rows;
+    } return []; }"""
 
 
 def pixels(png: Path, colour: str) -> int:
@@ -132,8 +137,8 @@ def test_the_served_dashboard_shows_the_timeline_and_the_verdict_table(proxy_and
         assert drawn[f"cancel: {verdict}"]["points"] == n, drawn
     assert drawn["KV usage t0"]["line"] > 0 and drawn["running t0"]["line"] > 0, drawn
     # the verdict table: one row per cancel, with its request id and verdict
+    page.wait_for_function(f"() => ({TABLE_ROWS})().length > 1", timeout=60_000)
     rows = page.evaluate(TABLE_ROWS)
-    assert rows, "no verdict table"
     head = rows[0]
     shown = [(r[head.index("request_id")], r[head.index("verdict")]) for r in rows[1:]]
     assert shown == [(v.request_id, v.verdict) for v in verdicts], rows
@@ -142,7 +147,7 @@ def test_the_served_dashboard_shows_the_timeline_and_the_verdict_table(proxy_and
     shot = tmp_path / "dashboard.png"
     page.screenshot(path=str(shot), full_page=True)
     assert pixels(shot, "#e45756") > 100, "no KV usage line in the screenshot"
-    grid = page.locator('[data-testid="stDataFrame"]').filter(has=page.locator("table")).first
+    grid = page.locator('[data-testid="stDataFrame"]').filter(has_text="request_id").first
     grid.scroll_into_view_if_needed()
     grid.screenshot(path=str(tmp_path / "verdicts.png"))
     assert pixels(tmp_path / "verdicts.png", VERDICT_COLOURS["leaked"]) > 500 * len(verdicts)
