@@ -12,7 +12,8 @@ Timepoints of a cancel, in seconds since the run started:
 Verdicts: released (left_scheduler within the grace window), leaked (the server still counts more
 than the ledger after the grace while the engine keeps stepping), stale_gauge (the same, but
 generation_tokens_total is flat: gauges pinned between steps), inconclusive (foreign traffic before
-the cancel, or too few samples). Never judged by request_success_total{finished_reason="abort"}:
+the cancel, too few samples, no samples across the grace, an engine restart in the window).
+Never judged by request_success_total{finished_reason="abort"}:
 vLLM does not count client disconnects there.
 """
 
@@ -214,6 +215,12 @@ def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None
             ev.why = f"the server counted more requests than the ledger before the cancel ({int(foreign.sum())} samples): foreign traffic"
             out.append(CancelVerdict(rid, scenario, phase, tp, "inconclusive", ev, terminal))
             continue
+        restart = _restart_in(run, target, sched, window, t_stop - 1.0, t_ref + grace_s)
+        if restart:
+            # gauges of a new engine start at 0: a release would be read into what is only a restart
+            ev.why = f"the engine restarted inside this cancel's window ({restart}): nothing to judge the release by"
+            out.append(CancelVerdict(rid, scenario, phase, tp, "inconclusive", ev, terminal))
+            continue
         after = np.nonzero(times >= t_ref)[0]
         needs_kv_drop = phase in ("prefill", "decode", "in_flight") and terminal != "completed" and not math.isnan(kv_before)
         # requests sent after the stop may take the freed blocks once they run; before their first
@@ -260,6 +267,12 @@ def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None
         if left is not None:
             tp["left_scheduler"] = float(times[left])
         in_grace = (times >= t_ref) & (times <= t_ref + grace_s)
+        if in_grace.sum() < 2:
+            # a scrape outage across the grace: neither a leak nor a stale gauge can be told from nothing
+            ev.why = (f"no samples from the engine across the grace ({int(in_grace.sum())} in {grace_s:g} s): "
+                      "a scrape outage, nothing to judge the release by")
+            out.append(CancelVerdict(rid, scenario, phase, tp, "inconclusive", ev, terminal))
+            continue
         gen = sched["gen_tokens"][in_grace]
         gen = gen[~np.isnan(gen)]
         stepping = len(gen) >= 2 and gen[-1] > gen[0]
@@ -282,6 +295,23 @@ def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None
                   if stepping else "gauges stayed up but no tokens were generated: stale until the next step")
         out.append(CancelVerdict(rid, scenario, phase, tp, verdict, ev, terminal))
     return out
+
+
+def _restart_in(run: Run, target: str | None, sched: dict[str, np.ndarray], window: np.ndarray, t_from: float,
+                t_to: float) -> str | None:
+    """How an engine restart shows between the instants `t_from` and `t_to`, else None: the engine's
+    token counter going back (a new process counts from 0), or the target lost in between."""
+    gen = sched["gen_tokens"][window]
+    gen = gen[~np.isnan(gen)]
+    if len(gen) >= 2 and (np.diff(gen) < 0).any():
+        return "generation_tokens_total went back"
+    gaps = run.gaps
+    if not gaps.empty and "end_t_s" in gaps:
+        lost = gaps[(gaps["kind"] == "lost") & (gaps["target"] == target) & (gaps["t_s"] <= t_to)
+                    & (gaps["end_t_s"] >= t_from)]
+        if len(lost):
+            return "the target was lost"
+    return None
 
 
 def neighbours_ok(run: Run) -> bool:

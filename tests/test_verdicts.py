@@ -17,11 +17,14 @@ T0 = 1_000_000_000_000
 HZ = 20
 
 
-def build_run(count, kv, gen, *, stop_s=2.0, abort_s=2.002, probe_first_s=None, extra_ledger=()):
-    """A 6 s run at 20 Hz: `count(t)`, `kv(t)`, `gen(t)` give running(+0 waiting), KV usage and tokens."""
+def build_run(count, kv, gen, *, stop_s=2.0, abort_s=2.002, probe_first_s=None, extra_ledger=(), missing=None):
+    """A 6 s run at 20 Hz: `count(t)`, `kv(t)`, `gen(t)` give running(+0 waiting), KV usage and tokens;
+    no scrape answered in the stretch `missing` (from, to) in s."""
     times = np.arange(0, 6, 1 / HZ)
     rows = []
     for i, t in enumerate(times):
+        if missing is not None and missing[0] <= t < missing[1]:
+            continue
         for metric, value in (("requests_running", count(t)), ("requests_waiting", 0.0),
                               ("kv_cache_usage_ratio", kv(t)), ("generation_tokens_total", gen(t))):
             rows.append({"source": "vllm", "target": "t0", "metric": metric, "labels": "{}", "value": value,
@@ -119,3 +122,22 @@ def test_evidence_groups_name_its_own_fields():
     names = [f.name for f in fields(Evidence)]
     for f in fields(Evidence):
         assert set(f.metadata.get(REPORTED_WITH, ())) <= set(names) - {f.name}, f.name
+
+
+def test_a_scrape_outage_across_the_grace_is_inconclusive_not_a_stale_gauge():
+    # the request was running; from the stop on, /metrics did not answer for 3 s (past the 2 s grace)
+    run = build_run(lambda t: 2.0, lambda t: 0.4, steady_gen, missing=(2.0, 5.0))
+    (v,) = judge_run(run)
+    assert v.verdict == "inconclusive" and "no samples" in v.evidence.why, v
+    assert v.timepoints["left_scheduler"] is None
+
+
+def test_an_engine_restart_inside_the_window_is_inconclusive_not_released():
+    # the engine died and came back right after the abort: its gauges and counters start again at 0
+    def restarted(value):
+        return lambda t: value(t) if t < 2.3 else 0.0
+
+    run = build_run(restarted(lambda t: 2.0), restarted(lambda t: 0.4), restarted(steady_gen), probe_first_s=3.0)
+    (v,) = judge_run(run)
+    assert v.verdict == "inconclusive" and "restarted" in v.evidence.why, v
+    assert "generation_tokens_total went back" in v.evidence.why
