@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import ast
+import os
+import sys
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import nbformat
@@ -39,6 +43,23 @@ def error_line(nb) -> str | None:
     return None
 
 
+@contextmanager
+def _kernel_stderr_aside():
+    """The kernel is a child process that writes to the stderr it inherits: its shutdown chatter
+    (tornado and zmq tracebacks, seen now and then) would otherwise land under the command's one-line
+    error. While a notebook runs, fd 2 points at a scratch file, which is dropped afterwards."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as scratch:
+        os.dup2(scratch.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 def render(name: str, parameters: dict, html_out: Path, ipynb_out: Path | None = None, timeout_s: int = 600) -> Path:
     """Run notebooks/NAME.ipynb with `parameters` from the project root, write HTML (inputs hidden).
 
@@ -50,9 +71,10 @@ def render(name: str, parameters: dict, html_out: Path, ipynb_out: Path | None =
     out_nb = ipynb_out or html_out.with_suffix(".ipynb")
     failed = None
     try:
-        pm.execute_notebook(str(src), str(out_nb), parameters=parameters, cwd=str(ROOT), kernel_name="python3",
-                            progress_bar=False, log_output=False, execution_timeout=timeout_s,
-                            extra_arguments=["--IPKernelApp.log_level=ERROR"])
+        with _kernel_stderr_aside():
+            pm.execute_notebook(str(src), str(out_nb), parameters=parameters, cwd=str(ROOT), kernel_name="python3",
+                                progress_bar=False, log_output=False, execution_timeout=timeout_s,
+                                extra_arguments=["--IPKernelApp.log_level=ERROR"])
     except pm.PapermillExecutionError as exc:
         failed = f"{exc.ename}: {exc.evalue}"
     nb = nbformat.read(str(out_nb), as_version=4)

@@ -76,7 +76,9 @@ class MetricsProxy:
     def up(self) -> None:
         self._server = ThreadingHTTPServer(("127.0.0.1", self.port), self._handler())
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        # a short poll: down() waits for the serving loop to notice, and the test times the outage from it
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        daemon=True)
         self._thread.start()
 
     def down(self) -> None:
