@@ -215,7 +215,7 @@ def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None
             ev.why = f"the server counted more requests than the ledger before the cancel ({int(foreign.sum())} samples): foreign traffic"
             out.append(CancelVerdict(rid, scenario, phase, tp, "inconclusive", ev, terminal))
             continue
-        restart = _restart_in(run, target, sched, window, t_stop - 1.0, t_ref + grace_s)
+        restart = _restart_in(run, target, sched, t_stop - 1.0, t_ref + grace_s)
         if restart:
             # gauges of a new engine start at 0: a release would be read into what is only a restart
             ev.why = f"the engine restarted inside this cancel's window ({restart}): nothing to judge the release by"
@@ -297,11 +297,11 @@ def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None
     return out
 
 
-def _restart_in(run: Run, target: str | None, sched: dict[str, np.ndarray], window: np.ndarray, t_from: float,
+def _restart_in(run: Run, target: str | None, sched: dict[str, np.ndarray], t_from: float,
                 t_to: float) -> str | None:
     """How an engine restart shows between the instants `t_from` and `t_to`, else None: the engine's
     token counter going back (a new process counts from 0), or the target lost in between."""
-    gen = sched["gen_tokens"][window]
+    gen = sched["gen_tokens"][(sched["t_s"] >= t_from) & (sched["t_s"] <= t_to)]
     gen = gen[~np.isnan(gen)]
     if len(gen) >= 2 and (np.diff(gen) < 0).any():
         return "generation_tokens_total went back"

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from cancelwatch.console import DEFAULT_STORE, fail, home_dir, out, print_store_error
+from cancelwatch.console import DEFAULT_STORE, ENGINE_LOG_HELP, fail, home_dir, out, print_store_error
 from cancelwatch.report_commands import print_report, report_exit
 from collectors.engines import vllm_server as engine_mod
 from collectors.recording.session import (
@@ -33,7 +33,7 @@ def record_cmd(
     name: Optional[str] = typer.Option(None),
     pid: Optional[list[int]] = typer.Option(None),
     lost_after: float = typer.Option(10.0),
-    engine_log: Optional[Path] = typer.Option(None, help="The log of an engine you run yourself (vLLM with --enable-log-requests), followed for its per-request lines; the embedded engine's is read on its own."),
+    engine_log: Optional[Path] = typer.Option(None, help=ENGINE_LOG_HELP),
     grace: float = typer.Option(2.0, help="Seconds the scheduler has to reconcile after an abort."),
     relay_url: Optional[str] = typer.Option(None, help="Relay app for in-process scenarios (inproc); default: start one."),
 ):

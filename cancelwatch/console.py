@@ -14,6 +14,8 @@ from collectors.recording.session import EXIT_USAGE
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 150)
 err = Console(stderr=True, soft_wrap=True)
 DEFAULT_STORE = Path("runs/cancelwatch.db")
+ENGINE_LOG_HELP = ("The log of an engine you run yourself (vLLM with --enable-log-requests), followed for its "
+                   "per-request lines; the embedded engine's is read on its own.")
 
 
 def home_dir() -> Path:

@@ -12,7 +12,7 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from cancelwatch.console import DEFAULT_STORE, err, fail, home_dir, out, print_store_error
+from cancelwatch.console import DEFAULT_STORE, ENGINE_LOG_HELP, err, fail, home_dir, out, print_store_error
 from collectors.recording.session import (
     EXIT_FAILED,
     PreflightError,
@@ -54,7 +54,7 @@ def sample(
     name: Optional[str] = typer.Option(None, help="Run name."),
     pid: Optional[list[int]] = typer.Option(None, help="Engine pid(s) for process memory; default: the embedded engine's."),
     lost_after: float = typer.Option(10.0, help="Seconds a target may fail before the run ends as target_lost."),
-    engine_log: Optional[Path] = typer.Option(None, help="The log of an engine you run yourself (vLLM with --enable-log-requests), followed for its per-request lines; the embedded engine's is read on its own."),
+    engine_log: Optional[Path] = typer.Option(None, help=ENGINE_LOG_HELP),
 ):
     """Sample the scheduler and memory only; prints the run id. Ctrl-C ends the run as interrupted."""
     import time

@@ -63,6 +63,18 @@ async def consume(relay, rid, owner, payload, after=None, got=None):
     return n
 
 
+async def cancel_mid_stream(relay, rid, outputs=3, max_tokens=1000):
+    """Start `rid` for alice, let `outputs` outputs through, cancel it as alice, and see its serving
+    task end cancelled (bounded); returns the outputs counted."""
+    got = []
+    task = asyncio.create_task(consume(relay, rid, "alice", (prompt(50), max_tokens), got=got))
+    assert await until(lambda: len(got) >= outputs)
+    await relay.cancel(rid, "alice")
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 10)
+    return got
+
+
 async def until(cond, timeout=10.0):
     for _ in range(int(timeout / 0.01)):
         if cond():
@@ -168,12 +180,7 @@ def test_a_failing_abort_is_retried_alerted_and_never_released(loop, llm, caplog
     async def go():
         eng = Engine(llm, abort_failures=5)
         relay, events = make_relay(eng, max_abort_attempts=3, abort_retry_s=0.01)
-        got = []
-        task = asyncio.create_task(consume(relay, "fail-1", "alice", (prompt(50), 1000), got=got))
-        assert await until(lambda: len(got) >= 3)
-        await relay.cancel("fail-1", "alice")
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await cancel_mid_stream(relay, "fail-1")
         entry = relay.entries["fail-1"]
         assert entry.abort_attempts == 3 and entry.abort_ok is False and not entry.released
         assert relay.status("fail-1")["released"] is False
@@ -182,12 +189,7 @@ def test_a_failing_abort_is_retried_alerted_and_never_released(loop, llm, caplog
         # a transient failure: retried until it goes through, then released
         eng2 = Engine(llm, abort_failures=2)
         relay2, _ = make_relay(eng2, max_abort_attempts=3, abort_retry_s=0.01)
-        got2 = []
-        task2 = asyncio.create_task(consume(relay2, "fail-2", "alice", (prompt(50), 1000), got=got2))
-        assert await until(lambda: len(got2) >= 3)
-        await relay2.cancel("fail-2", "alice")
-        with pytest.raises(asyncio.CancelledError):
-            await task2
+        await cancel_mid_stream(relay2, "fail-2")
         assert relay2.entries["fail-2"].abort_attempts == 3 and relay2.entries["fail-2"].released
     with caplog.at_level(logging.WARNING, logger="cancelwatch.relay"):
         loop.run_until_complete(go())
@@ -217,12 +219,7 @@ def test_a_cancelled_request_is_never_retried(loop, llm):
     async def go():
         eng = Engine(llm)
         relay, _ = make_relay(eng)
-        got = []
-        task = asyncio.create_task(consume(relay, "once-1", "alice", (prompt(50), 1000), got=got))
-        assert await until(lambda: len(got) >= 3)
-        await relay.cancel("once-1", "alice")
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await cancel_mid_stream(relay, "once-1")
         calls = len(eng.generated)
         with pytest.raises(RequestCancelled, match="not retried"):
             await consume(relay, "once-1", "alice", (prompt(50), 10))
@@ -278,12 +275,7 @@ def test_an_abort_that_hangs_is_cut_off_and_retried(loop, llm, caplog):
     async def go():
         eng = TrackedEngine(llm, abort_hangs=1)
         relay, events = make_relay(eng, abort_timeout_s=0.3, abort_retry_s=0.01)
-        got = []
-        task = asyncio.create_task(consume(relay, "hang-1", "alice", (prompt(50), 1000), got=got))
-        assert await until(lambda: len(got) >= 3)
-        await relay.cancel("hang-1", "alice")
-        with pytest.raises(asyncio.CancelledError):
-            await asyncio.wait_for(task, 10)
+        await cancel_mid_stream(relay, "hang-1")
         entry = relay.entries["hang-1"]
         assert entry.abort_attempts == 2 and entry.released and not eng.in_engine(entry.engine_request_id)
         assert eng.streams[-1].closed
