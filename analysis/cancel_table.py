@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from analysis.verdicts import LATENCIES, CancelVerdict, latency_label, ledger_by_scenario
+from analysis.verdicts import LATENCIES, STOP_TO_ABORT, CancelVerdict, latency_label, ledger_by_scenario
 from runstore.reader import Run
 
 VERDICT_COLOURS = {
@@ -17,8 +17,9 @@ VERDICT_COLOURS = {
     "stale_gauge": "#f59e0b",
     "inconclusive": "#7f7f7f",
 }
-LATENCY_COLUMNS = [latency_label(a, b) for a, b in LATENCIES]
-COLUMNS = ["request_id", "scenario", "phase", "verdict", "stop_s", *LATENCY_COLUMNS, "neighbour", "probe", "why"]
+LATENCY_COLUMNS = [latency_label(a, b) for a, b in (*LATENCIES, STOP_TO_ABORT)]
+COLUMNS = ["request_id", "scenario", "phase", "verdict", "stop_s", *LATENCY_COLUMNS, "neighbour", "probe", "why",
+           "evidence"]
 
 
 def _outcomes(by_scenario: dict, t0: int, v: CancelVerdict) -> tuple[str, str]:
@@ -56,10 +57,11 @@ def cancel_table(run: Run, verdicts: list[CancelVerdict]) -> pd.DataFrame:
             "phase": v.phase_at_cancel,
             "verdict": v.verdict,
             "stop_s": round(v.timepoints["user_stop"], 3),
-            **{latency_label(a, b): v.latency_ms(a, b) for a, b in LATENCIES},
+            **{latency_label(a, b): v.latency_ms(a, b) for a, b in (*LATENCIES, STOP_TO_ABORT)},
             "neighbour": neighbour,
             "probe": probe,
             "why": v.evidence.why or "",
+            "evidence": v.sources_text(),  # where each timepoint came from
         })
     df = pd.DataFrame(rows, columns=COLUMNS)
     for col in LATENCY_COLUMNS:

@@ -59,6 +59,11 @@ class Evidence:
         than two samples
     gauges_refreshed: a sample in the grace moved (count, KV or tokens) since the last one before the
         abort: the gauges were refreshed by an engine step
+    engine_log: "read" when the engine's own log was followed for this target, else why not
+    foreign_requests: count of requests the ledger does not know that entered the engine (its log)
+        inside this cancel's window
+    kept_running_ms: duration, ms the request stayed in the engine after the stop with no abort in
+        the engine's log (a lost cancel); None while it was still there at the end of the stretch followed
     why: one sentence, why the verdict is not released
     """
 
@@ -81,6 +86,9 @@ class Evidence:
     engine_stepping: bool | None = None
     generation_tokens_delta: float | None = _with("engine_stepping")
     gauges_refreshed: bool | None = None
+    engine_log: str | None = None
+    foreign_requests: int | None = None
+    kept_running_ms: float | None = None
     why: str | None = None
 
     def as_json(self) -> dict:

@@ -90,8 +90,19 @@ def _verdict_sentence(v: CancelVerdict) -> str:
         probe = tp.get("reusable")
         tail = (f", and a new request got in {1000 * (probe - tp['user_stop']):.0f} ms after the Stop"
                 if probe is not None else ", but no new request was seen getting in")
-        return f"{who} left the engine {ev.release_ms or 0:.0f} ms after the cancel reached it{tail}."
+        source = v.source_of("engine_abort")
+        if source == "engine_log":
+            since = f"the engine logged its abort ({1000 * (tp['engine_abort'] - tp['user_stop']):.0f} ms after the Stop)"
+        elif source == "relay":
+            since = "the app's abort call returned (measured inside the app)"
+        else:
+            since = ("the client closed its connection (no engine log was read, so the engine's own abort "
+                     "is not seen)")
+        return f"{who} left the engine {ev.release_ms or 0:.0f} ms after {since}{tail}."
     if v.verdict == "leaked":
+        if ev.kept_running_ms is not None or (ev.why or "").startswith("the cancel never reached"):
+            return (f"{who} was NOT released: {ev.why}. The engine generated for nobody; the cancel was lost on "
+                    "the way (a proxy or app that does not pass it on).")
         return (f"{who} was NOT released: the engine still counted it {ev.grace_s:g} s after the cancel and "
                 "kept generating for nobody; the cancel was lost on the way (a proxy or app that does not pass it on).")
     if v.verdict == "stale_gauge":

@@ -1,18 +1,22 @@
 """Per-cancel verdicts: reconcile what the client knows (the ledger) with what the scheduler reports.
 
-Timepoints of a cancel, in seconds since the run started:
-  user_stop      the driver decided to cancel (event)
-  app_received   the cancel reached the request's task (event)
-  engine_abort   the connection to the engine was closed / abort() returned (event)
-  left_scheduler first sample at or after engine_abort where the server's running+waiting is no more
-                 than the ledger's in-flight requests, and, for a request that held KV (prefill,
-                 decode), KV usage is below its level at user_stop
-  reusable       the probe's first token: the freed capacity was handed out again
+Timepoints of a cancel, in seconds since the run started, each with the source it rests on:
+  user_stop      the client's action (client; in timeout mode, the moment its timeout fired)
+  app_received   the relay app saw the cancel for the id it issued (relay); null on paths with no app
+  engine_abort   the engine's own `Aborted request` log line for this id (engine_log), or the relay's
+                 abort() returning (relay); null without an engine log. Never a client stamp.
+  left_scheduler first refreshed sample at or after the abort where the server's running+waiting is no
+                 more than the ledger's in-flight requests and, for a request the gauges counted while
+                 it held KV, KV usage is below its level at the stop (samples)
+  reusable       the probe's first token: the freed capacity was handed out again (client)
 
-Verdicts: released (left_scheduler within the grace window), leaked (the server still counts more
-than the ledger after the grace while the engine keeps stepping), stale_gauge (the same, but
-generation_tokens_total is flat: gauges pinned between steps), inconclusive (foreign traffic before
-the cancel, too few samples, no samples across the grace, an engine restart in the window).
+Verdicts: released (left_scheduler within the grace window after the abort); leaked (the engine log
+shows no abort while the request stayed in the engine after the stop, even when it then ran to its
+natural end inside the grace, or the abort came only after the grace, or, without a log, the server
+still counts more than the ledger after the grace while the engine keeps stepping); stale_gauge (the
+same, but generation_tokens_total is flat: gauges pinned between steps); inconclusive (the engine had
+already finished the request or a race at its last tokens, other traffic anywhere in the window, too
+few samples, no samples across the grace, an engine restart in the window).
 Never judged by request_success_total{finished_reason="abort"}:
 vLLM does not count client disconnects there.
 """
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -34,6 +38,7 @@ from runstore.records import DriveSettings
 
 GRACE_S = 2.0
 MIN_SAMPLES = 5
+RACE_TOKENS = 8  # a stop this close to the end is a race the completion may win
 HORIZON_S = 60.0  # how far past the abort a request that did not leave in the grace is followed
 TIMEPOINTS = ("user_stop", "app_received", "engine_abort", "left_scheduler", "reusable")
 POINT_LABELS = {
@@ -45,6 +50,8 @@ POINT_LABELS = {
 }
 # the four latencies: from each timepoint to the next
 LATENCIES = tuple(zip(TIMEPOINTS, TIMEPOINTS[1:]))
+# and the one a reader asks first, whole even where no app stands between the client and the engine
+STOP_TO_ABORT = ("user_stop", "engine_abort")
 
 
 def latency_key(a: str, b: str) -> str:
@@ -66,6 +73,8 @@ class CancelVerdict:
     verdict: str
     evidence: Evidence
     terminal_state: str | None = None
+    # timepoint -> {"source": one of SOURCES or None, "reason": why there is no value, or None}
+    sources: dict = field(default_factory=dict)
 
     def latency_ms(self, a: str, b: str) -> float | None:
         """Duration, ms from timepoint `a` to `b`; None when either was not reached."""
@@ -73,11 +82,27 @@ class CancelVerdict:
         return None if ta is None or tb is None else round((tb - ta) * 1000, 1)
 
     def latencies(self) -> dict:
-        return {latency_key(a, b): self.latency_ms(a, b) for a, b in LATENCIES}
+        return {latency_key(a, b): self.latency_ms(a, b) for a, b in (*LATENCIES, STOP_TO_ABORT)}
+
+    def source_of(self, point: str) -> str | None:
+        return (self.sources.get(point) or {}).get("source")
+
+    def sources_text(self) -> str:
+        """Where each timepoint came from, in words: `engine abort: engine log · app received: none (no
+        app on this path) · ...`."""
+        parts = []
+        for p in TIMEPOINTS:
+            entry = self.sources.get(p)
+            if not entry:
+                continue
+            src = entry.get("source")
+            what = SOURCE_LABELS.get(src, src) if src else f"none ({entry.get('reason') or 'not reached'})"
+            parts.append(f"{POINT_LABELS[p]}: {what}")
+        return " · ".join(parts)
 
     def as_json(self) -> dict:
         return {"request_id": self.request_id, "scenario": self.scenario, "phase_at_cancel": self.phase_at_cancel,
-                "timepoints": dict(self.timepoints), "verdict": self.verdict, "evidence": self.evidence.as_json(),
+                "timepoints": dict(self.timepoints), "timepoint_sources": dict(self.sources), "verdict": self.verdict, "evidence": self.evidence.as_json(),
                 "terminal_state": self.terminal_state, "latencies_ms": self.latencies()}
 
 
@@ -125,6 +150,75 @@ def run_grace_s(run: Run) -> float:
     return GRACE_S if grace_s is None else grace_s
 
 
+# what each timepoint rests on, in every table and JSON: where its value came from
+SOURCES = ("engine_log", "relay", "client", "samples")
+SOURCE_LABELS = {"engine_log": "engine log", "relay": "relay (in the app)", "client": "client",
+                 "samples": "scheduler samples"}
+NO_APP = "no app on this path"
+NO_LOG = "no engine log"
+# an engine log line is stamped to the millisecond, then mapped onto the run's clock: an abort may
+# read a hair before the stop that caused it
+LOG_SLACK_S = 0.05
+
+
+def _log_state(run: Run, target: str | None) -> str:
+    """"read" when the engine log of `target` was followed during the run, else why not."""
+    logs = (run.info.get("engine") or {}).get("engine_log")
+    if not logs:
+        return "the run has no engine log facts (recorded before engine logs were read)"
+    entry = logs.get(target) or {}
+    return "read" if entry.get("path") else (entry.get("off") or NO_LOG)
+
+
+class _EngineLog:
+    """The engine log's per-request events of one run: abort and admission instants by client id, and
+    the instants of requests the ledger does not know (foreign traffic)."""
+
+    def __init__(self, run: Run, known: set[str]):
+        self.aborted: dict[tuple[str, str], list[float]] = {}
+        self.added: dict[tuple[str, str], list[float]] = {}
+        self.foreign: dict[str, list[float]] = {}
+        ev = run.events
+        if ev.empty:
+            return
+        logged = ev[ev["kind"].isin(["engine_added", "engine_aborted"])]
+        for row in logged.itertuples(index=False):
+            target = json.loads(row.data).get("target")
+            if row.kind == "engine_aborted":
+                self.aborted.setdefault((target, row.request_id), []).append(float(row.t_s))
+            else:
+                self.added.setdefault((target, row.request_id), []).append(float(row.t_s))
+                if row.request_id not in known:
+                    self.foreign.setdefault(target, []).append(float(row.t_s))
+
+    def abort_after(self, target: str | None, rid: str, t: float) -> float | None:
+        times = [x for x in self.aborted.get((target, rid), []) if x >= t - LOG_SLACK_S]
+        return min(times) if times else None
+
+    def was_added(self, target: str | None, rid: str) -> bool:
+        return (target, rid) in self.added
+
+    def foreign_between(self, target: str | None, lo: float, hi: float) -> int:
+        return sum(1 for x in self.foreign.get(target, []) if lo <= x <= hi)
+
+
+def _trace_events(run: Run) -> dict[tuple[str, str], tuple[float, str]]:
+    """(kind, cancel id) -> (first instant, source) of the driver's trace events. Events of runs
+    recorded before sources were written carry none: on HTTP paths those were the client's own stamps."""
+    trace: dict[tuple[str, str], tuple[float, str]] = {}
+    for row in run.events.itertuples(index=False):
+        if row.kind not in ("app_received", "engine_abort", "client_closed"):
+            continue
+        data = json.loads(row.data)
+        source = data.get("source") or ("relay" if data.get("mode") == "explicit" else "client")
+        if row.kind != "client_closed" and source == "client":
+            key = ("client_closed", data.get("cancel_id"))  # a client stamp, never under a server's name
+        else:
+            key = (row.kind, data.get("cancel_id"))
+        trace.setdefault(key, (float(row.t_s), source))
+    return trace
+
+
 def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None = None) -> list[CancelVerdict]:
     """One verdict per cancel; `grace_s` defaults to the run's own."""
     grace_s = run_grace_s(run) if grace_s is None else grace_s
@@ -137,26 +231,38 @@ def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None
     if stops.empty or ledger.empty:
         return []
 
-    # (kind, cancel id) -> first time, read once from the events' JSON
-    trace: dict[tuple[str, str], float] = {}
-    for row in run.events.itertuples(index=False):
-        key = (row.kind, json.loads(row.data).get("cancel_id"))
-        trace.setdefault(key, float(row.t_s))
+    trace = _trace_events(run)
+    known = set(ledger["request_id"])
+    englog = _EngineLog(run, known)
 
-    def event_time(kind: str, cancel_id: str) -> float | None:
-        return trace.get((kind, cancel_id))
+    def target_of(data: dict) -> str | None:
+        target = data.get("metrics_target") or default_target
+        return default_target if target not in targets and default_target is not None else target
 
-    aborted_at = {}  # request id -> instant of its engine abort
+    # request id -> instant it left the engine as far as the evidence goes: the engine log's abort,
+    # else the relay's; where the log was read and shows no abort, the request may still be there
+    gone_at: dict[str, float] = {}
+    ends = np.sort(_events(run, "scenario_end")["t_s"].to_numpy(dtype=float)) if not run.events.empty else np.array([])
     for row in stops.itertuples(index=False):
-        t = event_time("engine_abort", json.loads(row.data).get("cancel_id"))
-        if t is not None:
-            aborted_at[row.request_id] = t
+        data = json.loads(row.data)
+        target, cid = target_of(data), data.get("cancel_id")
+        t_log = englog.abort_after(target, row.request_id, float(row.t_s))
+        t_relay = trace.get(("engine_abort", cid), (None, None))[0]
+        if t_log is not None or t_relay is not None:
+            gone_at[row.request_id] = min(t for t in (t_log, t_relay) if t is not None)
+        elif _log_state(run, target) == "read":
+            # no abort: it may still be there, at most until its scenario ended (the driver waits for
+            # the engine to go idle first); past that, the server counting it is the next one's excess
+            k = int(np.searchsorted(ends, float(row.t_s)))
+            gone_at[row.request_id] = float(ends[k]) if k < len(ends) else math.inf
+        elif ("client_closed", cid) in trace:
+            gone_at[row.request_id] = trace[("client_closed", cid)][0]
 
     def frame_for(target):
         if target not in frames:
             sched = scheduler_frame(run, target)
             times = sched["t_s"].to_numpy()
-            inflight = ledger_inflight(ledger, t0, times, aborted_at) if len(times) else np.array([])
+            inflight = ledger_inflight(ledger, t0, times, gone_at) if len(times) else np.array([])
             cols = {c: sched[c].to_numpy(dtype=float) for c in ("t_s", "count", "kv", "gen_tokens")}
             frames[target] = (cols, inflight)
         return frames[target]
@@ -167,134 +273,254 @@ def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None
     for stop in stops.itertuples(index=False):
         data = json.loads(stop.data)
         cid, rid, scenario, phase = data.get("cancel_id"), stop.request_id, data.get("scenario"), data.get("phase")
-        target = data.get("metrics_target") or default_target
-        if target not in targets and default_target is not None:
-            target = default_target
-        cols_all, inflight_all = frame_for(target)
-        t_stop = float(stop.t_s)
-        t_app, t_abort = event_time("app_received", cid), event_time("engine_abort", cid)
+        target = target_of(data)
         lrow = rows.get(rid)
         terminal = None if lrow is None else lrow["terminal_state"]
-        same = by_scenario.get(scenario, NO_REQUESTS)
-        # requests sent after the stop: the probe, and whatever may take the freed blocks
-        if lrow is None:
-            cancel_ns = 0.0
-        else:
-            cancel_ns = math.inf if pd.isna(lrow["cancel_mono_ns"]) else float(lrow["cancel_mono_ns"])
-        later = same["sent"] >= cancel_ns
-        probe_firsts = same["first"][later & (same["role"] == "probe")]
-        probe_firsts = probe_firsts[~np.isnan(probe_firsts)]
-        t_probe = float((probe_firsts.min() - t0) / 1e9) if len(probe_firsts) else None
-        tp = {"user_stop": t_stop, "app_received": t_app, "engine_abort": t_abort, "left_scheduler": None,
-              "reusable": t_probe}
-        # the request finished on its own before the cancel took effect: it left like any completion
-        t_ref = t_abort if t_abort is not None else (
-            (lrow["closed_mono_ns"] - t0) / 1e9 if lrow is not None and terminal == "completed" else None)
-        # each cancel looks at its own stretch of the run: an hour at 20 Hz is 72,000 samples a series
-        lo = int(np.searchsorted(cols_all["t_s"], t_stop - 1.0, side="left"))
-        hi = int(np.searchsorted(cols_all["t_s"], max(t_ref or t_stop, t_stop) + HORIZON_S, side="right"))
-        sched = {c: a[lo:hi] for c, a in cols_all.items()}
-        times, inflight = sched["t_s"], inflight_all[lo:hi]
-        window = (times >= t_stop - 1.0) & (times <= (t_ref or t_stop) + grace_s)
-        ev = Evidence(grace_s=grace_s, metrics_target=target, samples_in_window=int(window.sum()),
-                      race="completed before the cancel took effect" if terminal == "completed" else None)
-        if t_ref is None or ev.samples_in_window < MIN_SAMPLES:
-            ev.why = "no abort recorded" if t_ref is None else "too few samples around the cancel"
-            out.append(CancelVerdict(rid, scenario, phase, tp, "inconclusive", ev, terminal))
-            continue
-        before = (times >= t_stop - 1.0) & (times < t_stop)
-        foreign = (sched["count"] > inflight + 0.5) & before
-        ev.count_before = float(sched["count"][before][-1]) if before.any() else None
-        ev.ledger_before = float(inflight[before][-1]) if before.any() else None
-        kv_before = float(sched["kv"][before][-1]) if before.any() else math.nan
-        if ev.count_before is not None and ev.ledger_before is not None and ev.count_before < ev.ledger_before:
-            ev.note = ("the server counted fewer requests than the client before the stop: a request had already "
-                       "finished in the engine while its tokens were still on their way to the client")
-        ev.kv_before = kv_before
-        if foreign.sum() >= 2:
-            ev.why = f"the server counted more requests than the ledger before the cancel ({int(foreign.sum())} samples): foreign traffic"
-            out.append(CancelVerdict(rid, scenario, phase, tp, "inconclusive", ev, terminal))
-            continue
-        restart = _restart_in(run, target, sched, t_stop - 1.0, t_ref + grace_s)
-        if restart:
-            # gauges of a new engine start at 0: a release would be read into what is only a restart
-            ev.why = f"the engine restarted inside this cancel's window ({restart}): nothing to judge the release by"
-            out.append(CancelVerdict(rid, scenario, phase, tp, "inconclusive", ev, terminal))
-            continue
-        after = np.nonzero(times >= t_ref)[0]
-        needs_kv_drop = phase in ("prefill", "decode", "in_flight") and terminal != "completed" and not math.isnan(kv_before)
-        # requests sent after the stop may take the freed blocks once they run; before their first
-        # token the KV drop must show on its own
-        firsts = same["first"][later]
-        firsts = firsts[~np.isnan(firsts)]
-        t_others_first = float((firsts.min() - t0) / 1e9) if len(firsts) else math.inf
-        kv_vals = sched["kv"]
-        below = kv_vals < kv_before if not math.isnan(kv_before) else np.zeros(len(times), dtype=bool)
-        drop = after[below[after]]
-        ev.kv_drop_s = float(times[drop[0]]) if len(drop) else None
-        count_ok_all = sched["count"] <= inflight + 1e-9
-        # gauges refresh only on an engine step: a release is only shown by a sample that moved
-        # (count, KV or generated tokens) since the last one before the abort
-        pre = np.nonzero(times < t_ref)[0]
-        moved = np.zeros(len(times), dtype=bool)
-        if len(pre):
-            p = pre[-1]
-            for col in ("count", "kv", "gen_tokens"):
-                vals = sched[col]
-                moved |= ~np.isclose(vals, vals[p], equal_nan=True)
-        moved = np.maximum.accumulate(moved & (times >= t_ref)) if len(times) else moved
-        grace_end = int(np.searchsorted(times, t_ref + grace_s, side="right"))
-        # the count must stay reconciled to the end of the grace: a probe sent right after the abort
-        # can stand in for a request that never left until the server counts the probe too
-        count_ok = count_ok_all.copy()
-        if grace_end:
-            count_ok[:grace_end] = np.logical_and.accumulate(count_ok_all[:grace_end][::-1])[::-1]
-        kv_ok = (times >= t_others_first) | below if needs_kv_drop else np.ones(len(times), dtype=bool)
-        ok = count_ok & kv_ok & (moved if len(pre) else True)
-        hits = after[ok[after]]
-        left = int(hits[0]) if len(hits) else None
-        if left is not None and times[left] - t_ref <= grace_s:
-            tp["left_scheduler"] = float(times[left])
-            ev.count_after = float(sched["count"][left])
-            ev.ledger_after = float(inflight[left])
-            ev.kv_after = float(sched["kv"][left])
-            ev.release_ms = round((times[left] - t_ref) * 1000, 1)
-            ev.samples_to_release = int(left - after[0]) + 1
-            if t_probe is None:
-                ev.probe = "not admitted"
-            out.append(CancelVerdict(rid, scenario, phase, tp, "released", ev, terminal))
-            continue
-        if left is not None:
-            tp["left_scheduler"] = float(times[left])
-        in_grace = (times >= t_ref) & (times <= t_ref + grace_s)
-        if in_grace.sum() < 2:
-            # a scrape outage across the grace: neither a leak nor a stale gauge can be told from nothing
-            ev.why = (f"no samples from the engine across the grace ({int(in_grace.sum())} in {grace_s:g} s): "
-                      "a scrape outage, nothing to judge the release by")
-            out.append(CancelVerdict(rid, scenario, phase, tp, "inconclusive", ev, terminal))
-            continue
-        gen = sched["gen_tokens"][in_grace]
-        gen = gen[~np.isnan(gen)]
-        stepping = len(gen) >= 2 and gen[-1] > gen[0]
-        excess = sched["count"][in_grace] - inflight[in_grace]
-        ev.excess_max = float(excess.max()) if len(excess) else None
-        ev.engine_stepping = bool(stepping)
-        ev.generation_tokens_delta = float(gen[-1] - gen[0]) if len(gen) >= 2 else None
-        if not len(excess) or excess.max() <= 0:
-            refreshed = bool(moved[in_grace].any())
-            ev.gauges_refreshed = refreshed
-            if not refreshed:
-                ev.why = "no engine step refreshed the gauges within the grace: they are stale until the next step"
-                out.append(CancelVerdict(rid, scenario, phase, tp, "stale_gauge", ev, terminal))
-            else:
-                ev.why = "the count reconciled but KV usage did not fall within the grace"
-                out.append(CancelVerdict(rid, scenario, phase, tp, "inconclusive", ev, terminal))
-            continue
-        verdict = "leaked" if stepping else "stale_gauge"
-        ev.why = ("the server still counts the request after the grace while it keeps generating"
-                  if stepping else "gauges stayed up but no tokens were generated: stale until the next step")
-        out.append(CancelVerdict(rid, scenario, phase, tp, verdict, ev, terminal))
+        out.append(_judge_one(run, frame_for(target), englog, trace, by_scenario.get(scenario, NO_REQUESTS),
+                              rid=rid, cid=cid, scenario=scenario, phase=phase, target=target, lrow=lrow,
+                              terminal=terminal, t_stop=float(stop.t_s), grace_s=grace_s, t0=t0,
+                              tokens_at_cancel=data.get("tokens_at_cancel")))
     return out
+
+
+def _judge_one(run: Run, frame, englog: _EngineLog, trace: dict, same: dict, *, rid: str, cid: str,
+               scenario: str, phase: str, target: str | None, lrow: dict | None, terminal: str | None,
+               t_stop: float, grace_s: float, t0: int, tokens_at_cancel: int | None = None) -> CancelVerdict:
+    cols_all, inflight_all = frame
+    log_state = _log_state(run, target)
+    has_log = log_state == "read"
+    t_app, app_src = trace.get(("app_received", cid), (None, None))
+    t_relay_abort, _ = trace.get(("engine_abort", cid), (None, None))
+    t_closed, _ = trace.get(("client_closed", cid), (None, None))
+    t_log_abort = englog.abort_after(target, rid, t_stop) if has_log else None
+    t_abort = t_log_abort if t_log_abort is not None else t_relay_abort
+    # requests sent after the stop: the probe, and whatever may take the freed blocks
+    if lrow is None:
+        cancel_ns = 0.0
+    else:
+        cancel_ns = math.inf if pd.isna(lrow["cancel_mono_ns"]) else float(lrow["cancel_mono_ns"])
+    later = same["sent"] >= cancel_ns
+    probe_firsts = same["first"][later & (same["role"] == "probe")]
+    probe_firsts = probe_firsts[~np.isnan(probe_firsts)]
+    t_probe = float((probe_firsts.min() - t0) / 1e9) if len(probe_firsts) else None
+    tp = {"user_stop": t_stop, "app_received": t_app, "engine_abort": t_abort, "left_scheduler": None,
+          "reusable": t_probe}
+    sources = {
+        "user_stop": ("client", None),
+        "app_received": (app_src, None) if t_app is not None else (None, NO_APP),
+        "engine_abort": (("engine_log" if t_log_abort is not None else "relay", None) if t_abort is not None
+                         else (None, "no abort in the engine log" if has_log else NO_LOG)),
+        "left_scheduler": (None, "not seen in the samples"),
+        "reusable": ("client", None) if t_probe is not None else (None, "no probe got a first token"),
+    }
+
+    def verdict(kind: str, why: str | None = None) -> CancelVerdict:
+        if why is not None:
+            ev.why = why
+        if tp["left_scheduler"] is not None:
+            sources["left_scheduler"] = ("samples", None)
+        v = CancelVerdict(rid, scenario, phase, tp, kind, ev, terminal)
+        v.sources = {p: {"source": src, "reason": reason} for p, (src, reason) in sources.items()}
+        return v
+
+    completed = terminal == "completed" and t_abort is None
+    # the instant the release is looked for from: the engine's abort, else (no log) the client's own
+    # close, else the completion the client read, else the stop itself
+    if t_abort is not None:
+        t_ref = t_abort
+    elif completed and lrow is not None:
+        t_ref = (lrow["closed_mono_ns"] - t0) / 1e9
+    elif has_log:
+        t_ref = t_stop
+    else:
+        t_ref = t_closed if t_closed is not None else t_stop
+    t_ref = max(t_ref, t_stop) if not completed else t_ref
+    # each cancel looks at its own stretch of the run: an hour at 20 Hz is 72,000 samples a series
+    lo = int(np.searchsorted(cols_all["t_s"], t_stop - 1.0, side="left"))
+    hi = int(np.searchsorted(cols_all["t_s"], max(t_ref, t_stop) + HORIZON_S, side="right"))
+    sched = {c: a[lo:hi] for c, a in cols_all.items()}
+    times, inflight = sched["t_s"], inflight_all[lo:hi]
+    t_end = max(t_ref, t_stop) + grace_s
+    window = (times >= t_stop - 1.0) & (times <= t_end)
+    ev = Evidence(grace_s=grace_s, metrics_target=target, samples_in_window=int(window.sum()),
+                  race="completed before the cancel took effect" if completed else None,
+                  engine_log=log_state)
+    if completed:
+        return verdict("inconclusive", "the completion won the race: the client read the request's end before "
+                       "the cancel took effect, so this cancel cannot show a release")
+    if ev.samples_in_window < MIN_SAMPLES:
+        return verdict("inconclusive", f"too few samples around the cancel ({ev.samples_in_window})")
+    before = (times >= t_stop - 1.0) & (times < t_stop)
+    ev.count_before = float(sched["count"][before][-1]) if before.any() else None
+    ev.ledger_before = float(inflight[before][-1]) if before.any() else None
+    kv_before = float(sched["kv"][before][-1]) if before.any() else math.nan
+    ev.kv_before = kv_before
+    ahead = ev.count_before is not None and ev.ledger_before is not None and ev.count_before < ev.ledger_before
+    if ahead:
+        ev.note = ("the server counted fewer requests than the client before the stop: a request had already "
+                   "finished in the engine while its tokens were still on their way to the client")
+    # other traffic anywhere in the window: requests the engine log names and the ledger does not
+    # know, or the server counting more than the ledger before the stop
+    ev.foreign_requests = englog.foreign_between(target, t_stop - 1.0, t_end) if has_log else None
+    foreign_before = int(((sched["count"] > inflight + 0.5) & before).sum())
+    if ev.foreign_requests:
+        return verdict("inconclusive", f"other traffic was present: {ev.foreign_requests} request(s) the ledger "
+                       "does not know entered the engine in this cancel's window (engine log)")
+    if foreign_before >= 2:
+        return verdict("inconclusive", f"other traffic was present: the server counted more requests than the "
+                       f"ledger before the cancel ({foreign_before} samples)")
+    restart = _restart_in(run, target, sched, t_stop - 1.0, t_end)
+    if restart:
+        # gauges of a new engine start at 0: a release would be read into what is only a restart
+        return verdict("inconclusive", f"the engine restarted inside this cancel's window ({restart}): nothing "
+                       "to judge the release by")
+    if t_abort is not None and t_abort - t_stop > grace_s:
+        # the abort came, but so late that the engine generated for nobody through the whole grace
+        ev.kept_running_ms = round((t_abort - t_stop) * 1000, 1)
+        return verdict("leaked", f"the abort reached the engine only {t_abort - t_stop:.1f} s after the stop, past the "
+                       f"{grace_s:g} s grace: the request kept running for nobody until then")
+    n = 1 if lrow is None or pd.isna(lrow.get("n")) else int(lrow["n"])
+    moved = _moved_since(sched, t_ref if t_abort is not None else t_stop)
+    if has_log and t_abort is None:
+        remaining = None
+        if lrow is not None and not pd.isna(lrow.get("max_tokens")) and tokens_at_cancel is not None:
+            remaining = int(lrow["max_tokens"]) * n - int(tokens_at_cancel)
+        return _judge_without_abort(run, englog, verdict, ev, sched, inflight, moved, target=target, rid=rid,
+                                    n=n, t_stop=t_stop, ahead=ahead, tp=tp, remaining=remaining)
+    if ahead and t_abort is None:
+        return verdict("inconclusive", "the engine had already finished the request before the stop (the server "
+                       "counted fewer requests than the client) and no engine log shows an abort: nothing was "
+                       "left to cancel")
+    if not before.any():
+        # no baseline: what the request held, and so what its release must give back, is unknown
+        return verdict("inconclusive", "no samples from the engine in the second before the stop: nothing shows "
+                       "what the request held, so its release cannot be shown")
+    after = np.nonzero(times >= t_ref)[0]
+    # a request the gauges counted at the stop held KV there, and must give it back; one they never
+    # counted (the engine was mid-step when it came and went) shows its release by the count alone
+    needs_kv_drop = phase in ("prefill", "decode", "in_flight") and not math.isnan(kv_before) and not ahead
+    below = sched["kv"] < kv_before if not math.isnan(kv_before) else np.zeros(len(times), dtype=bool)
+    drop = after[below[after]]
+    ev.kv_drop_s = float(times[drop[0]]) if len(drop) else None
+    count_ok_all = sched["count"] <= inflight + 1e-9
+    grace_end = int(np.searchsorted(times, t_ref + grace_s, side="right"))
+    # the count must stay reconciled to the end of the grace: a probe sent right after the abort
+    # can stand in for a request that never left until the server counts the probe too
+    count_ok = count_ok_all.copy()
+    if grace_end:
+        count_ok[:grace_end] = np.logical_and.accumulate(count_ok_all[:grace_end][::-1])[::-1]
+    # a request that held KV must give it back: the probe taking blocks does not excuse a KV usage
+    # that never fell
+    kv_ok = below if needs_kv_drop else np.ones(len(times), dtype=bool)
+    ok = count_ok & kv_ok & moved
+    hits = after[ok[after]]
+    left = int(hits[0]) if len(hits) else None
+    if left is not None and times[left] - t_ref <= grace_s:
+        tp["left_scheduler"] = float(times[left])
+        ev.count_after = float(sched["count"][left])
+        ev.ledger_after = float(inflight[left])
+        ev.kv_after = float(sched["kv"][left])
+        ev.release_ms = round((times[left] - t_ref) * 1000, 1)
+        ev.samples_to_release = int(left - after[0]) + 1
+        if t_probe is None:
+            ev.probe = "not admitted"
+        return verdict("released")
+    if left is not None:
+        tp["left_scheduler"] = float(times[left])
+    in_grace = (times >= t_ref) & (times <= t_ref + grace_s)
+    if in_grace.sum() < 2:
+        # a scrape outage across the grace: neither a leak nor a stale gauge can be told from nothing
+        return verdict("inconclusive", f"no samples from the engine across the grace ({int(in_grace.sum())} in "
+                       f"{grace_s:g} s): a scrape outage, nothing to judge the release by")
+    gen = sched["gen_tokens"][in_grace]
+    gen = gen[~np.isnan(gen)]
+    stepping = len(gen) >= 2 and gen[-1] > gen[0]
+    excess = sched["count"][in_grace] - inflight[in_grace]
+    ev.excess_max = float(excess.max()) if len(excess) else None
+    ev.engine_stepping = bool(stepping)
+    ev.generation_tokens_delta = float(gen[-1] - gen[0]) if len(gen) >= 2 else None
+    if not len(excess) or excess.max() <= 0:
+        refreshed = bool(moved[in_grace].any())
+        ev.gauges_refreshed = refreshed
+        if not refreshed:
+            return verdict("stale_gauge", "no engine step refreshed the gauges within the grace: they are stale "
+                           "until the next step")
+        return verdict("inconclusive", "the count reconciled but KV usage did not fall within the grace")
+    if t_log_abort is not None:
+        # the engine itself logged this request's abort: what the server counts beyond the ledger is
+        # not this request
+        return verdict("inconclusive", "the engine log shows this request aborted, yet the server counted more "
+                       "than the ledger after it: other traffic was present (or another request leaked)")
+    if stepping:
+        return verdict("leaked", "the server still counts the request after the grace while it keeps generating")
+    return verdict("stale_gauge", "gauges stayed up but no tokens were generated: stale until the next step")
+
+
+def _moved_since(sched: dict[str, np.ndarray], t: float) -> np.ndarray:
+    """Per sample: a sample at or after `t` that moved (count, KV or generated tokens) since the last
+    one before `t`, or follows one that did. Gauges refresh only on an engine step: a release is only
+    shown by a refreshed sample."""
+    times = sched["t_s"]
+    pre = np.nonzero(times < t)[0]
+    if not len(pre):
+        return np.ones(len(times), dtype=bool)
+    p = pre[-1]
+    moved = np.zeros(len(times), dtype=bool)
+    for col in ("count", "kv", "gen_tokens"):
+        vals = sched[col]
+        moved |= ~np.isclose(vals, vals[p], equal_nan=True)
+    return np.maximum.accumulate(moved & (times >= t))
+
+
+def _judge_without_abort(run: Run, englog: _EngineLog, verdict, ev: Evidence, sched: dict, inflight: np.ndarray,
+                         moved: np.ndarray, *, target: str | None, rid: str, n: int, t_stop: float, ahead: bool,
+                         tp: dict, remaining: int | None = None) -> CancelVerdict:
+    """The engine's log was read and names no abort of this request after its stop: either the engine
+    no longer held it (it finished first, or never got it), or the cancel never reached the engine.
+    `remaining`: tokens the client had still to receive at the stop (a race when only a few)."""
+    if remaining is not None and remaining <= RACE_TOKENS:
+        ev.race = f"the stop came {remaining} token(s) before the end: the completion could win"
+    if not englog.was_added(target, rid):
+        return verdict("inconclusive", "the engine log never names this request (no 'Added request' line): the "
+                       "engine may never have had it, so the cancel had nothing to act on")
+    already = ("the engine had already finished the request before the stop (the server counted fewer requests "
+               "than the client, and its log shows no abort): nothing was left to cancel, so this cancel cannot "
+               "show whether cancels reach the engine")
+    times = sched["t_s"]
+    # the ledger keeps the request in flight (no abort): without it, what the server should count
+    without = inflight - n * (times >= t_stop)
+    refreshed_after = np.nonzero((times >= t_stop) & moved)[0]
+    if not len(refreshed_after):
+        return verdict("inconclusive", already if ahead else "no engine log abort, and no sample after the stop "
+                       "refreshed the gauges: nothing shows where the request went")
+    still = sched["count"][refreshed_after] > without[refreshed_after] + 1e-9
+    # gone from the first of three refreshed samples in a row without it: a request sent after the stop
+    # is in the ledger a step before the server counts it, and must not read as this one leaving
+    run3 = ~still
+    for k in (1, 2):
+        run3[:-k] &= ~still[k:]
+    if not still[0] and run3[0]:
+        if ahead:
+            return verdict("inconclusive", already)
+        return verdict("inconclusive", "the request was gone from the engine at the first sample after the stop, "
+                       "with no abort in its log: it had finished on its own as the cancel came, so this cancel "
+                       "cannot show whether cancels reach the engine")
+    gone = refreshed_after[run3]
+    if ev.race and len(gone):
+        # a few tokens before the end, a request that ran them out looks the same whether the cancel
+        # was lost or only too late: neither can be shown
+        tp["left_scheduler"] = float(times[gone[0]])
+        return verdict("inconclusive", f"the completion won the race: no abort in the engine log, and the request "
+                       f"ran its last {remaining} token(s) out, leaving {1000 * (times[gone[0]] - t_stop):.0f} ms "
+                       "after the stop")
+    if len(gone):
+        tp["left_scheduler"] = float(times[gone[0]])
+        ev.kept_running_ms = round((times[gone[0]] - t_stop) * 1000, 1)
+        ran = f"it kept running {ev.kept_running_ms:.0f} ms after the stop and left only at its natural end"
+    else:
+        ran = f"it was still in the engine {times[refreshed_after[-1]] - t_stop:.1f} s after the stop"
+    return verdict("leaked", f"the cancel never reached the engine: no abort for this request in the engine's "
+                   f"log, and {ran}")
 
 
 def _restart_in(run: Run, target: str | None, sched: dict[str, np.ndarray], t_from: float,

@@ -54,7 +54,7 @@ def write_synthetic_run(path: str | Path, *, duration_s: float = 3600.0, hz: flo
     targets = [{"label": "t0", "url": "http://127.0.0.1:8000"}]
     engine = {"targets": {"t0": {"embedded": True, "model": "synthetic", "kv_bytes_per_token": 32768,
                                  "shape": {"max_num_seqs": 4, "num_gpu_blocks": 64, "block_size": 128}}},
-              "nvml": "on" if nvml else "off"}
+              "nvml": "on" if nvml else "off", "engine_log": {"t0": {"path": "synthetic-engine.log"}}}
     settings = {"hz": hz, "name": name, "extra": {"driven_target": targets[0]["url"], "grace_s": 2.0,
                                                    "scenarios": ["decode"]}}
     rid = create_run(con, name=name, targets=targets, engine=engine, settings=settings, wall_ns=WALL0_NS, mono_ns=T0_NS)
@@ -127,6 +127,12 @@ def _write_cancels(con, rid: int, period: float, cancels: int, leak: np.ndarray)
     def event(kind, t, request_id=None, **data):
         events.append(EventRecord(kind, WALL0_NS + int(t * 1e9), ns(t), request_id, {**data, "metrics_target": "t0"}))
 
+    def logged(kind, t, request_id):
+        # the engine log's line, as the engine-log source stores it
+        events.append(EventRecord(kind, WALL0_NS + int(t * 1e9), ns(t), request_id,
+                                  {"engine_request_id": f"cmpl-{request_id}-0-0123abcd", "clock": "engine_log",
+                                   "resolution_s": 0.001, "target": "t0"}))
+
     for k in range(cancels):
         c = k * period
         scen = "decode"
@@ -135,9 +141,13 @@ def _write_cancels(con, rid: int, period: float, cancels: int, leak: np.ndarray)
         event("scenario_start", c + 0.9, scenario=scen, repeat=k)
         stop = c + 5.0
         event("user_stop", stop, tgt, scenario=scen, phase="decode", cancel_id=cid, mode="cancel", tokens_at_cancel=70)
-        event("app_received", stop + 0.0005, tgt, cancel_id=cid)
-        event("engine_abort", stop + 0.001, tgt, cancel_id=cid)
+        logged("engine_added", c + 1.0, nb)
+        logged("engine_added", c + 1.4, tgt)
+        event("client_closed", stop + 0.0005, tgt, cancel_id=cid, source="client")
+        if not leak[k]:  # a lost cancel leaves no abort line
+            logged("engine_aborted", stop + 0.001, tgt)
         event("probe_sent", c + 5.25, pr, scenario=scen)
+        logged("engine_added", c + 5.25, pr)
         event("scenario_end", c + 12.0, scenario=scen, repeat=k)
         ledger.append(LedgerRecord(nb, scen, "neighbour", 1, 200, 180, ns(c + 1.0), ns(c + 1.05), 180, 0, None,
                                    ns(c + 10.0), "completed", "length", None))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING
 
 import typer
 from rich.table import Table
@@ -18,8 +18,10 @@ if TYPE_CHECKING:
 
 
 def report_exit(doc: dict) -> int:
-    verdicts = [c["verdict"] for c in doc["cancels"]]
-    return 0 if doc["neighbours_ok"] and verdicts and all(v == "released" for v in verdicts) else EXIT_FAILED
+    # the one acceptance rule, also stated in the protocol of --protocol
+    from analysis.protocol import accepted
+
+    return 0 if accepted(doc) else EXIT_FAILED
 
 
 def print_report(doc: dict, verdicts: list[CancelVerdict]) -> None:
@@ -47,11 +49,32 @@ def _check_html_folder(html_out: Path) -> None:
         raise fail(f"--html {html_out}: the folder {html_out.parent} does not exist; create it or write elsewhere")
 
 
+def write_protocol(r, doc: dict, protocol_out: Path) -> None:
+    """The run's acceptance protocol (Markdown) into `protocol_out`; a path that cannot be written is
+    a one-line error naming it (raise what `fail` returns)."""
+    from dataclasses import asdict
+
+    from analysis.protocol import protocol_markdown
+    from collectors.cancels.scenarios import BUILTIN
+
+    text = protocol_markdown(r, doc, builtin={name: asdict(s) for name, s in BUILTIN.items()})
+    if not protocol_out.parent.is_dir():
+        raise fail(f"--protocol {protocol_out}: the folder {protocol_out.parent} does not exist; create it or "
+                   "write elsewhere")
+    try:
+        protocol_out.write_text(text)
+    except OSError as exc:
+        raise fail(f"cannot write {protocol_out} ({exc.strerror}): choose a writable path for --protocol") from None
+    print(f"wrote {protocol_out}", file=sys.stderr)
+
+
 def report(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFAULT_STORE),
            as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
-           grace: Optional[float] = typer.Option(None, help="Grace window in s; default: the run's own."),
-           html_out: Optional[Path] = typer.Option(None, "--html", help="Also write a self-contained HTML report "
+           grace: float | None = typer.Option(None, help="Grace window in s; default: the run's own."),
+           html_out: Path | None = typer.Option(None, "--html", help="Also write a self-contained HTML report "
                                                    "(the dashboard's figures, opens offline) to this file."),
+           protocol_out: Path | None = typer.Option(None, "--protocol", help="Also write the run's acceptance "
+                                                       "protocol (Markdown) to this file."),
            context_len: int = typer.Option(2048, help="Context length (tokens) for the capacity figures of --html.")):
     """The per-cancel table (verdicts with evidence) of a recorded run."""
     import json
@@ -81,16 +104,20 @@ def report(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFAU
         print(json.dumps(doc, indent=1, default=str))
     else:
         print_report(doc, verdicts)
+    if protocol_out is not None:
+        # after the report: a protocol that cannot be written loses nothing else
+        sys.stdout.flush()
+        write_protocol(r, doc, protocol_out)
     raise typer.Exit(report_exit(doc))
 
 
 def notebook(name: str = typer.Argument(..., help="capacity_review or vram_plateau (notebooks/NAME.ipynb)."),
-             run: List[str] = typer.Option(["latest"], "--run", help="Run id or 'latest'; repeat for several runs."),
+             run: list[str] = typer.Option(["latest"], "--run", help="Run id or 'latest'; repeat for several runs."),
              store: Path = typer.Option(DEFAULT_STORE, help="Run store (SQLite)."),
-             param: List[str] = typer.Option([], "-p", "--param", help="Another notebook parameter as KEY=VALUE: "
+             param: list[str] = typer.Option([], "-p", "--param", help="Another notebook parameter as KEY=VALUE: "
                                              "-p context_len=4096"),
              html_out: Path = typer.Option(..., "--html", help="Where to write the rendered HTML (no code cells)."),
-             ipynb_out: Optional[Path] = typer.Option(None, "--ipynb", help="Also keep the executed notebook.")):
+             ipynb_out: Path | None = typer.Option(None, "--ipynb", help="Also keep the executed notebook.")):
     """Execute a notebook on runs with papermill and render it to HTML (plotly embedded, opens offline)."""
     import papermill as pm
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -147,13 +146,6 @@ max_tokens = 1200
 
 
 
-def _engine_was_ahead(store: Path) -> bool:
-    """A cancel whose request the server no longer counted at the stop (count below the ledger's)."""
-    doc = json.loads(cli("report", "latest", "--json", "--store", str(store)).stdout or "{}")
-    return any((c["evidence"].get("count_before") or 0) < (c["evidence"].get("ledger_before") or 0)
-               for c in doc.get("cancels", []))
-
-
 @pytest.fixture(scope="session")
 def proxy_and_direct_runs(engine, engine_home, tmp_path_factory):
     """Two short runs in one store: run 1 through a proxy that never passes the disconnect on (its
@@ -162,21 +154,13 @@ def proxy_and_direct_runs(engine, engine_home, tmp_path_factory):
     scen = folder / "short.toml"
     scen.write_text(SHORT)
     store = folder / "cw.db"
-    for attempt in range(3):
-        for p in folder.glob("cw.db*"):
-            p.unlink()
-        proxy = LeakyProxy(engine.url, free_port()).start()
-        try:
-            proxy_res = cli("record", "--target", proxy.url, "--metrics-url", engine.url, "--scenario", str(scen),
-                            "--store", str(store), "--name", "through-leaky-proxy", home=engine_home, timeout=300)
-        finally:
-            proxy.stop()
-        if not _engine_was_ahead(store):
-            break
-        # on this 2-core machine the API server sometimes hands a stream over seconds late: the
-        # engine had finished the request before the client saw its 20th token, so there was
-        # nothing left to leak. That recording cannot show a leak; record again.
-        print(f"attempt {attempt + 1}: the engine finished a target before the client cancelled it; again")
+    # recorded once: the verdict must be right on whatever this recording shows
+    proxy = LeakyProxy(engine.url, free_port()).start()
+    try:
+        proxy_res = cli("record", "--target", proxy.url, "--metrics-url", engine.url, "--scenario", str(scen),
+                        "--store", str(store), "--name", "through-leaky-proxy", home=engine_home, timeout=300)
+    finally:
+        proxy.stop()
     direct_res = cli("record", "--target", engine.url, "--scenario", str(scen), "--store", str(store),
                      "--name", "direct", home=engine_home, timeout=300)
     return store, proxy_res, direct_res

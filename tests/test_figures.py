@@ -105,9 +105,11 @@ def test_capacity_and_table_hold_the_runs_numbers(synthetic):
     with pytest.raises(ValueError):
         capacity(run, 0)
     table = cancel_table(run, verdicts)
-    assert len(table) == 40 and list(table.columns[5:9]) == LATENCY_COLUMNS
+    assert len(table) == 40 and list(table.columns[5:10]) == LATENCY_COLUMNS
     released = table[table["verdict"] == "released"]
-    assert released["user stop → app received (ms)"].round(1).eq(0.5).all()
+    assert released["user stop → engine abort (ms)"].round(1).eq(1.0).all()
+    assert released["user stop → app received (ms)"].isna().all()  # no app on this path
+    assert released["evidence"].str.contains("engine abort: engine log").all()
     assert (released["engine abort → left scheduler (ms)"] <= 150).all()  # within three 50 ms samples
     assert released["neighbour"].str.startswith("completed").all()
     assert released["probe"].str.startswith("admitted, TTFT 100 ms").all()

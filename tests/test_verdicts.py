@@ -17,9 +17,12 @@ T0 = 1_000_000_000_000
 HZ = 20
 
 
-def build_run(count, kv, gen, *, stop_s=2.0, abort_s=2.002, probe_first_s=None, extra_ledger=(), missing=None):
+def build_run(count, kv, gen, *, stop_s=2.0, abort_s=2.002, probe_first_s=None, extra_ledger=(), missing=None,
+              engine_log=None, extra_events=()):
     """A 6 s run at 20 Hz: `count(t)`, `kv(t)`, `gen(t)` give running(+0 waiting), KV usage and tokens;
-    no scrape answered in the stretch `missing` (from, to) in s."""
+    no scrape answered in the stretch `missing` (from, to) in s. `engine_log`: the engine log was read,
+    and these (kind, request id, instant) lines are in it; None: a run without an engine log, whose
+    driver stamped app_received and engine_abort on the client (as runs before engine logs did)."""
     times = np.arange(0, 6, 1 / HZ)
     rows = []
     for i, t in enumerate(times):
@@ -45,16 +48,28 @@ def build_run(count, kv, gen, *, stop_s=2.0, abort_s=2.002, probe_first_s=None, 
                        "first_token_mono_ns": ns(probe_first_s), "closed_mono_ns": ns(probe_first_s + 0.1),
                        "cancel_mono_ns": None, "terminal_state": "completed"})
     cid = {"cancel_id": "c1"}
-    events = pd.DataFrame([
+    events = [
         {"request_id": "tg", "kind": "user_stop", "mono_ns": ns(stop_s),
          "data": json.dumps({**cid, "scenario": "s", "phase": "decode", "metrics_target": "t0"})},
-        {"request_id": "tg", "kind": "app_received", "mono_ns": ns(stop_s + 0.001), "data": json.dumps(cid)},
-        {"request_id": "tg", "kind": "engine_abort", "mono_ns": ns(abort_s), "data": json.dumps(cid)},
-    ])
-    events["wall_ns"] = 0
-    events["t_s"] = (events["mono_ns"] - T0) / 1e9
+    ]
     info = {"started_mono_ns": T0, "targets": [{"label": "t0", "url": "http://x"}], "status": "completed",
             "settings": {}}
+    if engine_log is None:
+        events += [
+            {"request_id": "tg", "kind": "app_received", "mono_ns": ns(stop_s + 0.001), "data": json.dumps(cid)},
+            {"request_id": "tg", "kind": "engine_abort", "mono_ns": ns(abort_s), "data": json.dumps(cid)},
+        ]
+    else:
+        info["engine"] = {"engine_log": {"t0": {"path": "/var/log/engine.log"}}}
+        events.append({"request_id": "tg", "kind": "client_closed", "mono_ns": ns(stop_s + 0.001),
+                       "data": json.dumps({**cid, "source": "client"})})
+        for kind, rid, at in engine_log:
+            events.append({"request_id": rid, "kind": kind, "mono_ns": ns(at),
+                           "data": json.dumps({"engine_request_id": f"cmpl-{rid}-0-0123abcd", "clock": "engine_log",
+                                               "resolution_s": 0.001, "target": "t0"})})
+    events = pd.DataFrame([*events, *extra_events]).sort_values("mono_ns")
+    events["wall_ns"] = 0
+    events["t_s"] = (events["mono_ns"] - T0) / 1e9
     return Run(id=1, info=info, samples=samples, scrapes=pd.DataFrame(), gaps=pd.DataFrame(), events=events,
                ledger=pd.DataFrame(ledger))
 
@@ -92,7 +107,7 @@ def test_stale_gauge_when_nothing_steps_after_the_abort():
 def test_foreign_traffic_makes_it_inconclusive():
     run = build_run(lambda t: 3.0 if t < 2.05 else 2.0, lambda t: 0.4 if t < 2.05 else 0.1, steady_gen)
     (v,) = judge_run(run)
-    assert v.verdict == "inconclusive" and "foreign" in v.evidence.why
+    assert v.verdict == "inconclusive" and "other traffic" in v.evidence.why
     doc = v.evidence.as_json()
     assert doc["kv_before"] == 0.4 and "kv_drop_s" not in doc and "engine_stepping" not in doc
 
@@ -141,3 +156,90 @@ def test_an_engine_restart_inside_the_window_is_inconclusive_not_released():
     (v,) = judge_run(run)
     assert v.verdict == "inconclusive" and "restarted" in v.evidence.why, v
     assert "generation_tokens_total went back" in v.evidence.why
+
+
+ADDED = [("engine_added", "nb", 0.1), ("engine_added", "tg", 0.5)]
+
+
+def test_with_the_engine_log_the_abort_is_the_engines_own_and_no_app_is_said_so():
+    run = build_run(lambda t: 2.0 if t < 2.05 else 1.0, lambda t: 0.4 if t < 2.05 else 0.1, steady_gen,
+                    probe_first_s=2.3, engine_log=[*ADDED, ("engine_aborted", "tg", 2.012)])
+    (v,) = judge_run(run)
+    assert v.verdict == "released"
+    assert v.timepoints["engine_abort"] == 2.012  # the log's line, not the client's close at 2.001
+    src = v.as_json()["timepoint_sources"]
+    assert src["engine_abort"] == {"source": "engine_log", "reason": None}
+    assert src["app_received"] == {"source": None, "reason": "no app on this path"}
+    assert src["left_scheduler"]["source"] == "samples" and src["user_stop"]["source"] == "client"
+    assert v.timepoints["app_received"] is None and v.evidence.engine_log == "read"
+
+
+def test_without_an_engine_log_engine_abort_is_null_with_its_reason_not_a_client_stamp():
+    run = build_run(lambda t: 2.0 if t < 2.05 else 1.0, lambda t: 0.4 if t < 2.05 else 0.1, steady_gen,
+                    probe_first_s=2.3)
+    (v,) = judge_run(run)
+    assert v.verdict == "released"
+    assert v.timepoints["engine_abort"] is None and v.timepoints["app_received"] is None
+    assert v.sources["engine_abort"] == {"source": None, "reason": "no engine log"}
+
+
+def test_a_count_drop_without_a_kv_drop_is_not_released_even_once_the_probe_runs():
+    # the count reconciles at once and the probe got its first token, but KV usage never fell
+    run = build_run(lambda t: 2.0 if t < 2.05 else 1.0, lambda t: 0.4, steady_gen, probe_first_s=2.2,
+                    engine_log=[*ADDED, ("engine_aborted", "tg", 2.01)])
+    (v,) = judge_run(run)
+    assert v.verdict != "released", v
+    assert v.timepoints["left_scheduler"] is None
+
+
+def test_a_lost_cancel_that_ends_inside_the_grace_is_leaked_with_the_time_it_ran():
+    # no abort line: the request ran on after the stop and left at its natural end, 1 s later
+    run = build_run(lambda t: 2.0 if t < 3.0 else 1.0, lambda t: 0.4 if t < 3.0 else 0.1, steady_gen,
+                    engine_log=ADDED)
+    (v,) = judge_run(run)
+    assert v.verdict == "leaked" and "no abort" in v.evidence.why, v
+    assert 950 <= v.evidence.kept_running_ms <= 1050
+    assert v.sources["engine_abort"] == {"source": None, "reason": "no abort in the engine log"}
+
+
+def test_an_engine_that_had_already_finished_the_request_is_not_released():
+    # the server stopped counting the request 0.5 s before the stop; no abort line follows
+    run = build_run(lambda t: 2.0 if t < 1.5 else 1.0, lambda t: 0.4 if t < 1.5 else 0.1, steady_gen,
+                    probe_first_s=2.2, engine_log=ADDED)
+    (v,) = judge_run(run)
+    assert v.verdict == "inconclusive" and "already finished" in v.evidence.why, v
+
+
+def test_a_request_the_ledger_does_not_know_in_the_window_is_other_traffic_not_a_leak():
+    # a clean abort, then an unrelated stream 100 ms after the stop that the server counts
+    run = build_run(lambda t: 2.0 if t < 2.05 or t >= 2.1 else 1.0, lambda t: 0.4 if t < 2.05 else 0.1, steady_gen,
+                    engine_log=[*ADDED, ("engine_aborted", "tg", 2.01), ("engine_added", "stranger", 2.1)])
+    (v,) = judge_run(run)
+    assert v.verdict == "inconclusive" and "other traffic" in v.evidence.why, v
+    assert v.evidence.foreign_requests == 1
+
+
+def test_a_burst_is_judged_per_id_so_one_leak_marks_one_cancel():
+    ns = lambda s: T0 + int(s * 1e9)  # noqa: E731
+    second = {"request_id": "tg2", "scenario": "s", "role": "target", "n": 1, "sent_mono_ns": ns(0.5),
+              "first_token_mono_ns": ns(0.8), "closed_mono_ns": ns(2.002), "cancel_mono_ns": ns(2.0),
+              "terminal_state": "cancelled"}
+    stop2 = {"request_id": "tg2", "kind": "user_stop", "mono_ns": ns(2.0),
+             "data": json.dumps({"cancel_id": "c2", "scenario": "s", "phase": "decode", "metrics_target": "t0"})}
+    # three in the engine; tg's abort frees one at once, tg2 (lost cancel) runs on to 5 s
+    run = build_run(lambda t: 3.0 if t < 2.05 else (2.0 if t < 5.0 else 1.0),
+                    lambda t: 0.6 if t < 2.05 else (0.4 if t < 5.0 else 0.1), steady_gen,
+                    extra_ledger=[second], extra_events=[stop2],
+                    engine_log=[*ADDED, ("engine_added", "tg2", 0.5), ("engine_aborted", "tg", 2.01)])
+    verdicts = {v.request_id: v for v in judge_run(run)}
+    assert verdicts["tg"].verdict == "released", verdicts["tg"]
+    assert verdicts["tg2"].verdict == "leaked" and "no abort" in verdicts["tg2"].evidence.why
+
+
+def test_an_abort_that_reaches_the_engine_only_after_the_grace_is_a_leak():
+    # a gateway that passes the disconnect on 3 s late: the engine's abort line comes after the grace
+    run = build_run(lambda t: 2.0 if t < 5.05 else 1.0, lambda t: 0.4 if t < 5.05 else 0.1, steady_gen,
+                    engine_log=[*ADDED, ("engine_aborted", "tg", 5.0)])
+    (v,) = judge_run(run)
+    assert v.verdict == "leaked" and v.evidence.kept_running_ms == 3000.0, v
+    assert v.sources["engine_abort"]["source"] == "engine_log"

@@ -84,20 +84,31 @@ class Driver:
     async def _wait_trigger(self, s: Scenario, targets: list[Request]) -> None:
         first = targets[0]
         v = s.trigger_value
+        hit = True
         if s.trigger == "after_ms":
             await asyncio.sleep(v / 1000.0)
         elif s.trigger == "after_tokens":
-            await self._until(lambda: all(t.chunks >= v or t.task.done() for t in targets), 60)
+            hit = await self._until(lambda: all(t.chunks >= v or t.task.done() for t in targets), 60)
         elif s.trigger == "near_completion_tokens":
-            await self._until(lambda: all(t.chunks >= t.row.max_tokens - v or t.task.done() for t in targets), 60)
+            hit = await self._until(lambda: all(t.chunks >= t.row.max_tokens - v or t.task.done() for t in targets), 60)
         elif s.trigger == "before_first_token":
             await asyncio.sleep(v / 1000.0)
         elif s.trigger == "while_queued":
             def queued() -> bool:
                 running, waiting = self.scheduler_now()
                 return waiting >= 1 and first.row.first_token_mono_ns is None
+
+            def gone_past() -> bool:
+                # once it has a token or an end it will never queue again: waiting longer only lets it finish
+                return first.row.first_token_mono_ns is not None or first.task.done()
             await asyncio.sleep(0.1)
-            await self._until(queued, 20)
+            hit = await self._until(lambda: queued() or gone_past(), 20) and queued()
+        if not hit or any(t.task.done() for t in targets):
+            # the cancel goes out anyway, and the run says that it did not land where the scenario meant
+            running, waiting = self.scheduler_now()
+            self.event("trigger_missed", first.row.request_id, scenario=s.name, trigger=s.trigger,
+                       trigger_value=v, chunks=[t.chunks for t in targets],
+                       done=[t.task.done() for t in targets], running=running, waiting=waiting)
 
     def _phase(self, s: Scenario, req: Request) -> str:
         if req.task.done():
@@ -133,11 +144,16 @@ class Driver:
         self._trace_after_stop(req, cancel_id)
 
     def _trace_after_stop(self, req: Request, cancel_id: str) -> None:
-        """Timepoints 2 and 3 of a cancel, where they were reached."""
+        """What the client side knows after a stop, each under the name of who measured it: the relay's
+        own readings (app received, engine abort) in explicit mode; on the HTTP paths only the client's
+        stamp of its closed connection. The engine's abort comes from the engine's log, not from here."""
+        rid = req.row.request_id
         if req.app_received_ns:
-            self.event("app_received", req.row.request_id, req.app_received_ns, cancel_id=cancel_id)
+            self.event("app_received", rid, req.app_received_ns, cancel_id=cancel_id, source="relay")
         if req.engine_abort_ns:
-            self.event("engine_abort", req.row.request_id, req.engine_abort_ns, cancel_id=cancel_id)
+            self.event("engine_abort", rid, req.engine_abort_ns, cancel_id=cancel_id, source="relay")
+        if req.client_closed_ns:
+            self.event("client_closed", rid, req.client_closed_ns, cancel_id=cancel_id, source="client")
 
     async def wait_idle(self, timeout_s: float = IDLE_WAIT_S) -> bool:
         def idle() -> bool:
@@ -172,7 +188,8 @@ class Driver:
             await asyncio.gather(*(asyncio.shield(t.task) for t in chosen), return_exceptions=True)
             for t in chosen:
                 cid = uuid.uuid4().hex[:8]
-                stop_at = (t.row.sent_mono_ns or t_stop) + int(s.timeout_s * 1e9)
+                # the stop is the moment the client's timeout fired (its deadline, if it never did)
+                stop_at = t.timeout_fired_ns or (t.row.sent_mono_ns or t_stop) + int(s.timeout_s * 1e9)
                 t.row.cancel_mono_ns = stop_at
                 # a non-streaming client sees no tokens: the request was somewhere in the engine
                 self.event("user_stop", t.row.request_id, stop_at, scenario=s.name, phase="in_flight",

@@ -57,8 +57,8 @@ BUILTIN: dict[str, Scenario] = {
     s.name: s
     for s in (
         Scenario("queued", "a waiting request is cancelled: waiting drops, running and KV usage do not",
-                 trigger="while_queued", trigger_value=0, fillers=3, filler_max_tokens=180, prompt_tokens=300,
-                 max_tokens=200),
+                 trigger="while_queued", trigger_value=0, fillers=3, filler_max_tokens=400, neighbour_max_tokens=500,
+                 prompt_tokens=300, max_tokens=200),
         Scenario("prefill", "cancelled before its first token: the long prompt's blocks are freed",
                  trigger="before_first_token", trigger_value=250, prompt_tokens=3000, max_tokens=200),
         Scenario("decode", "cancelled after streamed tokens: KV usage drops",

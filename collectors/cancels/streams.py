@@ -27,8 +27,10 @@ def now_ns() -> int:
 class Request:
     """One request in flight: its ledger row plus what the trigger watchers look at.
 
-    app_received_ns: monotonic instant the cancel reached the request's task (or the app)
-    engine_abort_ns: monotonic instant the engine connection was closed (or the app's abort() returned)
+    client_closed_ns: monotonic instant the client had closed its connection after the cancel (its
+        own stamp: it says nothing of whether the server noticed)
+    timeout_fired_ns: monotonic instant the client's timeout fired (non-streaming timeout mode)
+    app_received_ns, engine_abort_ns: the relay app's own readings (explicit mode), on this clock
     """
 
     row: LedgerRecord
@@ -40,6 +42,8 @@ class Request:
     response: httpx.Response | None = None
     task: asyncio.Task | None = None
     cancel_requested: bool = False
+    client_closed_ns: int | None = None
+    timeout_fired_ns: int | None = None
     app_received_ns: int | None = None
     engine_abort_ns: int | None = None
 
@@ -73,11 +77,10 @@ async def run_request(client: httpx.AsyncClient, base_url: str, req: Request) ->
         else:
             await _plain(client, base_url, req)
     except asyncio.CancelledError:
-        # the app-side cancel: the task got it; closing the response closes the engine connection
-        req.app_received_ns = req.app_received_ns or now_ns()
+        # the client's own cancel: closing the response closes its connection to the server
         if req.response is not None:
             await req.response.aclose()
-        req.engine_abort_ns = now_ns()
+        req.client_closed_ns = now_ns()
         if req.stream and row.max_tokens and row.chunks >= row.max_tokens * row.n:
             # every token the request could give had arrived: it ended by length in the engine, and
             # only the finish marker was still on its way when the cancel came. A completion.
@@ -85,10 +88,10 @@ async def run_request(client: httpx.AsyncClient, base_url: str, req: Request) ->
         else:
             row.terminal_state, row.reason = "cancelled", "task cancelled"
     except httpx.TimeoutException as exc:
-        req.app_received_ns = now_ns()
+        req.timeout_fired_ns = now_ns()
         row.terminal_state, row.reason = ("cancelled", "client timeout") if req.cancel_requested else ("error", "timeout")
         row.error = type(exc).__name__
-        req.engine_abort_ns = now_ns()  # httpx has dropped the connection by the time it raises
+        req.client_closed_ns = now_ns()  # httpx has dropped the connection by the time it raises
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         if req.cancel_requested:
             row.terminal_state, row.reason = "cancelled", "stream closed by client"
@@ -134,7 +137,6 @@ async def _stream(client: httpx.AsyncClient, base_url: str, req: Request) -> Non
                     break
                 _count(req, json.loads(data))
         except asyncio.CancelledError:
-            req.app_received_ns = now_ns()  # before the response (and its connection) is closed
             raise
     done = len(req.finished_choices) >= req.row.n
     req.row.terminal_state = "completed" if done else ("cancelled" if req.cancel_requested else "error")
@@ -154,10 +156,9 @@ async def _plain(client: httpx.AsyncClient, base_url: str, req: Request) -> None
 
 async def disconnect(req: Request) -> None:
     """No cancel call: the client just closes the stream under the reader."""
-    req.app_received_ns = now_ns()
     if req.response is not None:
         await req.response.aclose()
-    req.engine_abort_ns = now_ns()
+    req.client_closed_ns = now_ns()
 
 
 async def cancel_in_app(client: httpx.AsyncClient, base_url: str, req: Request) -> tuple[int | None, int | None]:
