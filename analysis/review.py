@@ -14,7 +14,7 @@ from analysis.capacity import capacity, capacity_frame
 from analysis.compare import compare_runs
 from analysis.explain import memory_story, pick_story_cancel
 from analysis.facts import VIEW_METRICS
-from analysis.verdicts import CancelVerdict, judge_run
+from analysis.verdicts import SOURCE_LABELS, CancelVerdict, judge_run
 from runstore.reader import Run, StoreError, load_run
 
 
@@ -67,8 +67,20 @@ def release_latency_summary(runs: list[ReviewRun], slo_ms: float) -> pd.DataFram
             "p95 (ms)": float(np.quantile(lat, 0.95)) if len(lat) else None,
             "max (ms)": float(lat.max()) if len(lat) else None,
             f"within {slo_ms:g} ms": (f"{int((lat <= slo_ms).sum())} of {len(r.verdicts)}" if r.verdicts else "no cancels"),
+            "engine abort from": _abort_sources(r.verdicts),
         })
     return pd.DataFrame(rows).set_index("run")
+
+
+def _abort_sources(verdicts: list[CancelVerdict]) -> str:
+    """What the cancels' engine_abort rests on, counted: `engine log 11, relay 1, none (no engine log) 2`."""
+    counts: dict[str, int] = {}
+    for v in verdicts:
+        entry = v.sources.get("engine_abort") or {}
+        src = entry.get("source")
+        key = SOURCE_LABELS.get(src, src) if src else f"none ({entry.get('reason') or 'not recorded'})"
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{k} {n}" for k, n in counts.items()) or "no cancels"
 
 
 def verdict_summary(runs: list[ReviewRun]) -> pd.DataFrame:

@@ -232,6 +232,7 @@ def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None
         return []
 
     trace = _trace_events(run)
+    missed = {r.request_id: json.loads(r.data) for r in _events(run, "trigger_missed").itertuples(index=False)}
     known = set(ledger["request_id"])
     englog = _EngineLog(run, known)
 
@@ -279,13 +280,14 @@ def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None
         out.append(_judge_one(run, frame_for(target), englog, trace, by_scenario.get(scenario, NO_REQUESTS),
                               rid=rid, cid=cid, scenario=scenario, phase=phase, target=target, lrow=lrow,
                               terminal=terminal, t_stop=float(stop.t_s), grace_s=grace_s, t0=t0,
-                              tokens_at_cancel=data.get("tokens_at_cancel")))
+                              tokens_at_cancel=data.get("tokens_at_cancel"), missed=missed.get(rid)))
     return out
 
 
 def _judge_one(run: Run, frame, englog: _EngineLog, trace: dict, same: dict, *, rid: str, cid: str,
                scenario: str, phase: str, target: str | None, lrow: dict | None, terminal: str | None,
-               t_stop: float, grace_s: float, t0: int, tokens_at_cancel: int | None = None) -> CancelVerdict:
+               t_stop: float, grace_s: float, t0: int, tokens_at_cancel: int | None = None,
+               missed: dict | None = None) -> CancelVerdict:
     cols_all, inflight_all = frame
     log_state = _log_state(run, target)
     has_log = log_state == "read"
@@ -345,6 +347,10 @@ def _judge_one(run: Run, frame, englog: _EngineLog, trace: dict, same: dict, *, 
     ev = Evidence(grace_s=grace_s, metrics_target=target, samples_in_window=int(window.sum()),
                   race="completed before the cancel took effect" if completed else None,
                   engine_log=log_state)
+    if completed and missed is not None:
+        ev.race = None  # not a race at the end: the scenario never got to cancel where it meant to
+        return verdict("inconclusive", f"the request completed before the stop: the scenario's trigger "
+                       f"({missed.get('trigger')}) was never reached, so there was nothing to cancel")
     if completed:
         return verdict("inconclusive", "the completion won the race: the client read the request's end before "
                        "the cancel took effect, so this cancel cannot show a release")
@@ -372,7 +378,7 @@ def _judge_one(run: Run, frame, englog: _EngineLog, trace: dict, same: dict, *, 
     restart = _restart_in(run, target, sched, t_stop - 1.0, t_end)
     if restart:
         # gauges of a new engine start at 0: a release would be read into what is only a restart
-        return verdict("inconclusive", f"the engine restarted inside this cancel's window ({restart}): nothing "
+        return verdict("inconclusive", f"engine restarted inside this cancel's window ({restart}): nothing "
                        "to judge the release by")
     if t_abort is not None and t_abort - t_stop > grace_s:
         # the abort came, but so late that the engine generated for nobody through the whole grace
@@ -525,18 +531,29 @@ def _judge_without_abort(run: Run, englog: _EngineLog, verdict, ev: Evidence, sc
 
 def _restart_in(run: Run, target: str | None, sched: dict[str, np.ndarray], t_from: float,
                 t_to: float) -> str | None:
-    """How an engine restart shows between the instants `t_from` and `t_to`, else None: the engine's
-    token counter going back (a new process counts from 0), or the target lost in between."""
-    gen = sched["gen_tokens"][(sched["t_s"] >= t_from) & (sched["t_s"] <= t_to)]
-    gen = gen[~np.isnan(gen)]
-    if len(gen) >= 2 and (np.diff(gen) < 0).any():
-        return "generation_tokens_total went back"
+    """How an engine restart shows between the instants `t_from` and `t_to`, else None: the target
+    lost in between, or the engine's token counter going back (a new process counts from 0) and
+    staying back. A scrape outage that covers part of the window stretches it to the first sample
+    after the outage: a restart takes longer than any grace, and only that sample shows it."""
     gaps = run.gaps
     if not gaps.empty and "end_t_s" in gaps:
-        lost = gaps[(gaps["kind"] == "lost") & (gaps["target"] == target) & (gaps["t_s"] <= t_to)
-                    & (gaps["end_t_s"] >= t_from)]
-        if len(lost):
+        mine = gaps[(gaps["target"] == target) & (gaps["t_s"] <= t_to) & (gaps["end_t_s"] >= t_from)]
+        if (mine["kind"] == "lost").any():
             return "the target was lost"
+        outages = mine[mine["kind"] == "error"]
+        if len(outages):
+            t_to = max(t_to, float(outages["end_t_s"].max()) + 0.5)
+    times, gen = sched["t_s"], sched["gen_tokens"]
+    sel = (times >= t_from) & (times <= t_to) & ~np.isnan(gen)
+    vals = gen[sel]
+    if len(vals) < 2:
+        return None
+    # two overlapping scrapes can answer out of order (each body is as old as the moment the server
+    # built it): a dip that the next samples climb out of at once is not a restart
+    peak = np.maximum.accumulate(vals)
+    for i in np.nonzero(vals[1:] < peak[:-1])[0] + 1:
+        if (vals[i:i + 3] < peak[i - 1]).all():
+            return "generation_tokens_total went back"
     return None
 
 

@@ -164,3 +164,16 @@ def test_report_html_bad_paths_are_one_line_errors(tmp_path):
     res = cli("report", "latest", "--store", str(tmp_path / "none.db"), "--html", str(tmp_path / "r.html"))
     assert res.returncode == 2 and "no run store" in res.stderr
     assert not (tmp_path / "r.html").exists()
+
+
+def test_the_shipped_sample_is_released_on_the_engines_own_abort_lines():
+    """The shipped sample run (make sample-run, direct to the embedded engine, its log read): every cancel
+    released, each engine_abort the engine's own log line, and no app on these HTTP paths."""
+    run = load_run(SAMPLE, "latest")
+    verdicts = judge_run(run)
+    assert verdicts and {v.verdict for v in verdicts} == {"released"}, [(v.scenario, v.evidence.why) for v in verdicts]
+    aborted = run.events[run.events["kind"] == "engine_aborted"].set_index("request_id")["t_s"]
+    for v in verdicts:
+        assert v.sources["engine_abort"] == {"source": "engine_log", "reason": None}, v
+        assert v.timepoints["engine_abort"] == aborted.loc[[v.request_id]].min()
+        assert v.sources["app_received"] == {"source": None, "reason": "no app on this path"}

@@ -138,6 +138,7 @@ def test_review_helpers():
     released = [v.evidence.release_ms for v in runs[0].verdicts if v.verdict == "released"]
     assert lat.iloc[0]["released"] == len(released) and lat.iloc[0]["max (ms)"] == max(released)
     assert lat.iloc[0]["within 100 ms"] == f"{sum(x <= 100 for x in released)} of {len(runs[0].verdicts)}"
+    assert lat.iloc[0]["engine abort from"] == f"engine log {len(runs[0].verdicts)}"  # every cancel on the engine log
     with pytest.raises(StoreError):
         review.open_runs(str(SAMPLE), "1,1")
     walk = review.plateau_walkthrough(runs[0])

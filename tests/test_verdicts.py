@@ -243,3 +243,15 @@ def test_an_abort_that_reaches_the_engine_only_after_the_grace_is_a_leak():
     (v,) = judge_run(run)
     assert v.verdict == "leaked" and v.evidence.kept_running_ms == 3000.0, v
     assert v.sources["engine_abort"]["source"] == "engine_log"
+
+
+def test_a_request_that_completed_before_a_missed_trigger_is_not_a_race_won():
+    # the queued scenario's trigger never saw the target waiting; it ran to its end before the stop
+    ns = lambda s: T0 + int(s * 1e9)  # noqa: E731
+    missed = {"request_id": "tg", "kind": "trigger_missed", "mono_ns": ns(1.99),
+              "data": json.dumps({"trigger": "while_queued", "trigger_value": 0})}
+    run = build_run(lambda t: 2.0 if t < 1.5 else 1.0, lambda t: 0.4, steady_gen, engine_log=ADDED,
+                    extra_events=[missed])
+    run.ledger.loc[run.ledger["request_id"] == "tg", ["terminal_state", "closed_mono_ns"]] = ["completed", ns(1.5)]
+    (v,) = judge_run(run)
+    assert v.verdict == "inconclusive" and "never reached" in v.evidence.why and v.evidence.race is None, v

@@ -1,0 +1,365 @@
+"""A test-only loopback proxy in front of the engine whose misbehaviour is chosen at construction.
+
+It forwards every path (/v1/* streamed or not, /metrics, /health) to the engine, one request per
+connection, and watches each client: the client went when its socket reads EOF or a write to it fails
+(as tests/leaky_proxy.py). What it does then, and around it, is the behaviour:
+
+- default: the disconnect is passed on at once (the upstream stream is closed, the engine aborts);
+- `leak=True`: the disconnect is never passed on, upstream is read to its end (the lost cancel);
+  with `leak_only="target"` (a role, matched as "-target-" in X-Request-Id, or a predicate on the
+  id) only the FIRST such request whose client goes leaks; every other one is passed on;
+- `late_s`: upstream is read at full speed into a queue and each chunk is handed to the client only
+  `late_s` after it arrived, so a short request is finished in the engine long before the client
+  sees its tokens;
+- `foreign_after_stop_s`: that long after the first target's client went, ONE unrelated streamed
+  completion (X-Request-Id `foreign-<hex>`) goes straight to the engine and is read to its end;
+- `metrics_down_after_stop_s`: from the first target's client going, /metrics answers nothing (the
+  connection is dropped without a response) for that many seconds;
+- `retry_upstream_s`: a request the engine refuses (nothing listens: it is restarting) is tried again
+  for up to that many seconds, as a gateway in front of a restarting engine would.
+
+Everything it did is counted (`client_gone`, `leaked`, `passed_on`, `foreign_sent`, `metrics_down_at`,
+`metrics_refused`, and per request `requests[id]` with monotonic instants, the same clock as a run's
+`*_mono_ns`), so that a test can fail when its proxy did not misbehave as meant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "accept-encoding", "keep-alive"}
+HEAD_TIMEOUT_S = 10.0
+REQUEST_DEADLINE_S = 180.0  # no proxied exchange lives longer, whatever the engine does
+FOREIGN_DEADLINE_S = 90.0
+FOREIGN_PROMPT = " ".join(f"w{i}" for i in range(300))
+
+
+@dataclass
+class Seen:
+    """One proxied request; instants are time.monotonic() seconds."""
+
+    request_id: str
+    path: str
+    received_at: float
+    status: int | None = None
+    first_chunk_at: float | None = None  # upstream's first body chunk
+    upstream_done_at: float | None = None  # upstream's body read to its end
+    upstream_closed_at: float | None = None  # upstream closed before its end (the disconnect passed on)
+    client_gone_at: float | None = None
+    delivered_done: bool = False  # the stream's end marker (`data: [DONE]`) reached the client
+    leaked: bool = False
+    chunks_up: int = 0
+    chunks_down: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class ProxyBehaviour:
+    def __init__(self, upstream: str, port: int, *, leak: bool = False,
+                 leak_only: str | Callable[[str], bool] | None = None, late_s: float = 0.0,
+                 foreign_after_stop_s: float | None = None, foreign_max_tokens: int = 200,
+                 metrics_down_after_stop_s: float | None = None, retry_upstream_s: float = 0.0):
+        self.upstream = upstream.rstrip("/")
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.leak = leak or leak_only is not None
+        if isinstance(leak_only, str):
+            role = leak_only
+            leak_only = lambda rid: f"-{role}-" in rid
+        self.leak_only = leak_only
+        self.late_s = float(late_s)
+        self.foreign_after_stop_s = foreign_after_stop_s
+        self.foreign_max_tokens = foreign_max_tokens
+        self.metrics_down_after_stop_s = metrics_down_after_stop_s
+        self.retry_upstream_s = float(retry_upstream_s)
+        self.upstream_retries = 0  # connection attempts the engine refused and that were tried again
+        # what happened
+        self.requests: dict[str, Seen] = {}
+        self.client_gone = 0
+        self.leaked: list[str] = []
+        self.passed_on: list[str] = []
+        self.first_target_gone_at: float | None = None
+        self.foreign_sent = 0
+        self.foreign_ids: list[str] = []
+        self.foreign_sent_at: float | None = None
+        self.foreign_done_at: float | None = None
+        self.foreign_chunks = 0
+        self.foreign_error: str | None = None
+        self.metrics_down_at: float | None = None
+        self.metrics_down_until: float | None = None
+        self.metrics_refused = 0
+        self._model: str | None = None
+        self._anon = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True, name=f"proxy-{port}")
+
+    # ------------------------------------------------------------------ what the tests read
+    def target_ids(self) -> list[str]:
+        return [rid for rid in self.requests if "-target-" in rid]
+
+    def summary(self) -> dict:
+        return {"client_gone": self.client_gone, "leaked": list(self.leaked), "passed_on": list(self.passed_on),
+                "foreign_sent": self.foreign_sent, "foreign_ids": list(self.foreign_ids),
+                "foreign_chunks": self.foreign_chunks, "foreign_error": self.foreign_error,
+                "metrics_down_at": self.metrics_down_at, "metrics_refused": self.metrics_refused,
+                "requests": {k: vars(v) for k, v in self.requests.items()}}
+
+    # ------------------------------------------------------------------ decisions
+    def _leaks(self, rid: str) -> bool:
+        if not self.leak:
+            return False
+        if self.leak_only is None:
+            return True
+        return not self.leaked and bool(self.leak_only(rid))
+
+    def _metrics_down(self) -> bool:
+        return self.metrics_down_until is not None and time.monotonic() < self.metrics_down_until
+
+    def _on_gone(self, seen: Seen) -> None:
+        seen.client_gone_at = time.monotonic()
+        self.client_gone += 1
+        if "-target-" not in seen.request_id or self.first_target_gone_at is not None:
+            return
+        self.first_target_gone_at = seen.client_gone_at
+        if self.metrics_down_after_stop_s:
+            self.metrics_down_at = seen.client_gone_at
+            self.metrics_down_until = seen.client_gone_at + self.metrics_down_after_stop_s
+        if self.foreign_after_stop_s is not None:
+            self._spawn(self._foreign())
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ------------------------------------------------------------------ the foreign request
+    async def _foreign(self) -> None:
+        await asyncio.sleep(self.foreign_after_stop_s)
+        rid = f"foreign-{uuid.uuid4().hex[:8]}"
+        self.foreign_ids.append(rid)
+        self.foreign_sent += 1
+        self.foreign_sent_at = time.monotonic()
+        try:
+            async with asyncio.timeout(FOREIGN_DEADLINE_S):
+                model = self._model
+                if model is None:
+                    model = (await self._client.get(self.upstream + "/v1/models")).json()["data"][0]["id"]
+                body = {"model": model, "prompt": FOREIGN_PROMPT, "max_tokens": self.foreign_max_tokens,
+                        "ignore_eos": True, "stream": True}
+                async with self._client.stream("POST", self.upstream + "/v1/completions", json=body,
+                                               headers={"X-Request-Id": rid}) as resp:
+                    if resp.status_code != 200:
+                        self.foreign_error = f"HTTP {resp.status_code}"
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            self.foreign_chunks += 1
+            self.foreign_done_at = time.monotonic()
+        except (httpx.HTTPError, TimeoutError, ValueError, KeyError, IndexError) as exc:
+            self.foreign_error = f"{type(exc).__name__}: {exc}"
+
+    # ------------------------------------------------------------------ one connection
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await self._exchange(reader, writer)
+        except asyncio.CancelledError:
+            # stop(): the connection goes with the proxy (a cancelled handler task makes asyncio's
+            # stream callback raise in 3.11, so the handler ends normally)
+            writer.transport.abort()
+
+    async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(HEAD_TIMEOUT_S):
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method, path, _ = lines[0].split(" ", 2)
+                headers = {}
+                for line in lines[1:]:
+                    if ":" in line:
+                        k, v = line.split(":", 1)
+                        headers[k.strip().lower()] = v.strip()
+                body = await reader.readexactly(int(headers.get("content-length", "0")))
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, TimeoutError, ValueError):
+            writer.transport.abort()
+            return
+        if path.startswith("/metrics") and self._metrics_down():
+            self.metrics_refused += 1
+            writer.transport.abort()  # no answer at all: the scrape fails as on a dead endpoint
+            return
+        rid = headers.get("x-request-id")
+        if not rid:
+            self._anon += 1
+            rid = f"anon-{self._anon}"
+        seen = self.requests[rid] = Seen(rid, path, time.monotonic())
+        if method == "POST" and path.startswith("/v1/") and self._model is None:
+            try:
+                self._model = json.loads(body or b"{}").get("model")
+            except (ValueError, AttributeError):
+                pass
+        fwd = {k: v for k, v in headers.items() if k not in HOP_HEADERS}
+        # bodies are relayed raw, without their Content-Encoding header: ask upstream for none
+        fwd["accept-encoding"] = "identity"
+        try:
+            async with asyncio.timeout(REQUEST_DEADLINE_S):
+                await self._relay(seen, method, path, body, fwd, reader, writer)
+        except TimeoutError:
+            seen.errors.append("deadline")
+        finally:
+            if seen.client_gone_at is not None:
+                writer.transport.abort()
+            else:
+                writer.close()
+
+    async def _relay(self, seen: Seen, method: str, path: str, body: bytes, fwd: dict,
+                     reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        queue: asyncio.Queue = asyncio.Queue()
+        head: asyncio.Future = self._loop.create_future()
+
+        async def connect() -> httpx.Response:
+            retry_until = time.monotonic() + self.retry_upstream_s
+            while True:
+                try:
+                    return await self._client.send(self._client.build_request(
+                        method, self.upstream + path, content=body, headers=fwd), stream=True)
+                except httpx.ConnectError:
+                    if time.monotonic() >= retry_until:
+                        raise
+                    self.upstream_retries += 1
+                    await asyncio.sleep(0.25)
+
+        async def pump() -> None:
+            """Upstream at full speed into the queue; cancelled = the upstream stream closed."""
+            resp = None
+            try:
+                resp = await connect()
+                seen.status = resp.status_code
+                head.set_result(resp)
+                async for chunk in resp.aiter_raw():
+                    if not chunk:
+                        continue
+                    seen.chunks_up += 1
+                    seen.first_chunk_at = seen.first_chunk_at or time.monotonic()
+                    queue.put_nowait((time.monotonic(), chunk))
+                seen.upstream_done_at = time.monotonic()
+            except asyncio.CancelledError:
+                seen.upstream_closed_at = time.monotonic()
+                raise
+            except Exception as exc:  # noqa: BLE001 - whatever upstream did, the client gets an answer
+                seen.errors.append(f"upstream {type(exc).__name__}: {exc}")
+                if not head.done():
+                    head.set_exception(exc)
+            finally:
+                if resp is not None:
+                    await asyncio.shield(resp.aclose())  # closing the stream is what tells the engine
+                queue.put_nowait(None)
+
+        async def deliver() -> None:
+            try:
+                resp = await head
+            except Exception as exc:  # noqa: BLE001 - upstream failed: a 502, as a gateway says it
+                msg = f"proxy: upstream failed ({type(exc).__name__})".encode()
+                writer.write(b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
+                             b"Connection: close\r\n\r\n%s" % (len(msg), msg))
+                await writer.drain()
+                return
+            ctype = resp.headers.get("content-type", "application/octet-stream")
+            writer.write(f"HTTP/1.1 {resp.status_code} {resp.reason_phrase or 'OK'}\r\nContent-Type: {ctype}\r\n"
+                         "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n".encode())
+            await writer.drain()
+            while (item := await queue.get()) is not None:
+                arrived, chunk = item
+                wait = arrived + self.late_s - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                if writer.is_closing() or reader.at_eof():
+                    raise ConnectionResetError("client went")
+                writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                await writer.drain()
+                seen.chunks_down += 1
+                seen.delivered_done = seen.delivered_done or b"data: [DONE]" in chunk
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+        pump_task = self._spawn(pump())
+        deliver_task = self._spawn(deliver())
+        # the client sends nothing more on this connection: a read that ends is the client going
+        watch_task = self._spawn(reader.read(1))
+        try:
+            await asyncio.wait({deliver_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+            # EOF (b"") or a reset: the client went before it had the whole answer
+            gone = watch_task.done() and not deliver_task.done()
+            if deliver_task.done() and deliver_task.exception() is not None:
+                exc = deliver_task.exception()
+                if isinstance(exc, (ConnectionError, RuntimeError)):
+                    gone = True
+                else:
+                    seen.errors.append(f"deliver {type(exc).__name__}: {exc}")
+            if not gone or seen.delivered_done:
+                # a client that closes once it has the end marker finished, it did not go away
+                await asyncio.gather(pump_task, return_exceptions=True)
+                return
+            self._on_gone(seen)
+            deliver_task.cancel()
+            if not pump_task.done() and self._leaks(seen.request_id):
+                # the leak: the client is gone, upstream is still read to its end
+                seen.leaked = True
+                self.leaked.append(seen.request_id)
+                await pump_task
+            else:
+                if not pump_task.done():
+                    self.passed_on.append(seen.request_id)
+                pump_task.cancel()
+                await asyncio.gather(pump_task, return_exceptions=True)
+        finally:
+            for t in (pump_task, deliver_task, watch_task):
+                t.cancel()
+            await asyncio.gather(pump_task, deliver_task, watch_task, return_exceptions=True)
+
+    # ------------------------------------------------------------------ lifecycle
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=5.0),
+                                         limits=httpx.Limits(max_keepalive_connections=0))
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", self.port))
+        self._ready.set()
+        self._loop.run_forever()
+
+    def start(self) -> ProxyBehaviour:
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError(f"proxy on port {self.port} did not start")
+        return self
+
+    def wait_foreign_done(self, timeout_s: float = 60.0) -> bool:
+        """Block until the foreign request (if one was sent) has ended."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.foreign_sent and (self.foreign_done_at is not None or self.foreign_error is not None):
+                return True
+            time.sleep(0.1)
+        return False
+
+    def stop(self) -> None:
+        async def close():
+            self._server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.wait(tasks, timeout=5) if tasks else None
+            await self._client.aclose()
+
+        if self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(close(), self._loop).result(15)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        if not self._thread.is_alive():
+            self._loop.close()

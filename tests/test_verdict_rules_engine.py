@@ -1,0 +1,304 @@
+"""The verdict rules, one real-engine case each: a proxy (tests/proxies.py) in front of the embedded vLLM
+makes one cancel misbehave on purpose, the test checks in the run itself (the engine's own log, the
+ledger, the scrapes) and in the proxy's counts that the misbehaviour really happened, and only then
+reads the verdict. A proxy that did not misbehave fails the test; it never passes it.
+
+  a  the engine finished the target before the stop          -> inconclusive, "already finished"
+  c  the cancel never reached the engine (no abort line)       -> leaked, "no abort", kept_running_ms > 0
+  d  a request the ledger does not know in the cancel's window -> inconclusive, "other traffic"
+  e  the engine killed and restarted during the cancel         -> inconclusive, "engine restarted"
+  f  a burst where the proxy leaks one of the two cancels      -> that one leaked, the other released
+  g  /metrics down for 3 s from the stop                       -> inconclusive, "no samples"
+
+and, with no proxy, a plain decode cancel says where each timepoint came from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+
+from collectors.engines import vllm_server as engine_mod
+from runstore.reader import load_run
+from tests.conftest import cli, cli_popen, free_port
+from tests.proxies import ProxyBehaviour
+
+GRACE_S = 2.0
+
+
+def scenario(folder: Path, **keys) -> Path:
+    path = folder / "scenario.toml"
+    lines = ["[[scenario]]"] + [f"{k} = {json.dumps(v)}" for k, v in keys.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def record(target: str, toml: Path, store: Path, home: Path, *, metrics_url: str | None = None, extra=()):
+    """One record run and its report; the run itself for the checks of what happened."""
+    args = ["record", "--target", target, "--scenario", str(toml), "--store", str(store), *extra]
+    if metrics_url is not None:
+        args += ["--metrics-url", metrics_url]
+    res = cli(*args, home=home, timeout=300)
+    # a verdict other than released exits 1: the report, not the exit code, is what these tests read
+    assert res.returncode in (0, 1), res.stdout[-3000:] + res.stderr[-3000:]
+    rep = cli("report", "latest", "--json", "--store", str(store))
+    assert rep.returncode in (0, 1), rep.stderr
+    return res, json.loads(rep.stdout), load_run(store, "latest")
+
+
+def engine_lines(run, kind: str) -> dict[str, list[float]]:
+    """Client id -> the run-clock instants of its `engine_added` / `engine_aborted` lines."""
+    ev = run.events[run.events["kind"] == kind]
+    out: dict[str, list[float]] = {}
+    for rid, t in zip(ev["request_id"], ev["t_s"]):
+        out.setdefault(rid, []).append(float(t))
+    return out
+
+
+def the_cancel(doc, request_id: str) -> dict:
+    (c,) = [c for c in doc["cancels"] if c["request_id"] == request_id]
+    return c
+
+
+def run_clock(run, mono_s: float | None) -> float | None:
+    """A proxy instant (time.monotonic) on the run's clock (seconds since the run started)."""
+    return None if mono_s is None else (mono_s * 1e9 - run.info["started_mono_ns"]) / 1e9
+
+
+def dump(doc, proxy: ProxyBehaviour | None = None) -> str:
+    text = json.dumps(doc["cancels"], indent=1)
+    if proxy is not None:
+        text += "\nproxy: " + json.dumps(proxy.summary(), indent=1, default=str)
+    return text
+
+
+# --------------------------------------------------------------------------- no proxy
+
+
+def test_a_direct_decode_cancel_says_where_each_timepoint_came_from(engine, engine_home, tmp_path):
+    toml = scenario(tmp_path, name="decode_direct", trigger="after_tokens", trigger_value=20, prompt_tokens=600,
+                    max_tokens=1200)
+    _, doc, run = record(engine.url, toml, tmp_path / "cw.db", engine_home)
+    (c,) = doc["cancels"]
+    assert c["verdict"] == "released", dump(doc)
+    src = c["timepoint_sources"]
+    assert src["engine_abort"]["source"] == "engine_log", src
+    # the engine's abort line for this very request is the engine_abort timepoint
+    (t_abort,) = engine_lines(run, "engine_aborted")[c["request_id"]]
+    assert abs(c["timepoints"]["engine_abort"] - t_abort) <= 0.002, (c["timepoints"], t_abort)
+    # a client talking to the engine straight has no app in between: no app_received, and it says why
+    assert src["app_received"]["source"] is None, src
+    assert isinstance(src["app_received"]["reason"], str) and src["app_received"]["reason"].strip(), src
+    assert c["timepoints"]["app_received"] is None, c["timepoints"]
+
+
+# --------------------------------------------------------------------------- a: already finished
+
+
+def test_a_cancel_of_a_request_the_engine_had_finished_is_inconclusive(engine, engine_home, tmp_path):
+    # 40 tokens take the engine about a second; the proxy hands each chunk over 4 s after it came, so
+    # the client's 20th token (the stop) arrives seconds after the engine's last one
+    toml = scenario(tmp_path, name="late_finish", trigger="after_tokens", trigger_value=20, prompt_tokens=600,
+                    max_tokens=40, neighbour_max_tokens=60)
+    proxy = ProxyBehaviour(engine.url, free_port(), late_s=4.0).start()
+    try:
+        _, doc, run = record(proxy.url, toml, tmp_path / "cw.db", engine_home, metrics_url=engine.url)
+    finally:
+        proxy.stop()
+    (c,) = doc["cancels"]
+    rid = c["request_id"]
+    seen = proxy.requests[rid]
+    # the misbehaviour happened: the client went, and the engine's stream had ended well before that
+    assert seen.client_gone_at is not None and seen.upstream_done_at is not None, dump(doc, proxy)
+    ahead_s = seen.client_gone_at - seen.upstream_done_at
+    print(f"the engine had finished {ahead_s:.2f} s before the stop")
+    assert ahead_s >= 1.0, dump(doc, proxy)
+    assert rid in engine_lines(run, "engine_added") and rid not in engine_lines(run, "engine_aborted")
+    assert c["verdict"] == "inconclusive", dump(doc, proxy)
+    assert "already finished" in c["evidence"]["why"], dump(doc, proxy)
+
+
+# --------------------------------------------------------------------------- c: no abort, natural end
+
+
+def test_a_cancel_that_never_reached_the_engine_is_leaked_even_when_it_ends_inside_the_grace(
+        engine, engine_home, tmp_path):
+    # 120 tokens, the stop after 20: the 100 left take the engine about 1.5 s (inside the grace), and are
+    # far more than the API server ever runs ahead of the client, so there is always something to leak.
+    # Recorded once: the verdict must be right on whatever this recording shows.
+    toml = scenario(tmp_path, name="leak_short", trigger="after_tokens", trigger_value=20, prompt_tokens=600,
+                    max_tokens=120)
+    proxy = ProxyBehaviour(engine.url, free_port(), leak_only="target").start()
+    try:
+        _, doc, run = record(proxy.url, toml, tmp_path / "cw.db", engine_home, metrics_url=engine.url)
+    finally:
+        proxy.stop()
+    (c,) = doc["cancels"]
+    seen = proxy.requests[c["request_id"]]
+    rid = c["request_id"]
+    # the misbehaviour happened: the target's client went, the proxy kept reading the engine's stream to
+    # its end, and the engine never logged an abort for it
+    assert proxy.leaked == [rid], dump(doc, proxy)
+    assert seen.upstream_done_at is not None and seen.upstream_done_at > seen.client_gone_at, dump(doc, proxy)
+    assert rid in engine_lines(run, "engine_added") and rid not in engine_lines(run, "engine_aborted")
+    print(f"the engine ran the target {seen.upstream_done_at - seen.client_gone_at:.2f} s past the stop")
+    assert c["verdict"] == "leaked", dump(doc, proxy)
+    assert "no abort" in c["evidence"]["why"], dump(doc, proxy)
+    assert (c["evidence"].get("kept_running_ms") or 0) > 0, dump(doc, proxy)
+
+
+# --------------------------------------------------------------------------- d: foreign traffic
+
+
+def test_foreign_traffic_in_a_cancels_window_is_inconclusive_not_leaked(engine, engine_home, tmp_path):
+    toml = scenario(tmp_path, name="foreign_window", trigger="after_tokens", trigger_value=20, prompt_tokens=600,
+                    max_tokens=600)
+    proxy = ProxyBehaviour(engine.url, free_port(), foreign_after_stop_s=0.3).start()
+    try:
+        _, doc, run = record(proxy.url, toml, tmp_path / "cw.db", engine_home, metrics_url=engine.url)
+        assert proxy.wait_foreign_done(90), dump(doc, proxy)
+    finally:
+        proxy.stop()
+    (c,) = doc["cancels"]
+    # the misbehaviour happened: one request the ledger does not know entered the engine just after the stop
+    assert proxy.foreign_sent == 1 and proxy.foreign_error is None, dump(doc, proxy)
+    (foreign,) = proxy.foreign_ids
+    assert foreign not in set(run.ledger["request_id"])
+    (t_foreign,) = engine_lines(run, "engine_added")[foreign]
+    t_stop = c["timepoints"]["user_stop"]
+    assert t_stop < t_foreign <= t_stop + GRACE_S, (t_stop, t_foreign)
+    assert c["verdict"] == "inconclusive", dump(doc, proxy)
+    assert "other traffic" in c["evidence"]["why"], dump(doc, proxy)
+    assert (c["evidence"].get("foreign_requests") or 0) >= 1, dump(doc, proxy)
+
+
+# --------------------------------------------------------------------------- f: one of a burst leaks
+
+
+def test_in_a_burst_only_the_cancel_the_proxy_leaked_is_leaked(engine, engine_home, tmp_path):
+    toml = scenario(tmp_path, name="burst_one_leaks", trigger="after_tokens", trigger_value=15, prompt_tokens=600,
+                    max_tokens=300, concurrency=3, cancel_count=2)
+    proxy = ProxyBehaviour(engine.url, free_port(), leak_only="target").start()
+    try:
+        _, doc, run = record(proxy.url, toml, tmp_path / "cw.db", engine_home, metrics_url=engine.url)
+    finally:
+        proxy.stop()
+    assert len(doc["cancels"]) == 2, dump(doc, proxy)
+    # the misbehaviour happened: exactly one cancelled target leaked (read on to its end, no abort line),
+    # the other one's disconnect was passed on and the engine aborted it
+    assert len(proxy.leaked) == 1, dump(doc, proxy)
+    (leaked,) = proxy.leaked
+    (other,) = [c["request_id"] for c in doc["cancels"] if c["request_id"] != leaked]
+    assert other in proxy.passed_on, dump(doc, proxy)
+    seen = proxy.requests[leaked]
+    assert seen.upstream_done_at is not None and seen.upstream_done_at > seen.client_gone_at, dump(doc, proxy)
+    added, aborted = engine_lines(run, "engine_added"), engine_lines(run, "engine_aborted")
+    assert leaked in added and leaked not in aborted
+    assert other in aborted
+    assert the_cancel(doc, leaked)["verdict"] == "leaked", dump(doc, proxy)
+    assert the_cancel(doc, other)["verdict"] == "released", dump(doc, proxy)
+
+
+# --------------------------------------------------------------------------- g: /metrics down
+
+
+def test_metrics_down_from_the_stop_is_inconclusive_no_samples(engine, engine_home, tmp_path):
+    toml = scenario(tmp_path, name="metrics_gap", trigger="after_tokens", trigger_value=20, prompt_tokens=600,
+                    max_tokens=600)
+    proxy = ProxyBehaviour(engine.url, free_port(), metrics_down_after_stop_s=3.0).start()
+    try:
+        # /metrics through the proxy; the engine's log given by path (the proxy's port is no embedded engine)
+        _, doc, run = record(proxy.url, toml, tmp_path / "cw.db", engine_home, metrics_url=proxy.url,
+                             extra=("--engine-log", engine.log_path))
+    finally:
+        proxy.stop()
+    (c,) = doc["cancels"]
+    t_stop = c["timepoints"]["user_stop"]
+    # the misbehaviour happened: /metrics went down at the stop and no scrape got through the grace
+    assert proxy.metrics_down_at is not None and proxy.metrics_refused >= 1, dump(doc, proxy)
+    assert abs(run_clock(run, proxy.metrics_down_at) - t_stop) <= 0.5, (run_clock(run, proxy.metrics_down_at), t_stop)
+    sc = run.scrapes
+    ok_in_outage = sc[(sc["source"] == "vllm") & (sc["ok"] == 1) & (sc["t_s"] > t_stop + 0.1)
+                      & (sc["t_s"] < t_stop + 2.5)]
+    assert ok_in_outage.empty, ok_in_outage
+    assert (sc[(sc["source"] == "vllm") & (sc["t_s"] < t_stop)]["ok"] == 1).sum() >= 5  # it sampled before
+    assert c["verdict"] == "inconclusive", dump(doc, proxy)
+    assert "no samples" in c["evidence"]["why"], dump(doc, proxy)
+
+
+# --------------------------------------------------------------------------- e: engine restarted
+
+
+def _wait_for_line(path: str, offset: int, needle: str, also: str, proc, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        with open(path, errors="replace") as f:
+            f.seek(offset)
+            if any(needle in line and also in line for line in f.read().splitlines()):
+                return True
+        time.sleep(0.02)
+    return False
+
+
+def test_an_engine_killed_and_restarted_during_a_cancel_is_inconclusive(private_engine, tmp_path):
+    home, state = private_engine
+    toml = scenario(tmp_path, name="restart_window", trigger="after_tokens", trigger_value=20, prompt_tokens=600,
+                    max_tokens=600)
+    store = tmp_path / "cw.db"
+    # a gateway that retries a refused connection: the probe waits for the new engine, so the run goes
+    # on until the engine is back (and --lost-after outlasts the restart)
+    proxy = ProxyBehaviour(state.url, free_port(), retry_upstream_s=240).start()
+    offset = os.path.getsize(state.log_path)
+    proc = cli_popen("record", "--target", proxy.url, "--metrics-url", state.url, "--scenario", str(toml),
+                     "--store", str(store), "--lost-after", "300", home=home)
+    killed_at = None
+    new_state = None
+    try:
+        # the engine logs the target's abort: the cancel reached it. Kill it there, all of it at once.
+        assert _wait_for_line(state.log_path, offset, "Aborted request(s)", "-target-", proc, 120), \
+            proc.stderr.read() if proc.poll() is not None else "no abort line for the target"
+        tree = [psutil.Process(p) for p in engine_mod.engine_pids(state)]
+        os.killpg(state.pid, signal.SIGKILL)  # started in a session of its own: the group is the engine
+        killed_at = time.monotonic()
+        alive = psutil.wait_procs(tree, timeout=10)[1]
+        assert not alive, f"still alive after SIGKILL: {alive}"
+        up = cli("engine", "up", "--port", str(state.port), home=home, timeout=600)
+        assert up.returncode == 0, up.stdout + up.stderr
+        back_at = time.monotonic()
+        new_state = engine_mod.read_state(home, state.port)
+        assert new_state is not None and new_state.pid != state.pid
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+        proxy.stop()
+    assert proc.returncode in (0, 1), out[-3000:] + err[-3000:]
+    run = load_run(store, "latest")
+    doc = json.loads(cli("report", "latest", "--json", "--store", str(store)).stdout)
+    (c,) = doc["cancels"]
+    rid = c["request_id"]
+    t_stop, t_kill, t_back = c["timepoints"]["user_stop"], run_clock(run, killed_at), run_clock(run, back_at)
+    print(f"stop {t_stop:.3f} s, killed {t_kill:.3f} s, engine back {t_back:.3f} s (run clock)")
+    # it happened: the engine aborted the target, was killed right after, and the run went on past the
+    # restart (the probe entered the new engine)
+    assert rid in engine_lines(run, "engine_aborted")
+    assert t_stop < t_kill <= t_stop + 1.0, (t_stop, t_kill)
+    assert run.info["status"] == "completed", run.info["status"]
+    ledger = run.ledger
+    (probe,) = ledger[ledger["role"] == "probe"]["request_id"]
+    assert any(t >= t_kill for t in engine_lines(run, "engine_added").get(probe, [])), dump(doc, proxy)
+    assert c["verdict"] == "inconclusive", dump(doc, proxy)
+    assert "engine restarted" in c["evidence"]["why"], dump(doc, proxy)
+    # the restarted engine is brought down here (the fixture would too) and leaves nothing behind
+    tree = engine_mod.engine_pids(new_state)
+    down = cli("engine", "down", "--port", str(state.port), home=home)
+    assert down.returncode == 0, down.stderr
+    time.sleep(0.5)
+    left = [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"processes left after engine down: {left}"
