@@ -9,9 +9,10 @@ import time
 import pytest
 
 from analysis.series import scheduler_frame, series_frame
-from collectors.cancels.scenarios import SUITES, resolve
+from collectors.cancels.scenarios import BUILTIN, SUITES, resolve
 from runstore.reader import load_run
-from tests.conftest import cli
+from tests.conftest import cli, free_port
+from tests.leaky_proxy import LeakyProxy
 
 
 @pytest.fixture(scope="module")
@@ -178,3 +179,35 @@ def test_inproc_through_the_relay_app_is_released(default_run):
     assert {t["label"] for t in run.info["targets"]} == {"t0", "relay"}
     relay_running = series_frame(run, "requests_running")
     assert (relay_running["target"] == "relay").any()
+
+
+STREAMING = [s.name for s in BUILTIN.values() if s.stream and not s.via_relay]
+
+
+def test_every_streaming_builtin_leaks_through_a_proxy_that_never_passes_the_cancel_on(engine, engine_home,
+                                                                                       tmp_path):
+    """Recorded once, whatever the machine's timing: each built-in scenario that streams, through a proxy
+    that keeps reading the engine after its client went, is judged leaked on the engine log's own
+    evidence (no abort line for the request while it stayed in the engine). The race scenario, whose
+    stop comes 2 tokens before the end, may instead be a race the completion won, said as such."""
+    store = tmp_path / "cw.db"
+    proxy = LeakyProxy(engine.url, free_port()).start()
+    try:
+        res = cli("record", "--target", proxy.url, "--metrics-url", engine.url, "--scenario", ",".join(STREAMING),
+                  "--store", str(store), home=engine_home, timeout=900)
+    finally:
+        proxy.stop()
+    assert res.returncode == 1, res.stdout + res.stderr
+    doc = json.loads(cli("report", "latest", "--json", "--store", str(store)).stdout)
+    assert {c["scenario"] for c in doc["cancels"]} == set(STREAMING)
+    assert proxy.client_gone >= len(doc["cancels"]) - 1  # the proxy really kept reading after its clients went
+    for c in doc["cancels"]:
+        print(f"through the leaky proxy: {c['scenario']}: {c['verdict']}, kept running "
+              f"{c['evidence'].get('kept_running_ms')} ms")
+        assert c["timepoints"]["engine_abort"] is None, c
+        assert c["timepoint_sources"]["engine_abort"]["reason"] == "no abort in the engine log", c
+        if c["scenario"] == "race" and c["verdict"] == "inconclusive":
+            assert c["evidence"]["race"], c
+            continue
+        assert c["verdict"] == "leaked", json.dumps(c, indent=1)
+        assert "no abort" in c["evidence"]["why"], c

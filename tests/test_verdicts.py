@@ -8,6 +8,7 @@ from dataclasses import fields
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from analysis.evidence import REPORTED_WITH, Evidence
 from analysis.verdicts import judge_run
@@ -183,10 +184,11 @@ def test_without_an_engine_log_engine_abort_is_null_with_its_reason_not_a_client
     assert v.sources["engine_abort"] == {"source": None, "reason": "no engine log"}
 
 
-def test_a_count_drop_without_a_kv_drop_is_not_released_even_once_the_probe_runs():
+@pytest.mark.parametrize("engine_log", [None, [*ADDED, ("engine_aborted", "tg", 2.01)]], ids=["no-log", "log"])
+def test_a_count_drop_without_a_kv_drop_is_not_released_even_once_the_probe_runs(engine_log):
     # the count reconciles at once and the probe got its first token, but KV usage never fell
     run = build_run(lambda t: 2.0 if t < 2.05 else 1.0, lambda t: 0.4, steady_gen, probe_first_s=2.2,
-                    engine_log=[*ADDED, ("engine_aborted", "tg", 2.01)])
+                    engine_log=engine_log)
     (v,) = judge_run(run)
     assert v.verdict != "released", v
     assert v.timepoints["left_scheduler"] is None
