@@ -9,6 +9,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
+from analysis.anatomy import cancel_summary, summary_figure
 from analysis.cancel_table import VERDICT_COLOURS, cancel_table, cancel_window
 from analysis.capacity import capacity, capacity_frame
 from analysis.explain import memory_story, pick_story_cancel
@@ -24,6 +25,9 @@ th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: left; }
 th { background: #f3f3f3; }
 .story { background: #f6f8fa; border-left: 4px solid #4c78a8; padding: 0.6em 1em; font-size: 15px; }
 .sample { background: #fff4d6; border: 1px solid #f0c36d; padding: 0.4em 0.8em; }
+.summary { border: 2px solid #222; padding: 0.6em 1em; margin-bottom: 1.5em; }
+.headline { font-size: 20px; font-weight: 600; margin: 0.2em 0 0.4em; }
+.which { font-size: 13px; font-weight: 400; color: #555; }
 """
 
 
@@ -66,6 +70,13 @@ def report_html(run: Run, verdicts: list[CancelVerdict], context_len: int = 2048
     if sample:
         parts.append('<p class="sample">This is the sample run shipped with cancelwatch, recorded from the embedded '
                      "engine. Record your own with <code>make demo</code>.</p>")
+    summary = cancel_summary(run, story) if story is not None else None
+    if summary is not None:
+        # the five-second picture: one cancel, memory before and after, in the run's own numbers
+        parts.append('<div class="summary"><p class="headline">' + html.escape(summary["sentence"][0].upper()
+                     + summary["sentence"][1:]) + f' <span class="which">({html.escape(story.scenario)}, '
+                     f"{html.escape(story.request_id)}, {html.escape(story.verdict)})</span></p>"
+                     + _fig_html(summary_figure(summary)) + "</div>")
     parts.append('<h2>Why is GPU memory still high?</h2><div class="story">'
                  + "".join(f"<p>{html.escape(s)}</p>" for s in memory_story(run, verdicts, None)) + "</div>")
     if story is not None:

@@ -295,7 +295,8 @@ def _system_section(run: Run, facts: dict) -> list[str]:
     engine = info.get("engine") or {}
     engines = engine.get("targets") or {}
     versions = [str(v) for v in (engine.get("version"), *(e.get("version") for e in engines.values())) if v]
-    rows = [["Engine", facts["engine"] + ("" if engines else " (not started by cancelwatch: only its /metrics "
+    embedded = any(e.get("embedded") for e in engines.values())
+    rows = [["Engine", facts["engine"] + ("" if embedded else " (not started by cancelwatch: only its /metrics "
                                                             "and the driven API were seen)")],
             ["Engine version", ", ".join(dict.fromkeys(versions)) if versions else
              f"{NOT_RECORDED} by this run (the run stores no engine version)"],

@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from analysis.anatomy import cancel_summary
 from analysis.cancel_table import cancel_table, release_latencies_ms, verdict_counts
 from analysis.capacity import capacity, capacity_frame
 from analysis.compare import compare_runs
@@ -116,6 +117,7 @@ def plateau_walkthrough(review: ReviewRun, request_id: str | None = None) -> dic
     table = cancel_table(review.run, verdicts)
     return {
         "cancel": chosen,
+        "summary": cancel_summary(review.run, chosen) if chosen is not None else None,
         "story": memory_story(review.run, verdicts, chosen),
         "overview": memory_story(review.run, verdicts, None),
         "row": table[table["request_id"] == chosen.request_id] if chosen is not None else table.head(0),

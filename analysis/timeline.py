@@ -30,8 +30,9 @@ MAX_SHADED_GAPS = 200
 HIT_RATE_WINDOW_S = 2.0
 ROWS = ("memory", "kv", "requests", "prefix", "cancels")
 ROW_TITLES = {
-    "nvml": "GPU memory (NVML), GiB",
-    "process": "engine process memory (RSS of the process tree, the CPU analogue of reserved VRAM), GiB",
+    "nvml": "GPU memory (NVML), GiB: the flat total is reserved memory; the KV pool's used part inside it moves",
+    "process": ("engine process memory (RSS, the CPU analogue of reserved VRAM), GiB: the flat total is reserved "
+                "memory; the KV pool's used part inside it moves"),
     "none": "memory: not sampled in this run",
 }
 TARGET_DASH = ("solid", "dot", "dash", "longdash")
@@ -142,6 +143,60 @@ def memory_traces(run: Run) -> tuple[str, list[tuple[str, Trace]]]:
     return kind, out
 
 
+# fill colour and pattern of each part: the pattern and the trace's own label read without colour
+PART_STYLE = {
+    "other": ("#bab0ac", ""),
+    "weights": ("#9d755d", "x"),
+    "KV pool: used": ("#e45756", "/"),
+    "KV pool: free": ("#f2cfce", "."),
+}
+# the total keeps the name the memory row always gave it: NVML's used per GPU, the engine's RSS
+TOTAL_NAMES = {"process": "process memory", "nvml": "used"}
+
+
+def _add_anatomy(fig: go.Figure, run: Run, a, x_range, max_points: int, row: int) -> None:
+    """The memory total as a line over its parts, stacked in bytes (analysis/anatomy.py). Every part
+    is cut at the same instants as the total, so the stack adds up to the line wherever it is drawn."""
+    from analysis.anatomy import PARTS
+
+    t, total = a.t, a.total
+    keep = np.arange(len(t))
+    if x_range is not None and len(t):
+        lo, hi = x_range
+        i0 = max(int(np.searchsorted(t, lo, side="left")) - 1, 0)
+        i1 = int(np.searchsorted(t, hi, side="right")) + 1
+        keep = keep[i0:i1]
+    if len(keep) > max_points:
+        ok = keep[~np.isnan(total[keep])]
+        idx = MinMaxLTTBDownsampler().downsample(np.ascontiguousarray(t[ok]), np.ascontiguousarray(total[ok]),
+                                                 n_out=max_points)
+        keep = ok[idx]
+    tt = t[keep]
+    br = _breaks(run, Trace(a.name, a.source, a.target, tt, total[keep]))
+    br = br[(br > tt[0]) & (br < tt[-1])] if len(br) and len(tt) else np.array([])
+    at = np.searchsorted(tt, br)
+
+    def cut(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return np.insert(tt, at, br), np.insert(values[keep], at, np.nan)
+
+    for part in PARTS:
+        if part not in a.parts:
+            continue
+        colour, shape = PART_STYLE[part]
+        x, y = cut(a.parts[part])
+        fig.add_trace(go.Scatter(x=x, y=y / GiB, name=f"{a.name} {part}", mode="lines", stackgroup=f"anatomy {a.name}",
+                                 line=dict(width=0.5, color=colour), fillcolor=colour,
+                                 fillpattern=dict(shape=shape, fgcolor="#333333", size=6, solidity=0.15) if shape else None,
+                                 legendgroup="memory", hoveron="points+fills",
+                                 hovertemplate="%{y:.3f} GiB<extra>%{fullData.name}</extra>"),
+                      row=row, col=1)
+    x, y = cut(total)
+    fig.add_trace(go.Scatter(x=x, y=y / GiB, name=f"{a.name} {TOTAL_NAMES.get(a.kind, 'memory')}",
+                             mode="lines", line=dict(color="#222222", width=2), legendgroup="memory",
+                             hovertemplate="%{y:.3f} GiB<extra>%{fullData.name}</extra>"),
+                  row=row, col=1)
+
+
 def cancel_points(verdicts: list[CancelVerdict]) -> pd.DataFrame:
     rows = []
     for v in verdicts:
@@ -167,7 +222,14 @@ def timeline_figure(run: Run, verdicts: list[CancelVerdict], x_range: tuple[floa
     targets = scheduler_targets(run)
     dash = {t: TARGET_DASH[i % len(TARGET_DASH)] for i, t in enumerate(targets)}
 
+    from analysis.anatomy import memory_anatomy  # anatomy reads the traces defined here
+
+    stacked = {a.name: a for a in memory_anatomy(run) if a.parts}
+    for a in stacked.values():
+        _add_anatomy(fig, run, a, x_range, max_points, row["memory"])
     for role, tr in mem:
+        if role in ("used", "rss") and tr.name in stacked:
+            continue  # drawn as the anatomy's total line
         t, v = _prepare(run, tr, x_range, max_points)
         if role == "used":
             fig.add_trace(go.Scatter(x=t, y=v / GiB, name=f"{tr.name} used", fill="tozeroy", mode="lines",

@@ -280,14 +280,15 @@ def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None
         out.append(_judge_one(run, frame_for(target), englog, trace, by_scenario.get(scenario, NO_REQUESTS),
                               rid=rid, cid=cid, scenario=scenario, phase=phase, target=target, lrow=lrow,
                               terminal=terminal, t_stop=float(stop.t_s), grace_s=grace_s, t0=t0,
-                              tokens_at_cancel=data.get("tokens_at_cancel"), missed=missed.get(rid)))
+                              tokens_at_cancel=data.get("tokens_at_cancel"), missed=missed.get(rid),
+                              gone_until=gone_at.get(rid, math.inf)))
     return out
 
 
 def _judge_one(run: Run, frame, englog: _EngineLog, trace: dict, same: dict, *, rid: str, cid: str,
                scenario: str, phase: str, target: str | None, lrow: dict | None, terminal: str | None,
                t_stop: float, grace_s: float, t0: int, tokens_at_cancel: int | None = None,
-               missed: dict | None = None) -> CancelVerdict:
+               missed: dict | None = None, gone_until: float = math.inf) -> CancelVerdict:
     cols_all, inflight_all = frame
     log_state = _log_state(run, target)
     has_log = log_state == "read"
@@ -392,7 +393,8 @@ def _judge_one(run: Run, frame, englog: _EngineLog, trace: dict, same: dict, *, 
         if lrow is not None and not pd.isna(lrow.get("max_tokens")) and tokens_at_cancel is not None:
             remaining = int(lrow["max_tokens"]) * n - int(tokens_at_cancel)
         return _judge_without_abort(run, englog, verdict, ev, sched, inflight, moved, target=target, rid=rid,
-                                    n=n, t_stop=t_stop, ahead=ahead, tp=tp, remaining=remaining)
+                                    n=n, t_stop=t_stop, ahead=ahead, tp=tp, remaining=remaining,
+                                    gone_until=gone_until)
     if ahead and t_abort is None:
         return verdict("inconclusive", "the engine had already finished the request before the stop (the server "
                        "counted fewer requests than the client) and no engine log shows an abort: nothing was "
@@ -480,7 +482,7 @@ def _moved_since(sched: dict[str, np.ndarray], t: float) -> np.ndarray:
 
 def _judge_without_abort(run: Run, englog: _EngineLog, verdict, ev: Evidence, sched: dict, inflight: np.ndarray,
                          moved: np.ndarray, *, target: str | None, rid: str, n: int, t_stop: float, ahead: bool,
-                         tp: dict, remaining: int | None = None) -> CancelVerdict:
+                         tp: dict, remaining: int | None = None, gone_until: float = math.inf) -> CancelVerdict:
     """The engine's log was read and names no abort of this request after its stop: either the engine
     no longer held it (it finished first, or never got it), or the cancel never reached the engine.
     `remaining`: tokens the client had still to receive at the stop (a race when only a few)."""
@@ -494,7 +496,7 @@ def _judge_without_abort(run: Run, englog: _EngineLog, verdict, ev: Evidence, sc
                "show whether cancels reach the engine")
     times = sched["t_s"]
     # the ledger keeps the request in flight (no abort): without it, what the server should count
-    without = inflight - n * (times >= t_stop)
+    without = inflight - n * ((times >= t_stop) & (times < gone_until))
     refreshed_after = np.nonzero((times >= t_stop) & moved)[0]
     if not len(refreshed_after):
         return verdict("inconclusive", already if ahead else "no engine log abort, and no sample after the stop "

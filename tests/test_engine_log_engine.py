@@ -45,6 +45,8 @@ def test_the_engine_log_names_every_request_and_every_abort(engine, engine_home,
     assert proc.returncode in (0, 1), out + err  # a verdict is not what this test is about
     run = load_run(store, "latest")
     assert run.info["engine"]["engine_log"] == {"t0": {"path": engine.log_path}}
+    # the engine's own version, as its GET /version says (the protocol's "engine and version")
+    assert run.info["engine"]["targets"]["t0"]["version"].startswith("vLLM 0.")
     ev = run.events
     logged = ev[ev["kind"].isin(["engine_added", "engine_aborted"])]
     data = [json.loads(d) for d in logged["data"]]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from html import escape
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,8 @@ import pytest
 from analysis.cancel_table import LATENCY_COLUMNS, cancel_table
 from analysis.capacity import capacity
 from analysis.compare import compare_runs
-from analysis.explain import memory_story
+from analysis.anatomy import cancel_summary
+from analysis.explain import memory_story, pick_story_cancel
 from analysis.facts import VIEW_METRICS, kv_pool, run_facts
 from analysis.timeline import timeline_figure
 from analysis.verdicts import judge_run
@@ -148,9 +150,18 @@ def test_report_html_is_offline_and_holds_the_page_figures(tmp_path):
     html = out.read_text()
     assert not re.search(r"<script[^>]+src=", html)  # plotly.js is embedded, nothing fetched
     assert "plotly.js v" in html or "Plotly" in html
-    assert html.count("Plotly.newPlot") == 2  # the zoomed story and the whole timeline
+    assert html.count("Plotly.newPlot") == 3  # the summary bars, the zoomed story and the whole timeline
     run = load_run(SAMPLE, "latest", metrics=VIEW_METRICS)
     verdicts = judge_run(run)
+    # the five-second picture comes first, with the run's own numbers, then the anatomy in the timeline
+    summary = cancel_summary(run, pick_story_cancel(verdicts))
+    first = summary["sentence"][0].upper() + summary["sentence"][1:]
+    assert html.index(escape(first)) < html.index("Why is GPU memory still high?")
+    assert re.match(r"Memory \d\.\d\d GiB before and after; the KV pool's used part went from \d+ MiB to \d+ MiB; "
+                    r"the request left the engine \d+ ms after the stop; the next request got in \d+ ms later\.", first)
+    for name in ("engine KV pool: used", "engine KV pool: free", "engine other", "engine process memory",
+                 "total (measured)"):
+        assert f'"name":"{name}"' in html, name
     for t in timeline_figure(run, verdicts).data:
         if t.name:
             assert f'"name":"{t.name}"' in html, t.name

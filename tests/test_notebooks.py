@@ -73,6 +73,10 @@ def test_notebook_on_the_sample_run(tmp_path, name):
             assert key in html, key
     else:
         assert "Memory stays flat" in html and "GiB" in html and "left the engine" in html
+        # the summary on top: the sentence of numbers, then the before/after bars and the anatomy
+        assert re.search(r"Memory \d\.\d\d GiB before and after; the KV pool", html)
+        for name in ("KV pool: used", "KV pool: free", "total (measured)", "engine KV pool: used"):
+            assert f'"name":"{name}"' in html, name
 
 
 def test_capacity_review_of_two_recorded_runs_compares_them(tmp_path, proxy_and_direct_runs):

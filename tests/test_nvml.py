@@ -92,7 +92,9 @@ def test_nvml_on_without_driver_is_a_preflight_error(metrics_server, tmp_path):
     assert [s.target for s in sources if s.name == "vllm"] == ["t0"]
     for s in sources:
         s.close()
-    assert server.paths and set(server.paths) == {"/metrics"}  # each preflight read the full body
+    # each preflight read the full body, and asked the server its version (a 404 here: recorded as unknown)
+    assert server.paths and set(server.paths) == {"/metrics", "/version"}
+    assert "version" not in facts["targets"].get("t0", {})
     # and a target that does not answer stops the preflight before NVML is asked
     settings.targets = [Target("t0", f"http://127.0.0.1:{free_port()}")]
     with pytest.raises(PreflightError, match="t0 unreachable"):

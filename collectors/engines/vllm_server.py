@@ -62,6 +62,31 @@ def kv_bytes_per_token(model_dir: str | Path, dtype: str) -> int | None:
         return None
 
 
+LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def weights_bytes(model_dir: str | Path, dtype: str) -> int | None:
+    """What the model's weights take in memory, from config.json (a Llama-shaped decoder: embeddings,
+    attention, gated MLP, norms, LM head) at the served dtype; None for another architecture, where a
+    guess would be a made-up part of the memory anatomy."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        if not set(cfg.get("architectures") or []) & set(LLAMA_LIKE):
+            return None
+        hidden, inter, layers = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"])
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        vocab = int(cfg["vocab_size"])
+        attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o; k, v
+        per_layer = attn + 3 * hidden * inter + 2 * hidden  # gate, up, down; two norms
+        params = layers * per_layer + vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2) + hidden
+        size = DTYPE_BYTES.get(dtype) or DTYPE_BYTES.get(str(cfg.get("torch_dtype")))
+        return params * size if size else None
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
 @dataclass
 class EngineShape:
     """The embedded default's scheduler and KV pool.

@@ -18,7 +18,7 @@ from collectors.sources.base import Source
 from collectors.sources.engine_log import EngineLogSource
 from collectors.sources.nvml import NvmlSource
 from collectors.sources.process_memory import ProcessMemorySource
-from collectors.sources.vllm import VllmMetricsSource, cache_config, model_names
+from collectors.sources.vllm import VllmMetricsSource, cache_config, model_names, server_version
 from runstore.records import DriveSettings
 from runstore.writer import StoreWriter, create_run, finish_run, open_store
 
@@ -119,13 +119,17 @@ def build_sources(settings: RecordSettings, nvml_module=None) -> tuple[list[Sour
             src.close()
             raise PreflightError(f"target {t.label} unreachable: {problem}")
         sources.append(src)
+        version = server_version(src.base_url)
         state = embedded_engine_for(t.url, settings.home)
+        if version is not None:
+            engine_facts["targets"].setdefault(t.label, {})["version"] = f"vLLM {version}"
         if state is not None:
-            engine_facts["targets"][t.label] = {
+            engine_facts["targets"].setdefault(t.label, {}).update({
                 "embedded": True, "pid": state.pid, "model": state.model, "shape": state.shape,
                 "command": state.command,
                 "kv_bytes_per_token": engine_mod.kv_bytes_per_token(state.model, state.shape.get("dtype", "")),
-            }
+                "weights_bytes": engine_mod.weights_bytes(state.model, state.shape.get("dtype", "")),
+            })
             if not settings.pids:
                 pids.append(state.pid)
             logs[t.label] = state.log_path

@@ -87,6 +87,19 @@ def model_names(samples: list[Sample]) -> list[str]:
     return sorted({v for s in samples for k, v in s.labels if k == "model_name"})
 
 
+def server_version(base_url: str, timeout_s: float = 2.0) -> str | None:
+    """vLLM's own version, from its `GET /version`; None when the server does not say (a proxy, an
+    older build): the run then records that it is unknown rather than a guess."""
+    import httpx
+
+    try:
+        resp = httpx.get(base_url.rstrip("/") + "/version", timeout=timeout_s)
+        version = resp.json().get("version") if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return str(version) if version else None
+
+
 class VllmMetricsSource(Source):
     """One vLLM server's /metrics (see prom_text.MetricsEndpoint for how it is read)."""
 
