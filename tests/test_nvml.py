@@ -92,9 +92,9 @@ def test_nvml_on_without_driver_is_a_preflight_error(metrics_server, tmp_path):
     assert [s.target for s in sources if s.name == "vllm"] == ["t0"]
     for s in sources:
         s.close()
-    # each preflight read the full body, and asked the server its version (a 404 here: recorded as unknown)
+    # each preflight read the full body, and asked the server its version (recorded with the run)
     assert server.paths and set(server.paths) == {"/metrics", "/version"}
-    assert "version" not in facts["targets"].get("t0", {})
+    assert facts["targets"]["t0"]["version"] == "vLLM 0.32.0"
     # and a target that does not answer stops the preflight before NVML is asked
     settings.targets = [Target("t0", f"http://127.0.0.1:{free_port()}")]
     with pytest.raises(PreflightError, match="t0 unreachable"):
