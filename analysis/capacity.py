@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import plotly.graph_objects as go
 
 from analysis.facts import kv_pool, scheduler_targets
 from analysis.series import series_frame
@@ -71,3 +72,34 @@ def capacity_frame(cap: dict) -> pd.DataFrame:
             ("preemptions", cap["preemptions"]),
             ("time with requests waiting", f"{cap['waiting_s']:.1f} s ({pct(cap['waiting_share'])})")]
     return pd.DataFrame(rows, columns=["figure", "value"]).astype(str)
+
+
+def capacity_figure(caps: list[tuple[str, dict]]) -> go.Figure:
+    """Per run, its KV pool as one bar in tokens: used at p95, the peak above it, and what was still free
+    at the peak, labelled with how many more requests of the context length fit there. Patterns and
+    the labels on the bars read without colour."""
+    fig = go.Figure()
+    names = [label for label, _ in caps]
+    parts = (("used at p95", "#e45756", "/", lambda c: c["p95_kv"] * c["pool_tokens"]),
+             ("peak above p95", "#f58518", "x", lambda c: (c["peak_kv"] - c["p95_kv"]) * c["pool_tokens"]),
+             ("free at peak", "#f2cfce", ".", lambda c: c["headroom_tokens"]))
+    drawable = [c["pool_tokens"] is not None and c["peak_kv"] is not None for _, c in caps]
+    for part, colour, shape, value in parts:
+        xs = [round(value(c)) if ok else None for (_, c), ok in zip(caps, drawable)]
+        texts = [f"{part}: {x} tokens" if x is not None else "" for x in xs]
+        fig.add_trace(go.Bar(y=names, x=xs, name=part, orientation="h", text=texts, textposition="inside",
+                             marker=dict(color=colour, pattern=dict(shape=shape)),
+                             hovertemplate="%{x} tokens<extra>" + part + "</extra>"))
+    for (label, c), ok in zip(caps, drawable):
+        if not ok:
+            fig.add_annotation(y=label, x=0, text="KV pool or usage not known for this run", showarrow=False,
+                               xanchor="left")
+            continue
+        size = f", {c['pool_bytes'] / 1024**2:.0f} MiB" if c["pool_bytes"] else ""
+        fig.add_annotation(y=label, x=c["pool_tokens"], xanchor="left", showarrow=False,
+                           text=f"  pool {c['pool_tokens']} tokens{size}: room for {c['headroom_requests']} more "
+                                f"request(s) of {c['context_len']} tokens at the peak")
+    fig.update_layout(barmode="stack", height=140 + 70 * len(caps), margin=dict(l=20, r=260, t=50, b=30),
+                      title="The KV pool per run: how much of it requests used, and how much was left",
+                      xaxis_title="tokens", legend=dict(orientation="h", y=-0.3))
+    return fig

@@ -11,7 +11,7 @@ from plotly.offline import get_plotlyjs
 
 from analysis.anatomy import cancel_summary, summary_figure
 from analysis.cancel_table import VERDICT_COLOURS, cancel_table, cancel_window
-from analysis.capacity import capacity, capacity_frame
+from analysis.capacity import capacity, capacity_figure, capacity_frame
 from analysis.explain import memory_story, pick_story_cancel
 from analysis.facts import run_facts
 from analysis.timeline import timeline_figure
@@ -87,7 +87,8 @@ def report_html(run: Run, verdicts: list[CancelVerdict], context_len: int = 2048
                                                height=700)))
     parts.append("<h2>Timeline</h2>" + _fig_html(timeline_figure(run, verdicts)))
     parts.append(f"<h2>Cancels ({len(table)})</h2>" + (styled_cancel_table(table) if len(table) else "<p>none</p>"))
-    parts.append("<h2>Capacity</h2>" + capacity_frame(cap).to_html(index=False))
+    parts.append("<h2>Capacity</h2>" + _fig_html(capacity_figure([(f"run {run.id}", cap)]))
+                 + capacity_frame(cap).to_html(index=False))
     parts.append("<h2>Run facts</h2>" + facts_frame(facts).to_html(index=False))
     return ("<!DOCTYPE html><html><head><meta charset=\"utf-8\">"
             f"<title>cancelwatch run {run.id}</title><style>{CSS}</style>"

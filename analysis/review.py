@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 
 from analysis.anatomy import cancel_summary
 from analysis.cancel_table import cancel_table, release_latencies_ms, verdict_counts
-from analysis.capacity import capacity, capacity_frame
+from analysis.capacity import capacity, capacity_figure, capacity_frame
 from analysis.compare import compare_runs
 from analysis.explain import memory_story, pick_story_cancel
 from analysis.facts import VIEW_METRICS
@@ -87,6 +87,11 @@ def _abort_sources(verdicts: list[CancelVerdict]) -> str:
 def verdict_summary(runs: list[ReviewRun]) -> pd.DataFrame:
     """Verdict counts, one column per run."""
     return pd.DataFrame({r.label: verdict_counts(r.verdicts) for r in runs})
+
+
+def capacity_drawing(runs: list[ReviewRun], context_len: int) -> go.Figure:
+    """Every run's KV pool as one bar: used at p95, peak, free, and how many more requests fit."""
+    return capacity_figure([(r.label, capacity(r.run, context_len)) for r in runs])
 
 
 def capacity_summary(runs: list[ReviewRun], context_len: int) -> dict[str, pd.DataFrame]:

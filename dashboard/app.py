@@ -10,8 +10,9 @@ from pathlib import Path
 import streamlit as st
 
 from analysis.cancel_table import VERDICT_COLOURS, cancel_table, cancel_window
-from analysis.capacity import capacity, capacity_frame
+from analysis.capacity import capacity, capacity_figure, capacity_frame
 from analysis.compare import compare_runs
+from analysis.anatomy import cancel_summary, summary_figure
 from analysis.explain import memory_story, pick_story_cancel
 from analysis.facts import VIEW_METRICS, run_facts
 from analysis.html_report import facts_frame, report_html
@@ -144,6 +145,15 @@ def show_run(path: Path, run_id: int, other_id, sample: bool) -> None:
     options = [WHOLE_RUN, *[cancel_label(i, v) for i, v in enumerate(verdicts)]]
     if st.session_state.get("zoom") not in options:
         st.session_state["zoom"] = WHOLE_RUN
+    chosen_now = st.session_state["zoom"]
+    summary_cancel = (verdicts[options.index(chosen_now) - 1] if chosen_now != WHOLE_RUN
+                      else pick_story_cancel(verdicts))
+    summary = cancel_summary(run, summary_cancel) if summary_cancel is not None else None
+    if summary is not None:
+        # the five-second picture: one cancel, memory before and after, in the run's own numbers
+        st.subheader(summary["sentence"][0].upper() + summary["sentence"][1:])
+        st.caption(f"{summary_cancel.scenario} · {summary_cancel.request_id} · {summary_cancel.verdict}")
+        st.plotly_chart(summary_figure(summary), key="summary_figure", width="stretch")
     zoom = st.selectbox("Zoom the timeline to", options, key="zoom")
     chosen = verdicts[options.index(zoom) - 1] if zoom != WHOLE_RUN else None
     x_range = cancel_window(chosen) if chosen is not None else None
@@ -190,6 +200,7 @@ def show_run(path: Path, run_id: int, other_id, sample: bool) -> None:
     cols[3].metric("headroom at peak", "n/a" if cap["headroom_tokens"] is None else f"{cap['headroom_tokens']} tokens")
     cols[4].metric("time with requests waiting", "n/a" if cap["waiting_share"] is None else
                    f"{100 * cap['waiting_share']:.1f} %")
+    st.plotly_chart(capacity_figure([(f"run {run_id}", cap)]), key="capacity_figure", width="stretch")
     st.dataframe(capacity_frame(cap), hide_index=True)
 
     if other_id is not None:

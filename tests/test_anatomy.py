@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from analysis.anatomy import KV_FREE, KV_USED, OTHER, WEIGHTS, memory_anatomy
+from analysis.capacity import capacity, capacity_figure
 from analysis.facts import VIEW_METRICS, kv_pool
 from analysis.timeline import GiB, metric_traces, timeline_figure
 from analysis.verdicts import judge_run
@@ -83,3 +84,19 @@ def test_the_timeline_stacks_the_parts_under_the_total_line(gappy):
     assert ok.sum() > 100
     assert np.abs(parts[:, ok].sum(axis=0) - y[ok]).max() * GiB <= 1.0
     assert "reserved memory" in fig.layout.annotations[0].text
+
+
+def test_the_capacity_drawing_splits_each_pool_into_its_p95_peak_and_free_parts(gappy):
+    sample = load_run(SAMPLE, "latest")
+    caps = [("sample", capacity(sample, 2048)), ("synthetic", capacity(gappy, 1000))]
+    fig = capacity_figure(caps)
+    bars = {t.name: t for t in fig.data}
+    assert list(bars) == ["used at p95", "peak above p95", "free at peak"]
+    assert {t.marker.pattern.shape for t in fig.data} == {"/", "x", "."}  # readable without colour
+    for i, (_, c) in enumerate(caps):
+        parts = [bars[name].x[i] for name in bars]
+        assert abs(sum(parts) - c["pool_tokens"]) <= 2  # three rounded parts of one pool
+        assert parts[0] == round(c["p95_kv"] * c["pool_tokens"]) and parts[2] == c["headroom_tokens"]
+        assert f"room for {c['headroom_requests']} more request(s) of {c['context_len']} tokens" in \
+            fig.layout.annotations[i].text
+    assert capacity(sample, 2048)["headroom_requests"] == capacity(sample, 2048)["headroom_tokens"] // 2048

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from analysis.anatomy import cancel_summary
 from analysis.cancel_table import cancel_window
 from analysis.explain import memory_story, pick_story_cancel
 from analysis.facts import VIEW_METRICS
@@ -35,7 +36,10 @@ def app(store_dir: Path, monkeypatch, **params) -> AppTest:
     return at.run()
 
 
-def figure(at: AppTest, i: int = 0) -> dict:
+SUMMARY, TIMELINE, STORY, CAPACITY = range(4)  # the page's charts, top to bottom
+
+
+def figure(at: AppTest, i: int = TIMELINE) -> dict:
     return json.loads(at.get("plotly_chart")[i].proto.spec)
 
 
@@ -69,7 +73,19 @@ def assert_every_section(at: AppTest, store: Path, run_id: str | int = "latest")
     for section in SECTIONS:
         assert section in heads, heads
     assert f"Cancels ({len(verdicts)})" in heads
-    assert len(at.get("plotly_chart")) == 2  # the timeline and the zoomed figure beside the story
+    # the summary bars, the timeline, the zoomed figure beside the story, the capacity drawing
+    assert len(at.get("plotly_chart")) == 4
+    # the five-second picture on top: the sentence of the run's own numbers and the before/after bars
+    story = pick_story_cancel(verdicts)
+    summary = cancel_summary(run, story)
+    assert summary["sentence"][0].upper() + summary["sentence"][1:] in heads
+    bars = {t["name"] for t in figure(at, SUMMARY)["data"]}
+    assert {"KV pool: used", "KV pool: free", "total (measured)"} <= bars, bars
+    # the memory anatomy in the timeline: the parts stacked under the measured total
+    stacked = {t["name"] for t in figure(at)["data"] if t.get("stackgroup")}
+    assert {n.split(" ", 1)[1] for n in stacked} >= {"KV pool: used", "KV pool: free", "other"}, stacked
+    cap = {t["name"] for t in figure(at, CAPACITY)["data"]}
+    assert cap == {"used at p95", "peak above p95", "free at peak"}
     # the verdict table: one row per cancel, in order, with its verdict and stop time
     table = next(d.value for d in at.dataframe if "verdict" in d.value.columns)
     assert list(table["request_id"]) == [v.request_id for v in verdicts]
@@ -96,7 +112,7 @@ def assert_every_section(at: AppTest, store: Path, run_id: str | int = "latest")
     sentences = memory_story(run, verdicts, story)
     assert len(sentences) >= 2 and all(s in shown for s in sentences), (sentences, shown)
     assert story.request_id in " ".join(shown)
-    assert figure(at, 1)["layout"]["xaxis"]["range"] == pytest.approx(list(cancel_window(story)))
+    assert figure(at, STORY)["layout"]["xaxis"]["range"] == pytest.approx(list(cancel_window(story)))
 
 
 def test_fresh_clone_shows_the_sample_labelled(tmp_path, monkeypatch):
@@ -145,7 +161,7 @@ def test_recorded_runs_every_section_and_compare(proxy_and_direct_runs, monkeypa
     assert "Compare run 1 with run 2" in [s.value for s in at.subheader]
     cmp = next(d.value for d in at.dataframe if list(d.value.columns) == ["run 1", "run 2"])
     assert cmp.loc["verdict: leaked", "run 1"] == "2" and cmp.loc["verdict: released", "run 2"] == "2"
-    assert len(at.get("plotly_chart")) == 4
+    assert len(at.get("plotly_chart")) == 6  # and the two compared runs' own figures
 
 
 def test_choosing_a_cancel_zooms_the_timeline(tmp_path, monkeypatch):
@@ -166,7 +182,10 @@ def test_choosing_a_cancel_zooms_the_timeline(tmp_path, monkeypatch):
     # and the story beside it is now that cancel's, with its figure on the same window
     shown = [m.value for m in at.markdown]
     assert all(s in shown for s in memory_story(run, verdicts, chosen)), shown
-    assert figure(at, 1)["layout"]["xaxis"]["range"] == pytest.approx([lo, hi])
+    assert figure(at, STORY)["layout"]["xaxis"]["range"] == pytest.approx([lo, hi])
+    # and the summary on top follows the chosen cancel
+    summary = cancel_summary(run, chosen)
+    assert summary["sentence"][0].upper() + summary["sentence"][1:] in [h.value for h in at.subheader]
     # (choosing a row of the table drives the same zoom: tests/test_dashboard_browser.py clicks one)
 
 

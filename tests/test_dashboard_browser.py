@@ -14,7 +14,9 @@ import psutil
 import pytest
 from PIL import Image
 
+from analysis.anatomy import cancel_summary
 from analysis.cancel_table import VERDICT_COLOURS
+from analysis.explain import pick_story_cancel
 from analysis.facts import VIEW_METRICS
 from analysis.verdicts import judge_run
 from collectors.engines.vllm_server import free_port
@@ -84,7 +86,9 @@ def browser(tmp_path):
 
 
 # per trace of the first figure, what plotly drew in its SVG: marker points and the length of the line path
-DRAWN = """() => Array.from(document.querySelectorAll('.js-plotly-plot')[0].querySelectorAll('g.trace.scatter'))
+# the page's figures, top to bottom: the summary bars, the timeline, the story's zoom, the capacity drawing
+TIMELINE = 1
+DRAWN = """() => Array.from(document.querySelectorAll('.js-plotly-plot')[1].querySelectorAll('g.trace.scatter'))
     .map(g => ({name: g.__data__[0].trace.name, points: g.querySelectorAll('path.point').length,
                 line: Array.from(g.querySelectorAll('path.js-line'))
                            .reduce((n, p) => n + (p.getAttribute('d') || '').length, 0)}))"""
@@ -126,12 +130,20 @@ def test_the_served_dashboard_shows_the_timeline_and_the_verdict_table(proxy_and
     text = page.inner_text("body")
     assert "Why is GPU memory still high?" in text and f"Cancels ({len(verdicts)})" in text
     assert "Traceback" not in text
-    assert page.locator(".js-plotly-plot").count() == 2  # the timeline and the story's zoomed figure
+    # the summary bars, the timeline, the story's zoomed figure, the capacity drawing
+    page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length == 4", timeout=60_000)
+    # the five-second summary with the run's own numbers, above everything else
+    summary = cancel_summary(run, pick_story_cancel(verdicts))
+    headline = summary["sentence"][0].upper() + summary["sentence"][1:]
+    assert headline in text and text.index(headline) < text.index("Why is GPU memory still high?"), text[:2000]
     # the timeline as drawn: a marker at every timepoint of every cancel, in its verdict's trace, and
     # the KV usage and running lines of the target
-    page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot')[0]"
+    page.wait_for_function(f"() => document.querySelectorAll('.js-plotly-plot')[{TIMELINE}]"
                            ".querySelectorAll('g.trace.scatter path.point').length > 0", timeout=30_000)
     drawn = {d["name"]: d for d in page.evaluate(DRAWN)}
+    # the memory anatomy, drawn: the KV pool's used and free parts and the rest under the measured total
+    for name in ("engine KV pool: used", "engine KV pool: free", "engine other", "engine process memory"):
+        assert drawn[name]["line"] > 0, (name, sorted(drawn))
     for verdict in {v.verdict for v in verdicts}:
         n = sum(t is not None for v in verdicts if v.verdict == verdict for t in v.timepoints.values())
         assert drawn[f"cancel: {verdict}"]["points"] == n, drawn
@@ -185,7 +197,7 @@ def test_clicking_a_row_of_the_verdict_table_zooms_the_timeline(served, browser,
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(f"{url}/?store=cw.db", timeout=60_000)
     page.wait_for_selector(".js-plotly-plot .main-svg", timeout=90_000)
-    x_range = "() => document.querySelectorAll('.js-plotly-plot')[0].layout.xaxis.range"
+    x_range = f"() => document.querySelectorAll('.js-plotly-plot')[{TIMELINE}].layout.xaxis.range"
     whole = page.evaluate(x_range)
     grid = page.locator('[data-testid="stDataFrame"]').nth(1)
     grid.scroll_into_view_if_needed()

@@ -71,6 +71,8 @@ def test_notebook_on_the_sample_run(tmp_path, name):
         for key in ("KV pool", "max concurrency at 2048 tokens", "peak KV usage", "time with requests waiting",
                     "p95 (ms)", "within 500 ms", "released"):
             assert key in html, key
+        for name in ("used at p95", "peak above p95", "free at peak"):  # the pool, drawn
+            assert f'"name":"{name}"' in html, name
     else:
         assert "Memory stays flat" in html and "GiB" in html and "left the engine" in html
         # the summary on top: the sentence of numbers, then the before/after bars and the anatomy
