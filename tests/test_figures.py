@@ -150,7 +150,7 @@ def test_report_html_is_offline_and_holds_the_page_figures(tmp_path):
     html = out.read_text()
     assert not re.search(r"<script[^>]+src=", html)  # plotly.js is embedded, nothing fetched
     assert "plotly.js v" in html or "Plotly" in html
-    assert html.count("Plotly.newPlot") == 3  # the summary bars, the zoomed story and the whole timeline
+    assert html.count("Plotly.newPlot") == 4  # the summary bars, the zoomed story, the whole timeline, the pool
     run = load_run(SAMPLE, "latest", metrics=VIEW_METRICS)
     verdicts = judge_run(run)
     # the five-second picture comes first, with the run's own numbers, then the anatomy in the timeline
@@ -160,7 +160,7 @@ def test_report_html_is_offline_and_holds_the_page_figures(tmp_path):
     assert re.match(r"Memory \d\.\d\d GiB before and after; the KV pool's used part went from \d+ MiB to \d+ MiB; "
                     r"the request left the engine \d+ ms after the stop; the next request got in \d+ ms later\.", first)
     for name in ("engine KV pool: used", "engine KV pool: free", "engine other", "engine process memory",
-                 "total (measured)"):
+                 "total (measured)", "used at p95", "free at peak"):
         assert f'"name":"{name}"' in html, name
     for t in timeline_figure(run, verdicts).data:
         if t.name:
