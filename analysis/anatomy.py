@@ -155,14 +155,20 @@ def cancel_summary(run: Run, cancel) -> dict | None:
     if KV_USED in a.parts:
         words.append(f"the KV pool's used part went from {_size(before.get(KV_USED))} to {_size(after.get(KV_USED))}")
     left, reusable = tp.get("left_scheduler"), tp.get("reusable")
-    if left is not None:
+    if cancel.verdict == "released" and left is not None:
         words.append(f"the request left the engine {1000 * (left - t_stop):.0f} ms after the stop")
+        if reusable is not None:
+            words.append(f"the next request got in {max(0.0, 1000 * (reusable - left)):.0f} ms later")
     else:
-        words.append(f"the request was not seen leaving the engine ({cancel.verdict})")
-    if reusable is not None and left is not None:
-        words.append(f"the next request got in {max(0.0, 1000 * (reusable - left)):.0f} ms later")
-    elif reusable is not None:
-        words.append(f"the next request got in {1000 * (reusable - t_stop):.0f} ms after the stop")
+        if cancel.verdict == "leaked" and left is not None:
+            words.append(f"the cancel was lost: the request ran on for nobody and left only "
+                         f"{1000 * (left - t_stop):.0f} ms after the stop")
+        elif cancel.verdict == "leaked":
+            words.append("the cancel was lost: the request was still in the engine at the end")
+        else:
+            words.append(f"whether the request left could not be judged ({cancel.verdict})")
+        if reusable is not None:
+            words.append(f"the next request got in {1000 * (reusable - t_stop):.0f} ms after the stop")
     return {"anatomy": a, "before": before, "after": after, "t_before": t_stop, "t_after": t_after,
             "sentence": "; ".join(words) + "."}
 

@@ -11,13 +11,14 @@ import streamlit as st
 
 from analysis.cancel_table import VERDICT_COLOURS, cancel_table, cancel_window
 from analysis.capacity import capacity, capacity_figure, capacity_frame
-from analysis.compare import compare_runs
 from analysis.anatomy import cancel_summary, summary_figure
+from analysis.compare import compare_runs
 from analysis.explain import memory_story, pick_story_cancel
 from analysis.facts import VIEW_METRICS, run_facts
 from analysis.html_report import facts_frame, report_html
 from analysis.timeline import timeline_figure
 from analysis.verdicts import judge_run
+from dashboard import recording
 from runstore.paths import DEFAULT_STORE, store_dir, store_in_dir, stores_in_dir
 from runstore.reader import StoreError, list_runs, load_run, resolve_run_id
 
@@ -68,7 +69,9 @@ def choose_store() -> tuple[Path | None, bool]:
     root = store_dir()
     found = stores_in_dir(root)
     default = params.get("store", DEFAULT_STORE)
-    text = st.sidebar.text_input("Store file (inside the store folder)", value=default, key="store_text",
+    # a value set by the record form's callback wins over the URL's (no second default for the widget)
+    initial = {} if "store_text" in st.session_state else {"value": default}
+    text = st.sidebar.text_input("Store file (inside the store folder)", key="store_text", **initial,
                                  help=f"Store folder: {root}. Set CANCELWATCH_STORE_DIR to read another folder.")
     if found:
         st.sidebar.caption("Stores here: " + ", ".join(p.name for p in found))
@@ -219,8 +222,51 @@ def show_run(path: Path, run_id: int, other_id, sample: bool) -> None:
     st.caption(f"The same report from a terminal: `cancelwatch report {run_id} --store {path} --html report.html`")
 
 
+def _start_from_form(root: Path, store: Path) -> None:
+    """The form's submit callback: runs before the page reruns, so it may point the page's widgets at
+    the new run (store, run, follow live) instead of fighting their kept values."""
+    ss = st.session_state
+    scenarios = [c.strip() for c in ss.get("rec_scenarios", "").split(",") if c.strip()]
+    try:
+        recording.start(root, store, ss.get("rec_target", ""), ss.get("rec_metrics", ""), scenarios)
+    except recording.RecordingRefused as exc:
+        ss["rec_error"] = str(exc)
+        return
+    ss.pop("rec_error", None)
+    st.query_params.update({"store": store.name, "run": "latest"})
+    ss["store_text"], ss["use_sample"], ss["follow"] = store.name, False, True
+    for key in ("run_id", "compare_id", "zoom"):
+        ss.pop(key, None)
+
+
+def record_form(path: Path | None, sample: bool) -> None:
+    """Sidebar: start `cancelwatch record` in the background against a loopback target (others only
+    when allowed by CANCELWATCH_ALLOWED_TARGETS); the page then follows the new run."""
+    root = store_dir()
+    st.sidebar.header("Record from this page")
+    stopped = recording.enforce_limit(root)
+    if stopped:
+        st.sidebar.warning(stopped)
+    if st.session_state.get("rec_error"):
+        st.sidebar.error(st.session_state["rec_error"])
+    running = recording.current(root)
+    if running is not None:
+        st.sidebar.info(f"Recording {', '.join(running['scenarios'])} against {running['target']} "
+                        f"(pid {running['pid']}, at most {running['max_s']:.0f} s).")
+        return
+    store = path if path is not None and not sample else root / Path(DEFAULT_STORE).name
+    with st.sidebar.form("record_form"):
+        st.text_input("Target URL", value="http://127.0.0.1:8000", key="rec_target")
+        st.text_input("Metrics URL (optional: default the target)", value="", key="rec_metrics")
+        st.text_input("Scenarios (built-in names or a suite, comma-separated)", value="decode", key="rec_scenarios")
+        st.form_submit_button("Start recording", on_click=_start_from_form, args=(root, store))
+    st.sidebar.caption(f"Records into {store.name}; loopback targets only unless listed in "
+                       f"{recording.ALLOW_ENV}; at most {recording.MAX_RECORDING_S:.0f} s.")
+
+
 def main() -> None:
     path, sample = choose_store()
+    record_form(path, sample)
     if path is None:
         return
     if sample and not path.is_file():
@@ -231,7 +277,8 @@ def main() -> None:
     if run_id is None:
         return
     running = is_running(path, run_id)
-    follow = st.sidebar.toggle("Follow live", value=running, key="follow",
+    initial = {} if "follow" in st.session_state else {"value": running}
+    follow = st.sidebar.toggle("Follow live", key="follow", **initial,
                                help="Reload the run every few seconds while it is being recorded.")
 
     @st.fragment(run_every=LIVE_EVERY_S if follow and running else None)

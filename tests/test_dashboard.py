@@ -19,7 +19,9 @@ from analysis.cancel_table import cancel_window
 from analysis.explain import memory_story, pick_story_cancel
 from analysis.facts import VIEW_METRICS
 from analysis.verdicts import judge_run
+from dashboard import recording
 from runstore.reader import load_run
+from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = str(ROOT / "dashboard" / "app.py")
@@ -243,3 +245,43 @@ def test_a_run_still_recording_is_followed_live(tmp_path, monkeypatch):
     assert any("still being recorded" in c.value for c in at.caption)
     at.toggle(key="follow").set_value(False).run()
     assert not at.exception and at.toggle(key="follow").value is False
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "http://localhost:8000/", "http://[::1]:8000"])
+def test_the_page_records_loopback_targets(url):
+    assert recording.check_target(url) == url
+
+
+def test_a_target_elsewhere_must_be_allowed_by_name(monkeypatch):
+    monkeypatch.delenv(recording.ALLOW_ENV, raising=False)
+    with pytest.raises(recording.RecordingRefused, match=f"{recording.ALLOW_ENV}=10.1.2.3"):
+        recording.check_target("http://10.1.2.3:8000")
+    with pytest.raises(recording.RecordingRefused, match="not an http"):
+        recording.check_target("file:///etc/passwd")
+    monkeypatch.setenv(recording.ALLOW_ENV, "gpu-box.internal:8000, 10.1.2.3")
+    assert recording.check_target("http://10.1.2.3:9000") == "http://10.1.2.3:9000"
+    assert recording.check_target("http://gpu-box.internal:8000")
+    with pytest.raises(recording.RecordingRefused):
+        recording.check_target("http://gpu-box.internal:9999")  # allowed on one port only
+
+
+def form(at: AppTest, target: str, scenarios: str = "decode") -> AppTest:
+    at.text_input(key="rec_target").set_value(target)
+    at.text_input(key="rec_scenarios").set_value(scenarios)
+    return next(b for b in at.button if b.label == "Start recording").click().run()
+
+
+def test_the_form_refuses_a_target_elsewhere_without_starting_anything(tmp_path, monkeypatch):
+    monkeypatch.delenv(recording.ALLOW_ENV, raising=False)
+    at = form(app(tmp_path, monkeypatch), "http://10.1.2.3:8000")
+    (err,) = [e.value for e in at.sidebar.error]
+    assert "not on this machine" in err and recording.ALLOW_ENV in err and "\n" not in err
+    assert not (tmp_path / recording.LOCK_NAME).exists() and not (tmp_path / "cancelwatch.db").exists()
+
+
+def test_the_form_shows_the_command_lines_one_line_error_for_a_dead_target(tmp_path, monkeypatch):
+    port = free_port()  # nothing listens there
+    at = form(app(tmp_path, monkeypatch), f"http://127.0.0.1:{port}")
+    (err,) = [e.value for e in at.sidebar.error]
+    assert "cannot list models" in err and str(port) in err and "fix --target" in err and "\n" not in err, err
+    assert recording.current(tmp_path) is None  # the command ended: the next recording may start

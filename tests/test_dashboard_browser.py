@@ -19,6 +19,7 @@ from analysis.cancel_table import VERDICT_COLOURS
 from analysis.explain import pick_story_cancel
 from analysis.facts import VIEW_METRICS
 from analysis.verdicts import judge_run
+from dashboard import recording
 from collectors.engines.vllm_server import free_port
 from runstore.reader import load_run
 from tests.conftest import cli_popen
@@ -39,9 +40,9 @@ def served(tmp_path):
     """Start `streamlit run dashboard/app.py` on a free port with the store folder in tmp_path."""
     procs = []
 
-    def start(store_dir: Path) -> str:
+    def start(store_dir: Path, **extra_env: str) -> str:
         port = free_port()
-        env = {**os.environ, "CANCELWATCH_STORE_DIR": str(store_dir)}
+        env = {**os.environ, "CANCELWATCH_STORE_DIR": str(store_dir), **extra_env}
         proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "dashboard/app.py", "--server.port",
                                  str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         procs.append(proc)
@@ -156,8 +157,11 @@ def test_the_served_dashboard_shows_the_timeline_and_the_verdict_table(proxy_and
     assert shown == [(v.request_id, v.verdict) for v in verdicts], rows
     # and as a person sees it: the KV usage line in its colour on the page, and each verdict cell of the
     # table filled with the verdict's colour (a blank or failed page has none of either)
-    shot = tmp_path / "dashboard.png"
-    page.screenshot(path=str(shot), full_page=True)
+    page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)  # the summary on top
+    shot = tmp_path / "timeline.png"
+    timeline = page.locator(".js-plotly-plot").nth(TIMELINE)
+    timeline.scroll_into_view_if_needed()
+    timeline.screenshot(path=str(shot))
     assert pixels(shot, "#e45756") > 100, "no KV usage line in the screenshot"
     grid = page.locator('[data-testid="stDataFrame"]').filter(has_text="request_id").first
     grid.scroll_into_view_if_needed()
@@ -209,3 +213,33 @@ def test_clicking_a_row_of_the_verdict_table_zooms_the_timeline(served, browser,
     assert hi - lo < 40 and (whole is None or (whole[1] - whole[0]) > hi - lo)
     zoom_box = page.locator('[data-testid="stSelectbox"]').filter(has_text="Zoom the timeline to")
     assert zoom_box.locator("input").input_value().startswith("#1 ")  # the zoom box now names the first cancel
+
+
+def test_a_recording_started_from_the_form_ends_in_its_verdict_table(served, browser, engine, engine_home,
+                                                                      tmp_path):
+    """The sidebar form starts the real `cancelwatch record` against the embedded engine; the page follows
+    the run while it records and shows its verdict table when it ends."""
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    url = served(folder, CANCELWATCH_HOME=str(engine_home))
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(url, timeout=60_000)
+    page.wait_for_selector("text=Record from this page", timeout=90_000)
+    page.get_by_label("Target URL").fill(engine.url)
+    page.get_by_label("Scenarios (built-in names or a suite, comma-separated)").fill("decode")
+    page.get_by_role("button", name="Start recording").click()
+    # the run appears in the store and the page follows it to its end
+    page.wait_for_function("() => document.body.innerText.includes('from the page')", timeout=60_000)
+    page.screenshot(path=str(tmp_path / "recording-started.png"), full_page=True)
+    page.wait_for_function(f"() => ({TABLE_ROWS})().length > 1", timeout=180_000)
+    page.wait_for_function("() => document.body.innerText.includes('completed') && "
+                           "!document.body.innerText.includes('still being recorded')", timeout=180_000)
+    page.wait_for_function(f"() => ({TABLE_ROWS})().some(r => r.includes('released'))", timeout=60_000)
+    page.screenshot(path=str(tmp_path / "recorded-from-the-page.png"), full_page=True)
+    run = load_run(folder / "cancelwatch.db", "latest")
+    assert run.info["status"] == "completed" and run.info["name"] == "from the page"
+    rows = page.evaluate(TABLE_ROWS)
+    head = rows[0]
+    shown = [(r[head.index("request_id")], r[head.index("verdict")]) for r in rows[1:]]
+    assert shown == [(v.request_id, v.verdict) for v in judge_run(run)] and shown[0][1] == "released", rows
+    assert recording.current(folder) is None  # one at a time: the next one may start now

@@ -29,7 +29,8 @@ FORBIDDEN = {
     "collectors.engines": {"collectors.sources", "collectors.recording", "collectors.cancels"},
     "collectors.cancels": {"collectors.sources", "collectors.recording", "collectors.engines"},
     "collectors.recording": {"collectors.cancels"},
-    # the dashboard and the notebooks read runs: they never sample, drive or start anything
+    # the dashboard and the notebooks read runs: they never sample or drive. The dashboard may start the
+    # command line in a subprocess (dashboard/recording.py), which writes the run; it never imports it
     "dashboard": {"collectors", "cancelwatch", "notebooks", "httpx", "pynvml", "psutil"},
     "notebooks": {"collectors", "cancelwatch", "dashboard", "httpx", "pynvml", "psutil"},
 }
