@@ -178,28 +178,54 @@ class _EngineLog:
         self.aborted: dict[tuple[str, str], list[float]] = {}
         self.added: dict[tuple[str, str], list[float]] = {}
         self.foreign: dict[str, list[float]] = {}
+        # an abort line's stamp is its time rounded down to this (vLLM's default format: whole seconds)
+        self.resolution: dict[tuple[str, str], float] = {}
         ev = run.events
         if ev.empty:
             return
         logged = ev[ev["kind"].isin(["engine_added", "engine_aborted"])]
         for row in logged.itertuples(index=False):
-            target = json.loads(row.data).get("target")
+            data = json.loads(row.data)
+            target = data.get("target")
+            rid = _ledger_id(row.request_id, data.get("engine_request_id"), known)
             if row.kind == "engine_aborted":
-                self.aborted.setdefault((target, row.request_id), []).append(float(row.t_s))
+                self.aborted.setdefault((target, rid), []).append(float(row.t_s))
+                self.resolution[(target, rid)] = float(data.get("resolution_s") or 0.001)
             else:
-                self.added.setdefault((target, row.request_id), []).append(float(row.t_s))
-                if row.request_id not in known:
+                self.added.setdefault((target, rid), []).append(float(row.t_s))
+                if rid not in known:
                     self.foreign.setdefault(target, []).append(float(row.t_s))
 
     def abort_after(self, target: str | None, rid: str, t: float) -> float | None:
-        times = [x for x in self.aborted.get((target, rid), []) if x >= t - LOG_SLACK_S]
+        slack = max(LOG_SLACK_S, self.resolution_of(target, rid))
+        times = [x for x in self.aborted.get((target, rid), []) if x >= t - slack]
         return min(times) if times else None
+
+    def resolution_of(self, target: str | None, rid: str) -> float:
+        return self.resolution.get((target, rid), 0.001)
 
     def was_added(self, target: str | None, rid: str) -> bool:
         return (target, rid) in self.added
 
     def foreign_between(self, target: str | None, lo: float, hi: float) -> int:
         return sum(1 for x in self.foreign.get(target, []) if lo <= x <= hi)
+
+
+def _ledger_id(client_id: str | None, engine_request_id: str | None, known: set[str]) -> str | None:
+    """The ledger's id for an engine log line. The source reads the client id back by stripping the
+    suffixes vLLM adds, but a client id may itself end like one (the driver's end in 8 hex, as vLLM's
+    chat suffix from 0.14 on does): where that reading is not in the ledger, the longest ledger id the
+    engine's id starts with is the one."""
+    if client_id in known or not engine_request_id:
+        return client_id
+    rest = engine_request_id.split("_", 1)[1] if engine_request_id[:1].isdigit() and "_" in engine_request_id \
+        else engine_request_id
+    rest = rest.split("-", 1)[1] if rest.startswith(("chatcmpl-", "cmpl-")) else rest
+    parts = rest.split("-")
+    for i in range(len(parts), 0, -1):
+        if "-".join(parts[:i]) in known:
+            return "-".join(parts[:i])
+    return client_id
 
 
 def _trace_events(run: Run) -> dict[tuple[str, str], tuple[float, str]]:
@@ -250,7 +276,8 @@ def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None
         t_log = englog.abort_after(target, row.request_id, float(row.t_s))
         t_relay = trace.get(("engine_abort", cid), (None, None))[0]
         if t_log is not None or t_relay is not None:
-            gone_at[row.request_id] = min(t for t in (t_log, t_relay) if t is not None)
+            # a stamp rounded down to the second can read before the stop that caused it
+            gone_at[row.request_id] = max(float(row.t_s), min(t for t in (t_log, t_relay) if t is not None))
         elif _log_state(run, target) == "read":
             # no abort: it may still be there, at most until its scenario ended (the driver waits for
             # the engine to go idle first); past that, the server counting it is the next one's excess
@@ -381,21 +408,31 @@ def _judge_one(run: Run, frame, englog: _EngineLog, trace: dict, same: dict, *, 
         # gauges of a new engine start at 0: a release would be read into what is only a restart
         return verdict("inconclusive", f"engine restarted inside this cancel's window ({restart}): nothing "
                        "to judge the release by")
+    resolution = englog.resolution_of(target, rid) if t_log_abort is not None else 0.0
     if t_abort is not None and t_abort - t_stop > grace_s:
         # the abort came, but so late that the engine generated for nobody through the whole grace
         ev.kept_running_ms = round((t_abort - t_stop) * 1000, 1)
         return verdict("leaked", f"the abort reached the engine only {t_abort - t_stop:.1f} s after the stop, past the "
                        f"{grace_s:g} s grace: the request kept running for nobody until then")
+    if t_abort is not None and t_abort + resolution - t_stop > grace_s:
+        # a stamp rounded down to the second: the abort came somewhere in [stamp, stamp + 1 s)
+        return verdict("inconclusive", f"the engine log stamps its abort line to {resolution:g} s only: it came "
+                       f"between {t_abort - t_stop:.1f} and {t_abort + resolution - t_stop:.1f} s after the stop, "
+                       f"so whether within the {grace_s:g} s grace cannot be told (log with milliseconds)")
+    if resolution > 0.01:
+        sources["engine_abort"] = ("engine_log", f"the log stamps it to {resolution:g} s (rounded down)")
     n = 1 if lrow is None or pd.isna(lrow.get("n")) else int(lrow["n"])
+    remaining = None
+    if lrow is not None and not pd.isna(lrow.get("max_tokens")) and tokens_at_cancel is not None:
+        remaining = int(lrow["max_tokens"]) * n - int(tokens_at_cancel)
     moved = _moved_since(sched, t_ref if t_abort is not None else t_stop)
     if has_log and t_abort is None:
-        remaining = None
-        if lrow is not None and not pd.isna(lrow.get("max_tokens")) and tokens_at_cancel is not None:
-            remaining = int(lrow["max_tokens"]) * n - int(tokens_at_cancel)
         return _judge_without_abort(run, englog, verdict, ev, sched, inflight, moved, target=target, rid=rid,
                                     n=n, t_stop=t_stop, ahead=ahead, tp=tp, remaining=remaining,
                                     gone_until=gone_until)
     if ahead and t_abort is None:
+        if remaining is not None and remaining <= RACE_TOKENS:
+            ev.race = f"the stop came {remaining} token(s) before the end: the completion could win"
         return verdict("inconclusive", "the engine had already finished the request before the stop (the server "
                        "counted fewer requests than the client) and no engine log shows an abort: nothing was "
                        "left to cancel")
@@ -455,10 +492,13 @@ def _judge_one(run: Run, frame, englog: _EngineLog, trace: dict, same: dict, *, 
                            "until the next step")
         return verdict("inconclusive", "the count reconciled but KV usage did not fall within the grace")
     if t_log_abort is not None:
-        # the engine itself logged this request's abort: what the server counts beyond the ledger is
-        # not this request
-        return verdict("inconclusive", "the engine log shows this request aborted, yet the server counted more "
-                       "than the ledger after it: other traffic was present (or another request leaked)")
+        # the log names every request (no foreign id in the window) and this one's abort: an excess
+        # that stays is the engine keeping a request it was told to drop
+        if stepping:
+            return verdict("leaked", "the engine logged the abort, yet still counts the request after the grace "
+                           "while it keeps generating: the abort did not free it")
+        return verdict("stale_gauge", "the engine logged the abort; the gauges stayed up but no tokens were "
+                       "generated: stale until the next step")
     if stepping:
         return verdict("leaked", "the server still counts the request after the grace while it keeps generating")
     return verdict("stale_gauge", "gauges stayed up but no tokens were generated: stale until the next step")

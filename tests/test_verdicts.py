@@ -19,7 +19,7 @@ HZ = 20
 
 
 def build_run(count, kv, gen, *, stop_s=2.0, abort_s=2.002, probe_first_s=None, extra_ledger=(), missing=None,
-              engine_log=None, extra_events=()):
+              engine_log=None, extra_events=(), resolution_s=0.001):
     """A 6 s run at 20 Hz: `count(t)`, `kv(t)`, `gen(t)` give running(+0 waiting), KV usage and tokens;
     no scrape answered in the stretch `missing` (from, to) in s. `engine_log`: the engine log was read,
     and these (kind, request id, instant) lines are in it; None: a run without an engine log, whose
@@ -67,7 +67,7 @@ def build_run(count, kv, gen, *, stop_s=2.0, abort_s=2.002, probe_first_s=None, 
         for kind, rid, at in engine_log:
             events.append({"request_id": rid, "kind": kind, "mono_ns": ns(at),
                            "data": json.dumps({"engine_request_id": f"cmpl-{rid}-0-0123abcd", "clock": "engine_log",
-                                               "resolution_s": 0.001, "target": "t0"})})
+                                               "resolution_s": resolution_s, "target": "t0"})})
     events = pd.DataFrame([*events, *extra_events]).sort_values("mono_ns")
     events["wall_ns"] = 0
     events["t_s"] = (events["mono_ns"] - T0) / 1e9
@@ -257,3 +257,57 @@ def test_a_request_that_completed_before_a_missed_trigger_is_not_a_race_won():
     run.ledger.loc[run.ledger["request_id"] == "tg", ["terminal_state", "closed_mono_ns"]] = ["completed", ns(1.5)]
     (v,) = judge_run(run)
     assert v.verdict == "inconclusive" and "never reached" in v.evidence.why and v.evidence.race is None, v
+
+
+def test_an_abort_stamped_to_the_whole_second_is_still_this_cancels_abort():
+    # vLLM's default log format: the abort 10 ms after a stop at 2.7 s is stamped 2.0
+    run = build_run(lambda t: 2.0 if t < 2.75 else 1.0, lambda t: 0.4 if t < 2.75 else 0.1, steady_gen, stop_s=2.7,
+                    abort_s=2.702, resolution_s=1.0,
+                    engine_log=[("engine_added", "nb", 0.0), ("engine_added", "tg", 0.0), ("engine_aborted", "tg", 2.0)])
+    (v,) = judge_run(run)
+    assert v.verdict == "released", v
+    assert v.sources["engine_abort"]["source"] == "engine_log" and "1 s" in v.sources["engine_abort"]["reason"]
+
+
+def test_a_whole_second_stamp_that_straddles_the_grace_is_not_called_either_way():
+    # stop at 1.5 s; the abort line says 3.0 (so it came between 3.0 and 4.0): within 2 s of the stop, or not
+    run = build_run(lambda t: 2.0 if t < 3.95 else 1.0, lambda t: 0.4 if t < 3.95 else 0.1, steady_gen, stop_s=1.5,
+                    abort_s=1.502, resolution_s=1.0, engine_log=[*ADDED, ("engine_aborted", "tg", 3.0)])
+    (v,) = judge_run(run)
+    assert v.verdict == "inconclusive" and "cannot be told" in v.evidence.why, v
+
+
+def test_an_engine_that_logs_the_abort_but_keeps_the_request_is_leaked_not_other_traffic():
+    # the log names every request and this one's abort; the engine still counts it and keeps generating
+    run = build_run(lambda t: 2.0, lambda t: 0.4, steady_gen, engine_log=[*ADDED, ("engine_aborted", "tg", 2.01)])
+    (v,) = judge_run(run)
+    assert v.verdict == "leaked" and "logged the abort" in v.evidence.why, v
+
+
+def test_without_a_log_a_race_the_completion_won_is_said_as_such():
+    # 2 tokens before the end; the server stopped counting it just before the stop; no engine log
+    run = build_run(lambda t: 2.0 if t < 1.92 else 1.0, lambda t: 0.4 if t < 1.92 else 0.1, steady_gen)
+    run.ledger["max_tokens"] = 40
+    stop = run.events["kind"] == "user_stop"
+    run.events.loc[stop, "data"] = [json.dumps({**json.loads(d), "tokens_at_cancel": 38})
+                                    for d in run.events.loc[stop, "data"]]
+    (v,) = judge_run(run)
+    assert v.verdict == "inconclusive" and v.evidence.race, v
+
+
+def test_an_engine_id_without_vllms_chat_suffix_is_still_matched_to_its_ledger_id():
+    # vLLM before 0.14 names a chat request `chatcmpl-<X-Request-Id>` with no suffix; the driver's own ids
+    # end in 8 hex, so the source's reading strips a piece of the id itself: the ledger knows better
+    run = build_run(lambda t: 2.0 if t < 2.05 else 1.0, lambda t: 0.4 if t < 2.05 else 0.1, steady_gen,
+                    engine_log=[("engine_added", "nb", 0.1)])
+    ns = lambda s: T0 + int(s * 1e9)  # noqa: E731
+    run.ledger.loc[run.ledger["request_id"] == "tg", "request_id"] = "cw-chat-target-e87967d0"
+    run.events.loc[run.events["request_id"] == "tg", "request_id"] = "cw-chat-target-e87967d0"
+    lines = [(kind, at) for kind, at in (("engine_added", 0.5), ("engine_aborted", 2.01))]
+    extra = pd.DataFrame([{"request_id": "cw-chat-target", "kind": kind, "mono_ns": ns(at), "wall_ns": 0,
+                           "t_s": at, "data": json.dumps({"engine_request_id": "chatcmpl-cw-chat-target-e87967d0",
+                                                          "clock": "engine_log", "resolution_s": 0.001,
+                                                          "target": "t0"})} for kind, at in lines])
+    run.events = pd.concat([run.events, extra]).sort_values("mono_ns", ignore_index=True)
+    (v,) = judge_run(run)
+    assert v.verdict == "released" and v.sources["engine_abort"]["source"] == "engine_log", v
