@@ -52,8 +52,7 @@ demo: venv engine-venv
 	[ $$rc -eq 0 ] || exit $$rc; \
 	$(CW) record --target http://127.0.0.1:$(PORT) --scenario default --store $(STORE) --name demo-cancels; \
 	rc=$$?; [ $$rc -le 1 ] || exit $$rc; \
-	$(CW) engine down --port $(PORT); \
-	echo "dashboard: http://127.0.0.1:$(DASHBOARD_PORT)/?store=$(STORE)&run=latest  (Ctrl-C stops it)"; \
+	echo "dashboard: http://127.0.0.1:$(DASHBOARD_PORT)/?store=$(STORE)&run=latest  (the engine stays up on port $(PORT) for the page's 'Record from this page'; Ctrl-C stops both)"; \
 	$(VENV)/bin/streamlit run dashboard/app.py --server.port $(DASHBOARD_PORT)
 
 bench: venv engine-venv
