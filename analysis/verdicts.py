@@ -106,14 +106,18 @@ class CancelVerdict:
                 "terminal_state": self.terminal_state, "latencies_ms": self.latencies()}
 
 
-def ledger_inflight(ledger: pd.DataFrame, t0_ns: int, times: np.ndarray, aborted_at: dict[str, float]) -> np.ndarray:
+def ledger_inflight(ledger: pd.DataFrame, t0_ns: int, times: np.ndarray, aborted_at: dict[str, float],
+                    added_at: dict[str, float] | None = None) -> np.ndarray:
     """Sequences the client believes are in the server at each of `times` (instants, s since the run
-    started): sent and not yet closed, or not yet aborted (`aborted_at`: request id -> instant)."""
+    started): sent and not yet closed, or not yet aborted (`aborted_at`: request id -> instant). Where
+    the engine's log says when a request entered the engine (`added_at`), it counts from then: a request
+    still on its way (a proxy, the API server) is not yet the engine's."""
     counts = np.zeros(len(times))
+    added_at = added_at or {}
     for row in ledger.itertuples(index=False):
         if pd.isna(row.sent_mono_ns):
             continue
-        t_sent = (row.sent_mono_ns - t0_ns) / 1e9
+        t_sent = max((row.sent_mono_ns - t0_ns) / 1e9, added_at.get(row.request_id, -math.inf))
         t_gone = aborted_at.get(row.request_id)
         if t_gone is None:
             closed = row.closed_mono_ns
@@ -290,7 +294,8 @@ def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None
         if target not in frames:
             sched = scheduler_frame(run, target)
             times = sched["t_s"].to_numpy()
-            inflight = ledger_inflight(ledger, t0, times, gone_at) if len(times) else np.array([])
+            added = {rid: min(ts) for (tgt, rid), ts in englog.added.items() if tgt == target}
+            inflight = ledger_inflight(ledger, t0, times, gone_at, added) if len(times) else np.array([])
             cols = {c: sched[c].to_numpy(dtype=float) for c in ("t_s", "count", "kv", "gen_tokens")}
             frames[target] = (cols, inflight)
         return frames[target]
@@ -429,7 +434,7 @@ def _judge_one(run: Run, frame, englog: _EngineLog, trace: dict, same: dict, *, 
     if has_log and t_abort is None:
         return _judge_without_abort(run, englog, verdict, ev, sched, inflight, moved, target=target, rid=rid,
                                     n=n, t_stop=t_stop, ahead=ahead, tp=tp, remaining=remaining,
-                                    gone_until=gone_until)
+                                    gone_until=gone_until, grace_s=grace_s)
     if ahead and t_abort is None:
         if remaining is not None and remaining <= RACE_TOKENS:
             ev.race = f"the stop came {remaining} token(s) before the end: the completion could win"
@@ -522,7 +527,8 @@ def _moved_since(sched: dict[str, np.ndarray], t: float) -> np.ndarray:
 
 def _judge_without_abort(run: Run, englog: _EngineLog, verdict, ev: Evidence, sched: dict, inflight: np.ndarray,
                          moved: np.ndarray, *, target: str | None, rid: str, n: int, t_stop: float, ahead: bool,
-                         tp: dict, remaining: int | None = None, gone_until: float = math.inf) -> CancelVerdict:
+                         tp: dict, remaining: int | None = None, gone_until: float = math.inf,
+                         grace_s: float = GRACE_S) -> CancelVerdict:
     """The engine's log was read and names no abort of this request after its stop: either the engine
     no longer held it (it finished first, or never got it), or the cancel never reached the engine.
     `remaining`: tokens the client had still to receive at the stop (a race when only a few)."""
@@ -547,9 +553,17 @@ def _judge_without_abort(run: Run, englog: _EngineLog, verdict, ev: Evidence, sc
     run3 = ~still
     for k in (1, 2):
         run3[:-k] &= ~still[k:]
-    if not still[0] and run3[0]:
-        if ahead:
+    if ahead:
+        # the gauges did not count it at the stop (finished, or not yet counted: a long prefill step):
+        # only the engine counting it after the stop shows it was still there
+        first = np.nonzero(still & (times[refreshed_after] <= t_stop + grace_s))[0]
+        if not len(first):
             return verdict("inconclusive", already)
+        refreshed_after, still = refreshed_after[first[0]:], still[first[0]:]
+        run3 = ~still
+        for k in (1, 2):
+            run3[:-k] &= ~still[k:]
+    elif not still[0] and run3[0]:
         return verdict("inconclusive", "the request was gone from the engine at the first sample after the stop, "
                        "with no abort in its log: it had finished on its own as the cancel came, so this cancel "
                        "cannot show whether cancels reach the engine")

@@ -286,13 +286,15 @@ def test_an_engine_killed_and_restarted_during_a_cancel_is_inconclusive(private_
     t_stop, t_kill, t_back = c["timepoints"]["user_stop"], run_clock(run, killed_at), run_clock(run, back_at)
     print(f"stop {t_stop:.3f} s, killed {t_kill:.3f} s, engine back {t_back:.3f} s (run clock)")
     # it happened: the engine aborted the target, was killed right after, and the run went on past the
-    # restart (the probe entered the new engine)
+    # restart (the sampler read the new engine's /metrics). Whether the probe went to the old engine just
+    # before the kill or waited for the new one is the machine's timing, and not what is judged here
     assert rid in engine_lines(run, "engine_aborted")
     assert t_stop < t_kill <= t_stop + 1.0, (t_stop, t_kill)
     assert run.info["status"] == "completed", run.info["status"]
-    ledger = run.ledger
-    (probe,) = ledger[ledger["role"] == "probe"]["request_id"]
-    assert any(t >= t_kill for t in engine_lines(run, "engine_added").get(probe, [])), dump(doc, proxy)
+    sc = run.scrapes
+    assert ((sc["source"] == "vllm") & (sc["ok"] == 1) & (sc["t_s"] > t_back)).any(), dump(doc, proxy)
+    g = run.gaps
+    assert ((g["source"] == "vllm") & (g["t_s"] < t_back) & (g["end_t_s"] > t_kill)).any(), g
     assert c["verdict"] == "inconclusive", dump(doc, proxy)
     assert "engine restarted" in c["evidence"]["why"], dump(doc, proxy)
     # the restarted engine is brought down here (the fixture would too) and leaves nothing behind

@@ -311,3 +311,17 @@ def test_an_engine_id_without_vllms_chat_suffix_is_still_matched_to_its_ledger_i
     run.events = pd.concat([run.events, extra]).sort_values("mono_ns", ignore_index=True)
     (v,) = judge_run(run)
     assert v.verdict == "released" and v.sources["engine_abort"]["source"] == "engine_log", v
+
+
+def test_a_lost_cancel_the_gauges_had_not_counted_yet_is_leaked_even_with_the_probe_sent_at_once():
+    # a long prefill step: the gauges do not count the target at the stop, so the driver sees the count
+    # reconciled and sends the probe at once. The engine log says when each request entered the engine:
+    # the probe only at 2.5 s, the target long before, and never an abort for it
+    def count(t):  # neighbour; + the target once counted; + the probe while it runs; the target ends at 5 s
+        return 1.0 + (2.3 <= t < 5.0) + (2.55 <= t < 2.8)
+
+    run = build_run(count, lambda t: 0.1 * count(t), steady_gen, probe_first_s=2.7,
+                    engine_log=[*ADDED, ("engine_added", "pr", 2.5)])
+    (v,) = judge_run(run)
+    assert v.verdict == "leaked" and "no abort" in v.evidence.why, v
+    assert 2900 <= v.evidence.kept_running_ms <= 3100
