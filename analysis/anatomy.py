@@ -23,7 +23,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from analysis.facts import kv_pool, scheduler_targets
-from analysis.timeline import Trace, memory_traces, metric_traces
+from analysis.timeline import GiB, Trace, memory_traces, metric_traces
 from runstore.reader import Run
 
 KV_USED, KV_FREE, WEIGHTS, OTHER = "KV pool: used", "KV pool: free", "weights", "other"
@@ -124,7 +124,6 @@ def _owner(run: Run, kind: str, totals: list[Trace], targets: list[str], engines
 
 
 MiB = 1024**2
-GiB = 1024**3
 SUMMARY_SPAN_S = 0.1  # each side: the samples right before the stop, and the one that showed the release
 
 

@@ -24,6 +24,7 @@ from analysis.summary import key_figures
 from analysis.verdicts import (
     LATENCIES,
     POINT_LABELS,
+    SOURCE_LABELS,
     TIMEPOINTS,
     latency_key,
     latency_label,
@@ -49,7 +50,6 @@ MODE_TEXT = {
     "timeout": "timeout: a non-streaming client gives up after its timeout",
     "explicit": "explicit: POST /cancel to the relay app, which awaits AsyncLLM.abort()",
 }
-SOURCE_TEXT = {"engine_log": "engine log", "relay": "relay app", "client": "client", "samples": "scheduler samples"}
 POINT_TEXT = {
     "user_stop": "the driver decided to cancel (its own clock)",
     "app_received": "the cancel reached the application serving the request",
@@ -440,7 +440,7 @@ def _source_summary(cancels: list[dict], point: str) -> tuple[str, list[str]]:
             counts[NOT_RECORDED] += 1
             continue
         src = entry.get("source")
-        counts[SOURCE_TEXT.get(src, src) if src else "none"] += 1
+        counts[SOURCE_LABELS.get(src, src) if src else "none"] += 1
         if entry.get("reason") and entry["reason"] not in reasons:
             reasons.append(str(entry["reason"]))
     cell = ", ".join(f"{name} ×{n}" for name, n in counts.items()) if counts else DASH

@@ -15,7 +15,7 @@ from analysis.capacity import capacity, capacity_figure, capacity_frame
 from analysis.compare import compare_runs
 from analysis.explain import memory_story, pick_story_cancel
 from analysis.facts import VIEW_METRICS
-from analysis.verdicts import SOURCE_LABELS, CancelVerdict, judge_run
+from analysis.verdicts import CancelVerdict, judge_run
 from runstore.reader import Run, StoreError, load_run
 
 
@@ -77,9 +77,7 @@ def _abort_sources(verdicts: list[CancelVerdict]) -> str:
     """What the cancels' engine_abort rests on, counted: `engine log 11, relay 1, none (no engine log) 2`."""
     counts: dict[str, int] = {}
     for v in verdicts:
-        entry = v.sources.get("engine_abort") or {}
-        src = entry.get("source")
-        key = SOURCE_LABELS.get(src, src) if src else f"none ({entry.get('reason') or 'not recorded'})"
+        key = v.source_label("engine_abort") or f"none ({v.source_reason('engine_abort') or 'not recorded'})"
         counts[key] = counts.get(key, 0) + 1
     return ", ".join(f"{k} {n}" for k, n in counts.items()) or "no cancels"
 

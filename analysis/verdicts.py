@@ -87,17 +87,22 @@ class CancelVerdict:
     def source_of(self, point: str) -> str | None:
         return (self.sources.get(point) or {}).get("source")
 
+    def source_label(self, point: str) -> str | None:
+        """Where the point came from, in words (`engine log`); None when it has no source."""
+        src = self.source_of(point)
+        return SOURCE_LABELS.get(src, src) if src else None
+
+    def source_reason(self, point: str) -> str | None:
+        return (self.sources.get(point) or {}).get("reason")
+
     def sources_text(self) -> str:
         """Where each timepoint came from, in words: `engine abort: engine log · app received: none (no
         app on this path) · ...`."""
         parts = []
         for p in TIMEPOINTS:
-            entry = self.sources.get(p)
-            if not entry:
-                continue
-            src = entry.get("source")
-            what = SOURCE_LABELS.get(src, src) if src else f"none ({entry.get('reason') or 'not reached'})"
-            parts.append(f"{POINT_LABELS[p]}: {what}")
+            if p in self.sources:
+                what = self.source_label(p) or f"none ({self.source_reason(p) or 'not reached'})"
+                parts.append(f"{POINT_LABELS[p]}: {what}")
         return " · ".join(parts)
 
     def as_json(self) -> dict:
@@ -525,6 +530,16 @@ def _moved_since(sched: dict[str, np.ndarray], t: float) -> np.ndarray:
     return np.maximum.accumulate(moved & (times >= t))
 
 
+def _three_without(still: np.ndarray) -> np.ndarray:
+    """Per refreshed sample: it and the next two do not count the request. Gone is only believed from
+    three in a row: a request sent after the stop is in the ledger a step before the server counts it,
+    and must not read as this one leaving."""
+    out = ~still
+    for k in (1, 2):
+        out[:-k] &= ~still[k:]
+    return out
+
+
 def _judge_without_abort(run: Run, englog: _EngineLog, verdict, ev: Evidence, sched: dict, inflight: np.ndarray,
                          moved: np.ndarray, *, target: str | None, rid: str, n: int, t_stop: float, ahead: bool,
                          tp: dict, remaining: int | None = None, gone_until: float = math.inf,
@@ -548,11 +563,7 @@ def _judge_without_abort(run: Run, englog: _EngineLog, verdict, ev: Evidence, sc
         return verdict("inconclusive", already if ahead else "no engine log abort, and no sample after the stop "
                        "refreshed the gauges: nothing shows where the request went")
     still = sched["count"][refreshed_after] > without[refreshed_after] + 1e-9
-    # gone from the first of three refreshed samples in a row without it: a request sent after the stop
-    # is in the ledger a step before the server counts it, and must not read as this one leaving
-    run3 = ~still
-    for k in (1, 2):
-        run3[:-k] &= ~still[k:]
+    run3 = _three_without(still)
     if ahead:
         # the gauges did not count it at the stop (finished, or not yet counted: a long prefill step):
         # only the engine counting it after the stop shows it was still there
@@ -560,9 +571,7 @@ def _judge_without_abort(run: Run, englog: _EngineLog, verdict, ev: Evidence, sc
         if not len(first):
             return verdict("inconclusive", already)
         refreshed_after, still = refreshed_after[first[0]:], still[first[0]:]
-        run3 = ~still
-        for k in (1, 2):
-            run3[:-k] &= ~still[k:]
+        run3 = _three_without(still)
     elif not still[0] and run3[0]:
         return verdict("inconclusive", "the request was gone from the engine at the first sample after the stop, "
                        "with no abort in its log: it had finished on its own as the cancel came, so this cancel "

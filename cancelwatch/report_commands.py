@@ -27,7 +27,7 @@ def report_exit(doc: dict) -> int:
 def print_report(doc: dict, verdicts: list[CancelVerdict]) -> None:
     """The cancels as a table (latency columns named as in the dashboard's cancel table), then the
     neighbours' outcome; `doc` is the run's report_document, `verdicts` the cancels it was made of."""
-    from analysis.verdicts import LATENCIES, SOURCE_LABELS, STOP_TO_ABORT, latency_label
+    from analysis.verdicts import LATENCIES, STOP_TO_ABORT, latency_label
 
     # the latencies a reader needs at a glance; the app's own point, where there is one, is in --json
     shown = (STOP_TO_ABORT, *LATENCIES[2:])
@@ -40,8 +40,7 @@ def print_report(doc: dict, verdicts: list[CancelVerdict]) -> None:
         lat = (v.latency_ms(a, b) for a, b in shown)
         fmt = ["" if x is None else f"{x:.0f}" for x in lat]
         why = v.evidence.why or v.evidence.race or ""
-        src = v.source_of("engine_abort")
-        abort_from = SOURCE_LABELS.get(src, src) if src else (v.sources.get("engine_abort") or {}).get("reason", "")
+        abort_from = v.source_label("engine_abort") or v.source_reason("engine_abort")
         table.add_row(v.scenario, v.request_id[-8:], v.phase_at_cancel,
                       f"[{colours.get(v.verdict, 'white')}]{v.verdict}[/]", *fmt, abort_from or "", why)
     out.print(table)

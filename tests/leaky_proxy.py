@@ -12,6 +12,20 @@ import httpx
 HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "accept-encoding"}
 
 
+async def read_request(reader: asyncio.StreamReader) -> tuple[str, str, dict[str, str], bytes]:
+    """(method, path, lower-cased headers, body) of one HTTP/1.1 request off the socket."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    method, path, _ = lines[0].split(" ", 2)
+    headers = {}
+    for line in lines[1:]:
+        if ":" in line:
+            k, v = line.split(":", 1)
+            headers[k.strip().lower()] = v.strip()
+    body = await reader.readexactly(int(headers.get("content-length", "0")))
+    return method, path, headers, body
+
+
 class LeakyProxy:
     def __init__(self, upstream: str, port: int):
         self.upstream = upstream.rstrip("/")
@@ -24,18 +38,10 @@ class LeakyProxy:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
+            method, path, headers, body = await read_request(reader)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             writer.close()
             return
-        lines = head.decode("latin-1").split("\r\n")
-        method, path, _ = lines[0].split(" ", 2)
-        headers = {}
-        for line in lines[1:]:
-            if ":" in line:
-                k, v = line.split(":", 1)
-                headers[k.strip().lower()] = v.strip()
-        body = await reader.readexactly(int(headers.get("content-length", "0")))
         fwd = {k: v for k, v in headers.items() if k not in HOP_HEADERS}
         gone = False
         if True:

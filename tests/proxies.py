@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from tests.leaky_proxy import read_request
+
 HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "accept-encoding", "keep-alive"}
 HEAD_TIMEOUT_S = 10.0
 REQUEST_DEADLINE_S = 180.0  # no proxied exchange lives longer, whatever the engine does
@@ -179,15 +181,7 @@ class ProxyBehaviour:
     async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             async with asyncio.timeout(HEAD_TIMEOUT_S):
-                head = await reader.readuntil(b"\r\n\r\n")
-                lines = head.decode("latin-1").split("\r\n")
-                method, path, _ = lines[0].split(" ", 2)
-                headers = {}
-                for line in lines[1:]:
-                    if ":" in line:
-                        k, v = line.split(":", 1)
-                        headers[k.strip().lower()] = v.strip()
-                body = await reader.readexactly(int(headers.get("content-length", "0")))
+                method, path, headers, body = await read_request(reader)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, TimeoutError, ValueError):
             writer.transport.abort()
             return
