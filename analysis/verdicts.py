@@ -393,6 +393,10 @@ def _judge_one(run: Run, frame, englog: _EngineLog, trace: dict, same: dict, *, 
         return verdict("inconclusive", "the completion won the race: the client read the request's end before "
                        "the cancel took effect, so this cancel cannot show a release")
     if ev.samples_in_window < MIN_SAMPLES:
+        if not ev.samples_in_window:
+            # a scrape outage over the whole window (the g rule's case, reached before the grace is looked at)
+            return verdict("inconclusive", "no samples from the engine from 1 s before the stop to the end of the "
+                           "grace: a scrape outage, nothing to judge the release by")
         return verdict("inconclusive", f"too few samples around the cancel ({ev.samples_in_window})")
     before = (times >= t_stop - 1.0) & (times < t_stop)
     ev.count_before = float(sched["count"][before][-1]) if before.any() else None

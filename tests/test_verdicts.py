@@ -325,3 +325,12 @@ def test_a_lost_cancel_the_gauges_had_not_counted_yet_is_leaked_even_with_the_pr
     (v,) = judge_run(run)
     assert v.verdict == "leaked" and "no abort" in v.evidence.why, v
     assert 2900 <= v.evidence.kept_running_ms <= 3100
+
+
+def test_an_outage_over_the_whole_window_says_no_samples():
+    # /metrics silent from 1 s before the stop to past the grace: no sample at all to judge by
+    run = build_run(lambda t: 2.0, lambda t: 0.4, steady_gen, missing=(0.9, 5.0),
+                    engine_log=[*ADDED, ("engine_aborted", "tg", 2.01)])
+    (v,) = judge_run(run)
+    assert v.verdict == "inconclusive" and v.evidence.samples_in_window == 0, v
+    assert "no samples" in v.evidence.why
