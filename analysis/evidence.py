@@ -64,6 +64,11 @@ class Evidence:
         inside this cancel's window
     kept_running_ms: duration, ms the request stayed in the engine after the stop with no abort in
         the engine's log (a lost cancel); None while it was still there at the end of the stretch followed
+    model: Triton: the model that served the request
+    server_phase: Triton: queued | executing at the stop, by the model's log (started before it or not)
+    expected: the verdict the scenario is built to show (Triton's deaf and HTTP-timeout cases: leaked)
+    canceled_failures_delta: Triton: count the core's failure{reason="CANCELED"} rose by for the model
+        in the grace (a queued request dropped)
     why: one sentence, why the verdict is not released
     """
 
@@ -89,6 +94,10 @@ class Evidence:
     engine_log: str | None = None
     foreign_requests: int | None = None
     kept_running_ms: float | None = None
+    model: str | None = None
+    server_phase: str | None = None
+    expected: str | None = None
+    canceled_failures_delta: float | None = None
     why: str | None = None
 
     def as_json(self) -> dict:

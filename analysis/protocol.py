@@ -69,13 +69,18 @@ DASH = "—"
 def accepted(doc: Mapping) -> bool:
     """The acceptance rule (and `cancelwatch report`'s exit 0): at least one cancel, every cancel
     released (or inconclusive only because the completion won a race at the very end, which the
-    report says as such), every neighbour completed."""
+    report says as such, or the verdict its scenario is built to show: Triton's deaf backend and
+    HTTP timeout leak), every neighbour completed, and no server counting more requests than the
+    client sent (a silent resubmit)."""
     cancels = doc.get("cancels", [])
 
     def ok(c) -> bool:
-        return c["verdict"] == "released" or (c["verdict"] == "inconclusive" and bool((c.get("evidence") or {}).get("race")))
+        ev = c.get("evidence") or {}
+        return (c["verdict"] == "released" or (c["verdict"] == "inconclusive" and bool(ev.get("race")))
+                or (ev.get("expected") not in (None, "released") and c["verdict"] == ev.get("expected")))
 
-    return bool(doc.get("neighbours_ok")) and bool(cancels) and all(ok(c) for c in cancels)
+    no_resubmit = all(r["ok"] for r in doc.get("server_requests", []))
+    return bool(doc.get("neighbours_ok")) and bool(cancels) and all(ok(c) for c in cancels) and no_resubmit
 
 
 def _cell(value) -> str:

@@ -257,6 +257,10 @@ def _trace_events(run: Run) -> dict[tuple[str, str], tuple[float, str]]:
 def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None = None) -> list[CancelVerdict]:
     """One verdict per cancel; `grace_s` defaults to the run's own."""
     grace_s = run_grace_s(run) if grace_s is None else grace_s
+    from analysis.triton_verdicts import is_triton_run, judge_triton
+
+    if is_triton_run(run):
+        return judge_triton(run, grace_s)  # another server, its own evidence
     t0 = run.info["started_mono_ns"]
     targets = [t["label"] for t in run.info.get("targets", [])]
     default_target = metrics_target or (targets[0] if targets else None)
@@ -636,6 +640,9 @@ def report_document(run: Run, grace_s: float | None = None, verdicts: list[Cance
     verdicts = judge_run(run, grace_s) if verdicts is None else verdicts
     stats = sampling_stats(run)
     driven = DriveSettings.of_run(run.info.get("settings")).driven_target
+    from analysis.triton_verdicts import is_triton_run, server_request_counts
+
+    extra = {"engine": "triton", "server_requests": server_request_counts(run)} if is_triton_run(run) else {}
     return {
         "run_id": run.id,
         "name": run.info.get("name"),
@@ -645,4 +652,5 @@ def report_document(run: Run, grace_s: float | None = None, verdicts: list[Cance
         "neighbours_ok": neighbours_ok(run),
         "sampling": json.loads(stats.to_json(orient="records")) if not stats.empty else [],
         "cancels": [v.as_json() for v in verdicts],
+        **extra,
     }

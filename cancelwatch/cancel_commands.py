@@ -24,9 +24,12 @@ from runstore.records import DriveSettings
 
 
 def record_cmd(
-    target: str = typer.Option(..., help="OpenAI-compatible server the scenarios talk to (engine, gateway or proxy)."),
-    metrics_url: Optional[str] = typer.Option(None, help="vLLM whose /metrics is sampled; default: --target."),
-    scenario: str = typer.Option("default", help="Suite, built-in scenario name, or a TOML file."),
+    target: str = typer.Option(..., help="OpenAI-compatible server the scenarios talk to (engine, gateway or proxy), "
+                               "or Triton's gRPC address as grpc://HOST:PORT."),
+    metrics_url: Optional[str] = typer.Option(None, help="vLLM whose /metrics is sampled; default: --target. "
+                                              "Triton: its metrics port (default HOST:8002)."),
+    scenario: str = typer.Option("default", help="Suite, built-in scenario name, or a TOML file (Triton: triton, "
+                                 "or triton_* names)."),
     hz: float = typer.Option(20.0),
     nvml: str = typer.Option("auto"),
     store: Path = typer.Option(DEFAULT_STORE),
@@ -36,9 +39,16 @@ def record_cmd(
     engine_log: Optional[Path] = typer.Option(None, help=ENGINE_LOG_HELP),
     grace: float = typer.Option(2.0, help="Seconds the scheduler has to reconcile after an abort."),
     relay_url: Optional[str] = typer.Option(None, help="Relay app for in-process scenarios (inproc); default: start one."),
+    http_url: Optional[str] = typer.Option(None, help="Triton only: its HTTP endpoint (default HOST:8000)."),
 ):
     """Run scripted cancels while sampling; one run holds samples, ledger and events. Prints the report."""
     import httpx
+
+    from collectors.recording.triton_session import is_triton_target
+
+    if is_triton_target(target):
+        return record_triton(target, metrics_url, http_url, scenario, hz, nvml, store, name, pid, lost_after,
+                             engine_log, grace)
 
     from analysis.verdicts import judge_run, report_document
     from collectors.cancels.driver import Driver
@@ -119,3 +129,49 @@ def record_cmd(
     out.print(f"run {result.run_id} {result.status} -> {store}")
     raise typer.Exit(result.exit_code if result.exit_code else report_exit(doc))
 
+
+
+def record_triton(target: str, metrics_url: str | None, http_url: str | None, scenario: str, hz: float, nvml: str,
+                  store: Path, name: str | None, pid: list[int] | None, lost_after: float, engine_log: Path | None,
+                  grace: float) -> None:
+    """`record` against Triton: the Triton scenarios over gRPC (and HTTP for the timeout case)."""
+    from analysis.verdicts import judge_run, report_document
+    from collectors.cancels.triton_driver import TritonDriver, resolve_triton
+    from collectors.recording.session import scheduler_reader
+    from collectors.recording.triton_session import build_triton_sources, endpoints
+    from runstore.reader import load_run
+
+    if scenario == "default":
+        scenario = "triton"
+    try:
+        scenarios = resolve_triton(scenario)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    try:
+        ep = endpoints(target, metrics_url, http_url, home_dir())
+        targets = parse_targets([ep.metrics])
+        models = sorted({s.model for s in scenarios} | {"generator"} | ({"slow"} if any(
+            s.model == "slow" or s.fillers for s in scenarios) else set()))
+        settings = RecordSettings(targets=targets, store=store, hz=hz, duration_s=None, nvml=nvml, name=name,
+                                  pids=list(pid or []), lost_after_s=lost_after, home=home_dir(),
+                                  engine_log=engine_log,
+                                  drive=DriveSettings(driven_target=target, scenarios=[s.name for s in scenarios],
+                                                      grace_s=grace, model=",".join(models)))
+        sources, facts = build_triton_sources(settings, ep, models)
+
+        def driver_factory(writer, sampler):
+            return TritonDriver(ep.grpc, ep.http, writer.put, scheduler_reader(sampler, targets[0].label, "triton"),
+                                grace_s=grace, metrics_target=targets[0].label).run(scenarios)
+
+        result = record(settings, sources, facts, driver_factory=driver_factory)
+    except PreflightError as exc:
+        raise fail(str(exc)) from None
+    except StoreError as exc:
+        raise fail(str(exc)) from None
+    recorded = load_run(store, result.run_id)
+    verdicts = judge_run(recorded, grace)
+    doc = report_document(recorded, verdicts=verdicts)
+    print_report(doc, verdicts)
+    print_store_error(result.stats)
+    out.print(f"run {result.run_id} {result.status} -> {store}")
+    raise typer.Exit(result.exit_code if result.exit_code else report_exit(doc))

@@ -1,4 +1,5 @@
-"""`cancelwatch engine up|down|status`: the embedded vLLM (real vLLM, CPU build) on 127.0.0.1."""
+"""`cancelwatch engine up|down|status`: the embedded vLLM (real vLLM, CPU build) or the embedded Triton
+(the real tritonserver of the nvidia-pytriton wheel) on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from cancelwatch.console import fail, home_dir, out
 from collectors.engines import vllm_server as engine_mod
 from collectors.recording.session import EXIT_FAILED, EXIT_USAGE
 
-engine_app = typer.Typer(no_args_is_help=True, help="The embedded vLLM engine (real vLLM, CPU build).")
+engine_app = typer.Typer(no_args_is_help=True, help="The embedded engines: vLLM (CPU build) or Triton.")
 
 @engine_app.command("up")
 def engine_up(
-    port: int = typer.Option(8000, help="Port on 127.0.0.1."),
+    engine: str = typer.Option("vllm", help="vllm, or triton (HTTP on --port, gRPC and metrics on the two after)."),
+    port: Optional[int] = typer.Option(None, help="Port on 127.0.0.1; default 8000 (vllm), 8100 (triton)."),
     model: Optional[str] = typer.Option(None, help="Model directory; default: build the tiny Llama."),
     max_num_seqs: int = typer.Option(4, help="Scheduler batch size (--max-num-seqs)."),
     num_gpu_blocks: int = typer.Option(64, help="KV pool blocks (--num-gpu-blocks-override); 0 lets vLLM size it."),
@@ -26,6 +28,11 @@ def engine_up(
     extra: Optional[list[str]] = typer.Argument(None, help="Extra vLLM flags, after --."),
 ):
     """Start the engine on 127.0.0.1 and wait until /health answers."""
+    if engine == "triton":
+        return _triton_up(port or 8100, timeout)
+    if engine != "vllm":
+        raise fail(f"--engine {engine!r}: use vllm or triton", EXIT_USAGE)
+    port = port or 8000
     shape = engine_mod.EngineShape(max_num_seqs=max_num_seqs, num_gpu_blocks=num_gpu_blocks or None, block_size=block_size)
     if gpu:
         shape.dtype, shape.gpu_memory_utilization, shape.max_num_batched_tokens = "auto", 0.9, None
@@ -37,6 +44,19 @@ def engine_up(
     except engine_mod.EngineError as exc:
         raise fail(str(exc), EXIT_FAILED) from None
     out.print(f"engine up: {state.url} pid {state.pid} model {state.served_model_name} log {state.log_path}")
+
+
+def _triton_up(port: int, timeout: float) -> None:
+    from collectors.engines import triton_server
+
+    try:
+        state = triton_server.start(home_dir(), port=port, timeout_s=min(timeout, 300.0))
+    except engine_mod.PortBusy as exc:
+        raise fail(str(exc), EXIT_USAGE) from None
+    except engine_mod.EngineError as exc:
+        raise fail(str(exc), EXIT_FAILED) from None
+    out.print(f"engine up: triton {state.url} grpc {state.urls['grpc']} metrics {state.urls['metrics']} "
+              f"pid {state.pid} models {', '.join(state.shape['models'])} log {state.log_path}")
 
 
 @engine_app.command("down")
@@ -59,16 +79,18 @@ def engine_status():
     for s in states:
         alive = engine_mod.is_alive(s)
         any_alive |= alive
-        health = "healthy" if alive and _healthy(s.url) else ("starting/unhealthy" if alive else "dead")
-        out.print(f"{s.url} pid {s.pid} {health} model {s.served_model_name} log {s.log_path}")
+        health = "healthy" if alive and _healthy(s) else ("starting/unhealthy" if alive else "dead")
+        extra = f" grpc {s.urls['grpc']} metrics {s.urls['metrics']}" if s.kind == "triton" else ""
+        out.print(f"{s.kind} {s.url}{extra} pid {s.pid} {health} model {s.served_model_name} log {s.log_path}")
     raise typer.Exit(0 if any_alive else 1)
 
 
-def _healthy(url: str) -> bool:
+def _healthy(state: engine_mod.EngineState) -> bool:
     import httpx
 
+    path = "/v2/health/ready" if state.kind == "triton" else "/health"
     try:
-        return httpx.get(url + "/health", timeout=2.0).status_code == 200
+        return httpx.get(state.url + path, timeout=2.0).status_code == 200
     except httpx.HTTPError:
         return False
 

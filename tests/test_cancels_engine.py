@@ -31,10 +31,31 @@ def by_scenario(doc, name):
     return [c for c in doc["cancels"] if c["scenario"] == name]
 
 
+def diagnose(doc, run) -> str:
+    """For a failing assertion: each cancel that was not released, with its evidence, its ledger row, the
+    engine log's lines for it and the scheduler samples around its stop (what CI's log needs to tell
+    an awkward case from a fault)."""
+    out = []
+    t0 = run.info["started_mono_ns"]
+    sched = scheduler_frame(run)
+    for c in doc["cancels"]:
+        if c["verdict"] == "released":
+            continue
+        rid = c["request_id"]
+        ledger = run.ledger[run.ledger["scenario"] == c["scenario"]].to_dict("records")
+        ev = run.events[(run.events["request_id"] == rid) | run.events["kind"].isin(["trigger_missed"])]
+        stop = c["timepoints"]["user_stop"]
+        around = sched[(sched["t_s"] > stop - 1.0) & (sched["t_s"] < stop + 2.5)] if stop is not None else sched[:0]
+        out.append(f"--- {c['scenario']} {rid} {c['verdict']}: evidence {json.dumps(c['evidence'])}\n"
+                   f"ledger {ledger}\nevents {ev[['kind', 't_s', 'data']].to_dict('records')}\n"
+                   f"scheduler around the stop {around.to_dict('records')} (t0 {t0})")
+    return "\n".join(out)
+
+
 def test_every_builtin_scenario_is_released(default_run, engine):
 
     res, doc, run, elapsed, rep = default_run
-    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.returncode == 0, res.stdout + res.stderr + diagnose(doc, run)
     assert rep.returncode == 0
     # the report is of this run, driven at the engine, and its sampling table counts the run's own scrapes
     assert doc["run_id"] == run.id and doc["target"] == engine.url

@@ -119,6 +119,8 @@ class EngineState:
     command: list[str]
     started_wall_ns: int
     shape: dict = field(default_factory=dict)
+    kind: str = "vllm"  # or "triton"
+    urls: dict = field(default_factory=dict)  # Triton: its gRPC address and metrics URL
 
 
 def default_engine_python() -> str:

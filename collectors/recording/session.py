@@ -265,11 +265,12 @@ async def _drive(coro, sampler: Sampler) -> None:
         task.result()
 
 
-def scheduler_reader(sampler: Sampler, target: str):
-    """() -> (running, waiting) from the latest sample of one vLLM target; NaN-free, 0 before any sample."""
+def scheduler_reader(sampler: Sampler, target: str, source: str = "vllm"):
+    """() -> (running, waiting) from the latest sample of one target (vLLM, or Triton's common names);
+    NaN-free, 0 before any sample."""
 
     def now() -> tuple[float, float]:
-        latest = sampler.latest.get(("vllm", target), [])
+        latest = sampler.latest.get((source, target), [])
         running = sum(s.value for s in latest if s.metric == "requests_running")
         waiting = sum(s.value for s in latest if s.metric == "requests_waiting")
         return running, waiting

@@ -88,7 +88,9 @@ class EngineLogSource(Source):
         self._events: list[EventRecord] = []
         self.added = 0
         self.aborted = 0
-        # engine wall clock -> this process's monotonic clock (same machine, same wall clock)
+        # engine wall clock -> this process's monotonic clock (same machine, same wall clock); taken
+        # again at every read, so that a wall-clock step (NTP on a fresh machine) moves no line
+        # by more than the time between its write and its read
         self._wall_minus_mono = time.time_ns() - time.monotonic_ns()
         self._year = datetime.now().year
         if not from_start:
@@ -118,6 +120,7 @@ class EngineLogSource(Source):
         except OSError as exc:
             raise SourceError(f"engine log {self.path}: {exc.strerror or exc}") from exc
         self._offset += len(chunk)
+        self._wall_minus_mono = time.time_ns() - time.monotonic_ns()
         *lines, self._partial = (self._partial + chunk).split(b"\n")
         for raw in lines:
             self._take(raw.decode("utf-8", errors="replace"))

@@ -1,0 +1,232 @@
+"""Scripted cancels against Triton Inference Server: the scenarios, and the driver that runs them.
+
+Same pattern as the vLLM driver: a neighbour on its own stream that must keep going, the target(s)
+cancelled by the scenario's call (triton_calls), then a probe that must be served. Events and
+ledger rows are the same records; the verdict comes from the server's evidence (analysis), never
+from the client's CANCELLED. Every request loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+from collectors.cancels.streams import now_ns
+from collectors.cancels.triton_calls import CALL_OBJECTS, REQUEST_TIMEOUT_S, Calls, SharedStream, TritonRequest
+from runstore.records import EventRecord, LedgerRecord
+
+IDLE_WAIT_S = 30.0
+NEIGHBOUR_TOKENS = 80  # 4 s at the generators' 50 ms step: it spans every cancel's window
+
+
+@dataclass(frozen=True)
+class TritonScenario:
+    """One Triton cancel. `call` is how the client gives up (triton_calls); `model` which model serves it.
+
+    tokens: the generator's N; ms: the slow model's execution time; trigger_responses: responses
+    received before the stop (generators); trigger_ms: time after sending before the stop (slow);
+    fillers: slow requests sent ahead so that the target waits in the core's queue; targets: requests
+    cancelled together (one stream for stream_wide); timeout_s: the deadline or HTTP timeout;
+    expect: the verdict the scenario is built to show.
+    """
+
+    name: str
+    proves: str
+    model: str
+    call: str
+    tokens: int = 200
+    ms: int = 3000
+    trigger_responses: int = 10
+    trigger_ms: float = 400.0
+    fillers: int = 0
+    filler_ms: int = 700
+    targets: int = 1
+    timeout_s: float = 1.0
+    expect: str = "released"
+    phase: str = "executing"
+    repeats: int = 1
+
+
+TRITON_SCENARIOS: dict[str, TritonScenario] = {s.name: s for s in (
+    TritonScenario("triton_queued", "a request cancelled while it waits in the core's queue is dropped there "
+                   "(failure CANCELED +1, pending -1) and never reaches the model",
+                   model="slow", call="explicit", ms=500, fillers=4, filler_ms=700, trigger_ms=400, phase="queued"),
+    TritonScenario("triton_executing", "a request cancelled while the model runs it: the model sees is_cancelled, "
+                   "its steps stop", model="generator", call="task_cancel", tokens=200, trigger_responses=10),
+    TritonScenario("triton_stream_wide", "stop_stream(cancel_requests=True) cancels every request of that stream; "
+                   "a neighbour on another stream continues", model="generator", call="stream_wide", tokens=200,
+                   trigger_responses=10, targets=2),
+    TritonScenario("triton_deadline", "a gRPC deadline that passes while the model runs is a cancel the server "
+                   "enforces", model="slow", call="deadline", ms=3000, timeout_s=1.0, phase="in_flight"),
+    TritonScenario("triton_disconnect", "the client's channel closed without a cancel call: the server cancels "
+                   "the request", model="generator", call="disconnect", tokens=200, trigger_responses=10),
+    TritonScenario("triton_http_timeout", "a non-streaming HTTP request whose client timed out runs to its end: "
+                   "HTTP carries no cancel", model="slow", call="http_timeout", ms=2500, timeout_s=0.8,
+                   expect="leaked", phase="in_flight"),
+    TritonScenario("triton_deaf", "a backend that never polls is_cancelled runs on for nobody after a real cancel",
+                   model="generator_deaf", call="stream_wide", tokens=60, trigger_responses=10, expect="leaked"),
+)}
+SUITE = list(TRITON_SCENARIOS)
+
+
+def resolve_triton(spec: str) -> list[TritonScenario]:
+    """`triton` (the suite), a scenario name, or a comma-separated list of them."""
+    out: list[TritonScenario] = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        if part in ("triton", "default"):
+            out += [TRITON_SCENARIOS[n] for n in SUITE]
+        elif part in TRITON_SCENARIOS:
+            out.append(TRITON_SCENARIOS[part])
+        else:
+            raise ValueError(f"--scenario {part!r} is not a Triton scenario: use triton or one of {', '.join(SUITE)}")
+    return out
+
+
+class TritonDriver:
+    """Runs Triton scenarios one after another; `emit` receives EventRecords and LedgerRecords.
+
+    `scheduler_now()` returns the latest sampled (running, waiting) of the Triton target: the models'
+    active requests and the core's pending ones."""
+
+    def __init__(self, grpc_url: str, http_url: str, emit, scheduler_now, grace_s: float = 2.0,
+                 metrics_target: str = "t0"):
+        self.calls = Calls(grpc_url, http_url)
+        self.emit = emit
+        self.scheduler_now = scheduler_now
+        self.grace_s = grace_s
+        self.metrics_target = metrics_target
+
+    def event(self, kind: str, request_id: str | None = None, at_ns: int | None = None, **data) -> None:
+        data.setdefault("metrics_target", self.metrics_target)
+        mono = at_ns or now_ns()
+        wall = time.time_ns() - (now_ns() - mono)
+        self.emit(EventRecord(kind=kind, wall_ns=wall, mono_ns=mono, request_id=request_id, data=data))
+
+    def new(self, s: TritonScenario, role: str, model: str, call: str, inputs: dict,
+            stream: SharedStream | None = None) -> TritonRequest:
+        rid = f"cw-{s.name}-{role}-{uuid.uuid4().hex[:8]}"
+        max_tokens = int(inputs.get("N", 1))
+        row = LedgerRecord(request_id=rid, scenario=s.name, role=role, max_tokens=max_tokens)
+        return TritonRequest(row=row, model=model, call=call, inputs=dict(inputs), stream=stream)
+
+    def send(self, req: TritonRequest, protocol: str = "grpc") -> TritonRequest:
+        # the request's identity beside the library call object it maps to
+        self.event("request_sent", req.row.request_id, scenario=req.row.scenario, role=req.row.role, model=req.model,
+                   call=req.call, call_object=CALL_OBJECTS[req.call], protocol=protocol)
+        self.calls.send(req)
+        return req
+
+    async def _until(self, cond, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if cond():
+                return True
+            await asyncio.sleep(0.005)
+        return cond()
+
+    async def wait_idle(self, timeout_s: float = IDLE_WAIT_S) -> bool:
+        await asyncio.sleep(0.2)
+        ok = await self._until(lambda: self.scheduler_now() == (0, 0), timeout_s)
+        if not ok:
+            running, waiting = self.scheduler_now()
+            self.event("engine_not_idle", None, waited_s=timeout_s, running=running, waiting=waiting)
+        return ok
+
+    def _target_inputs(self, s: TritonScenario) -> dict:
+        if s.model == "slow":
+            inputs = {"MS": s.ms}
+            if s.call == "deadline":
+                inputs["_deadline_s"] = s.timeout_s
+            if s.call == "http_timeout":
+                inputs["_timeout_s"] = s.timeout_s
+            return inputs
+        return {"N": s.tokens}
+
+    async def run_scenario(self, s: TritonScenario, repeat: int) -> list[TritonRequest]:
+        self.event("scenario_start", None, scenario=s.name, repeat=repeat, proves=s.proves, expect=s.expect)
+        reqs: list[TritonRequest] = []
+        neighbour = self.send(self.new(s, "neighbour", "generator", "stream", {"N": NEIGHBOUR_TOKENS}))
+        reqs.append(neighbour)
+        await self._until(lambda: neighbour.chunks > 0 or neighbour.done.is_set(), 10)
+        for i in range(s.fillers):
+            reqs.append(self.send(self.new(s, "filler", "slow", "unary", {"MS": s.filler_ms})))
+            await asyncio.sleep(0.05)  # in order: the target queues behind all of them
+        stream = SharedStream(self.calls) if s.call == "stream_wide" else None
+        targets = [self.send(self.new(s, "target", s.model, s.call, self._target_inputs(s), stream=stream),
+                             protocol="http" if s.call == "http_timeout" else "grpc")
+                   for _ in range(s.targets)]
+        reqs += targets
+        if s.call in ("deadline", "http_timeout"):
+            # the client's own timeout is the stop: wait for it to fire (or the request to end)
+            await asyncio.wait([asyncio.create_task(t.done.wait()) for t in targets], timeout=REQUEST_TIMEOUT_S)
+            for t in targets:
+                self._stop_events(s, t, t.row.cancel_mono_ns or now_ns(), uuid.uuid4().hex[:8])
+        else:
+            await self._trigger(s, targets)
+            t_stop = now_ns()
+            ids = [uuid.uuid4().hex[:8] for _ in targets]
+            for t in targets:
+                t.cancel_requested = True
+                t.row.cancel_mono_ns = t_stop
+            if s.call == "stream_wide":
+                await self.calls.cancel(targets[0])  # one call: the whole stream goes
+            else:
+                await asyncio.gather(*(self.calls.cancel(t) for t in targets))
+            await asyncio.wait([asyncio.create_task(t.done.wait()) for t in targets], timeout=5)
+            for t, cid in zip(targets, ids):
+                self._stop_events(s, t, t_stop, cid)
+        # the probe is sent once the server counts no more than the client's live requests (or the grace is over)
+        live = lambda: sum(1 for r in reqs if r not in targets and not r.done.is_set())  # noqa: E731
+        await self._until(lambda: sum(self.scheduler_now()) <= live(), self.grace_s)
+        probe_inputs = {"MS": 50} if s.model == "slow" else {"N": 3}
+        probe = self.send(self.new(s, "probe", "slow" if s.model == "slow" else "generator",
+                                   "unary" if s.model == "slow" else "stream", probe_inputs))
+        reqs.append(probe)
+        self.event("probe_sent", probe.row.request_id, scenario=s.name)
+        rest = [asyncio.create_task(r.done.wait()) for r in reqs if r not in targets]
+        await asyncio.wait(rest, timeout=REQUEST_TIMEOUT_S)
+        for r in reqs:
+            if not r.done.is_set():
+                r.end("error", None, "the driver's time for the scenario ran out")
+                if isinstance(r.handle, asyncio.Task):
+                    r.handle.cancel()
+            self.emit(r.row)
+        await self.wait_idle()
+        await asyncio.sleep(max(0.0, self.grace_s - 0.2))  # the grace window is sampled, not guessed
+        self.event("scenario_end", None, scenario=s.name, repeat=repeat)
+        return reqs
+
+    async def _trigger(self, s: TritonScenario, targets: list[TritonRequest]) -> None:
+        if s.model == "slow":
+            await asyncio.sleep(s.trigger_ms / 1000.0)
+            hit = not any(t.done.is_set() for t in targets)
+        else:
+            hit = await self._until(lambda: all(t.chunks >= s.trigger_responses or t.done.is_set() for t in targets),
+                                    30)
+            hit = hit and not any(t.done.is_set() for t in targets)
+        if not hit:
+            running, waiting = self.scheduler_now()
+            self.event("trigger_missed", targets[0].row.request_id, scenario=s.name, trigger="responses"
+                       if s.model != "slow" else "after_ms", chunks=[t.chunks for t in targets],
+                       done=[t.done.is_set() for t in targets], running=running, waiting=waiting)
+
+    def _stop_events(self, s: TritonScenario, t: TritonRequest, t_stop: int, cancel_id: str) -> None:
+        rid = t.row.request_id
+        self.event("user_stop", rid, t_stop, scenario=s.name, phase=s.phase, cancel_id=cancel_id, mode=s.call,
+                   model=t.model, tokens_at_cancel=t.chunks, expect=s.expect, engine="triton")
+        if t.client_closed_ns:
+            # the client's own view of its end (CANCELLED, a deadline, a timeout): never server evidence
+            self.event("client_closed", rid, t.client_closed_ns, cancel_id=cancel_id, source="client",
+                       client_saw=t.row.reason)
+
+    async def run(self, scenarios: list[TritonScenario]) -> None:
+        await self.calls.open()
+        try:
+            await self.wait_idle()
+            for s in scenarios:
+                for repeat in range(s.repeats):
+                    await self.run_scenario(s, repeat)
+        finally:
+            await self.calls.close()

@@ -1,0 +1,173 @@
+"""The embedded Triton: the real `tritonserver` (2.51, CPU) bundled in the pinned nvidia-pytriton wheel,
+serving cancelwatch's own python-backend models on 127.0.0.1.
+
+PyTriton's bound functions cannot see cancellation, so the bundled binary is run directly on a model
+repository written here from triton_models/: `generator` (decoupled, polls is_cancelled every step),
+`generator_deaf` (the same, never polling) and `slow` (unary, dynamic batching, one instance: requests
+queue in the core). The wheel lives in its own venv (.venv-triton, `make triton-venv`), apart from the
+tool's requirements; the state file and `engine down/status` are shared with the vLLM engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sysconfig
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import httpx
+
+from collectors.engines.vllm_server import (PROJECT_ROOT, EngineError, EngineState, PortBusy, is_alive, port_in_use,
+                                            read_state, state_path, stop)
+
+TRITON_VENV = PROJECT_ROOT / ".venv-triton"
+MODELS_DIR = Path(__file__).resolve().with_name("triton_models")
+MODEL_NAMES = ("generator", "generator_deaf", "slow")
+STEP_MS = 50  # the generators' default step: 20 tokens a second
+
+_GENERATOR_CONFIG = """name: "{name}"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy {{ decoupled: true }}
+input [
+  {{ name: "N" data_type: TYPE_INT32 dims: [ 1 ] }},
+  {{ name: "STEP_MS" data_type: TYPE_INT32 dims: [ 1 ] optional: true }}
+]
+output [ {{ name: "TOKEN" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+instance_group [ {{ count: 1 kind: KIND_CPU }} ]
+parameters {{ key: "poll_cancel" value: {{ string_value: "{poll}" }} }}
+parameters {{ key: "step_ms" value: {{ string_value: "{step_ms}" }} }}
+"""
+
+_SLOW_CONFIG = """name: "slow"
+backend: "python"
+max_batch_size: 1
+dynamic_batching { }
+input [ { name: "MS" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "DONE" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+
+
+def site_packages(venv: Path = TRITON_VENV) -> Path | None:
+    found = sorted(venv.glob("lib/python3*/site-packages"))
+    return found[0] if found else None
+
+
+def bundled_server(venv: Path = TRITON_VENV) -> Path:
+    """The wheel's tritonserver; the error names the make target that installs it."""
+    sp = site_packages(venv)
+    binary = sp / "pytriton" / "tritonserver" / "bin" / "tritonserver" if sp else None
+    if binary is None or not binary.exists():
+        raise EngineError(f"no tritonserver under {venv}: install it with `make triton-venv` "
+                          "(the nvidia-pytriton wheel bundles Triton 2.51)")
+    return binary
+
+
+def write_repository(home: Path, step_ms: int = STEP_MS) -> Path:
+    """The model repository: one folder per model, version 1, from triton_models/ (rewritten each start)."""
+    repo = home / "triton-models"
+    shutil.rmtree(repo, ignore_errors=True)
+    for name, source, config in (
+        ("generator", "generator.py", _GENERATOR_CONFIG.format(name="generator", poll="true", step_ms=step_ms)),
+        ("generator_deaf", "generator.py", _GENERATOR_CONFIG.format(name="generator_deaf", poll="false",
+                                                                    step_ms=step_ms)),
+        ("slow", "slow.py", _SLOW_CONFIG),
+    ):
+        (repo / name / "1").mkdir(parents=True)
+        shutil.copy(MODELS_DIR / source, repo / name / "1" / "model.py")
+        (repo / name / "config.pbtxt").write_text(config)
+    return repo
+
+
+def write_backends(home: Path, venv: Path = TRITON_VENV) -> Path:
+    """The python backend with the stub for this venv's Python beside it (what the bundled server loads)."""
+    sp = site_packages(venv)
+    bundled = sp / "pytriton" / "tritonserver"
+    py = sp.parent.name.removeprefix("python")  # lib/python3.11 -> 3.11
+    stub = bundled / "python_backend_stubs" / py / "triton_python_backend_stub"
+    if not stub.exists():
+        raise EngineError(f"the nvidia-pytriton wheel has no python-backend stub for Python {py}: "
+                          "build .venv-triton with Python 3.8-3.13 (`make triton-venv`)")
+    backends = home / "triton-backends"
+    shutil.rmtree(backends, ignore_errors=True)
+    shutil.copytree(bundled / "backends" / "python", backends / "python")
+    shutil.copy(stub, backends / "python" / "triton_python_backend_stub")
+    return backends
+
+
+def ports(port: int) -> dict[str, int]:
+    """HTTP on `port`, gRPC on the next, metrics on the one after: one number names the server."""
+    return {"http": port, "grpc": port + 1, "metrics": port + 2}
+
+
+def build_command(binary: Path, repo: Path, backends: Path, port: int) -> list[str]:
+    p = ports(port)
+    return [str(binary), "--model-repository", str(repo), "--backend-directory", str(backends),
+            "--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1", "--metrics-address", "127.0.0.1",
+            "--http-port", str(p["http"]), "--grpc-port", str(p["grpc"]), "--metrics-port", str(p["metrics"]),
+            "--allow-gpu-metrics", "false", "--metrics-interval-ms", "100",
+            "--log-info", "true"]  # the default format stamps microseconds (ISO8601 only seconds)
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+                raise EngineError(f"tritonserver exited with code {proc.returncode} while starting; "
+                                  f"log {log_path}: {' | '.join(tail)}")
+            try:
+                if client.get(url + "/v2/health/ready").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+    raise EngineError(f"tritonserver did not answer {url}/v2/health/ready within {timeout_s:.0f} s; see {log_path}")
+
+
+def start(home: Path, port: int = 8100, venv: Path = TRITON_VENV, step_ms: int = STEP_MS,
+          timeout_s: float = 120.0) -> EngineState:
+    home = Path(home).resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    prior = read_state(home, port)
+    if prior is not None and is_alive(prior):
+        raise PortBusy(f"an engine already runs on port {port} (pid {prior.pid}): stop it with "
+                       f"`cancelwatch engine down --port {port}` or pick --port")
+    for name, p in ports(port).items():
+        if port_in_use(p):
+            raise PortBusy(f"port {p} on 127.0.0.1 ({name}) is busy: pick another with --port "
+                           "(Triton takes --port and the two after it)")
+    binary = bundled_server(venv)
+    sp = site_packages(venv)
+    repo, backends = write_repository(home, step_ms), write_backends(home, venv)
+    cmd = build_command(binary, repo, backends, port)
+    env = dict(os.environ)
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    env["LD_LIBRARY_PATH"] = ":".join(x for x in (libdir, str(sp / "nvidia_pytriton.libs"),
+                                                  env.get("LD_LIBRARY_PATH", "")) if x)
+    env["PYTHONPATH"] = str(sp)  # the stub's numpy
+    log_path = home / f"engine-{port}.log"
+    log = open(log_path, "w")  # noqa: SIM115 - handed to the child, closed below
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True, cwd=str(home), env=env)
+    log.close()
+    p = ports(port)
+    state = EngineState(
+        pid=proc.pid, port=port, url=f"http://127.0.0.1:{p['http']}", log_path=str(log_path), model=str(repo),
+        served_model_name="generator", command=cmd, started_wall_ns=time.time_ns(),
+        shape={"step_ms": step_ms, "models": list(MODEL_NAMES)}, kind="triton",
+        urls={"grpc": f"127.0.0.1:{p['grpc']}", "metrics": f"http://127.0.0.1:{p['metrics']}"},
+    )
+    state_path(home, port).write_text(json.dumps(asdict(state), indent=1))
+    try:
+        wait_ready(state.url, proc, timeout_s, log_path)
+    except BaseException:
+        stop(home, port)
+        raise
+    return state
