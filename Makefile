@@ -2,12 +2,15 @@
 PYTHON ?= python3.11
 VENV := .venv
 ENGINE_VENV := .venv-engine
+TRITON_VENV := .venv-triton
+TRITON_PORT ?= 8100
+TRITON_STORE ?= runs/triton.db
 CW := $(VENV)/bin/cancelwatch
 PORT ?= 8000
 STORE ?= runs/cancelwatch.db
 DASHBOARD_PORT ?= 8501
 
-.PHONY: venv engine-venv browser test test-fast demo bench clean engine-down sample-run dashboard
+.PHONY: venv engine-venv triton-venv demo-triton browser test test-fast demo bench clean engine-down sample-run dashboard
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -27,19 +30,26 @@ $(ENGINE_VENV)/.installed: requirements-engine.txt
 	$(ENGINE_VENV)/bin/pip install -q pytest==9.2.0
 	touch $@
 
+# The embedded Triton: the real tritonserver 2.51 (CPU) bundled in the nvidia-pytriton wheel, in its own venv.
+triton-venv: $(TRITON_VENV)/.installed
+$(TRITON_VENV)/.installed: requirements-triton.txt
+	$(PYTHON) -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/pip install -q -r requirements-triton.txt
+	touch $@
+
 # Debian's chromium for the real-browser test (Playwright drives it; no browser download).
 browser:
 	@command -v chromium >/dev/null 2>&1 || { \
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends chromium; }
 
-test: venv engine-venv browser
+test: venv engine-venv triton-venv browser
 	$(VENV)/bin/python -m pytest -v -rs tests
 	$(ENGINE_VENV)/bin/python -m pytest -v -rs -p no:cacheprovider tests_engine
 
 # Everyday subset: no engine, no browser (the tests marked engine/browser are left out).
 test-fast: venv
-	$(VENV)/bin/python -m pytest -q -rs -m "not engine and not browser" tests
+	$(VENV)/bin/python -m pytest -q -rs -m "not engine and not browser and not triton" tests
 
 # Engine up, a 30 s sampling run under a small load with its summary, then the scripted cancels of the
 # default suite with their report; the engine is stopped, and the dashboard serves the runs just
@@ -53,6 +63,16 @@ demo: venv engine-venv
 	$(CW) record --target http://127.0.0.1:$(PORT) --scenario default --store $(STORE) --name demo-cancels; \
 	rc=$$?; [ $$rc -le 1 ] || exit $$rc; \
 	echo "dashboard: http://127.0.0.1:$(DASHBOARD_PORT)/?store=$(STORE)&run=latest  (the engine stays up on port $(PORT) for the page's 'Record from this page'; Ctrl-C stops both)"; \
+	$(VENV)/bin/streamlit run dashboard/app.py --server.port $(DASHBOARD_PORT)
+
+# The Triton suite on the embedded Triton (HTTP on TRITON_PORT, gRPC and metrics on the two after), then the
+# dashboard on its run until Ctrl-C; the server is stopped on the way out.
+demo-triton: venv triton-venv
+	@trap '$(CW) engine down --port $(TRITON_PORT) >/dev/null 2>&1' EXIT; \
+	$(CW) engine up --engine triton --port $(TRITON_PORT) || exit $$?; \
+	$(CW) record --target grpc://127.0.0.1:$$(($(TRITON_PORT) + 1)) --scenario triton --store $(TRITON_STORE) \
+	  --name demo-triton; rc=$$?; [ $$rc -le 1 ] || exit $$rc; \
+	echo "dashboard: http://127.0.0.1:$(DASHBOARD_PORT)/?store=$(TRITON_STORE)&run=latest  (Ctrl-C stops it and the server)"; \
 	$(VENV)/bin/streamlit run dashboard/app.py --server.port $(DASHBOARD_PORT)
 
 bench: venv engine-venv

@@ -29,9 +29,22 @@ def _percent(ratio: float | None) -> str:
     return "n/a" if ratio is None else f"{100 * ratio:.0f} %"
 
 
+FLAT = {
+    "vllm": ("that number stays flat because vLLM reserves its KV-cache pool when it starts and keeps it, "
+             "whether requests use it or not."),
+    "triton": ("that number stays flat because the server keeps its processes (the Python backend's stubs and "
+               "their allocator) whether requests run or not: it does not show whether the request stopped."),
+}
+
+
+def _engine(run: Run) -> str:
+    return "triton" if (run.info.get("engine") or {}).get("engine") == "triton" else "vllm"
+
+
 def memory_story(run: Run, verdicts: list[CancelVerdict], cancel: CancelVerdict | None = None) -> list[str]:
     """For one cancel (or, without one, the whole run): what reserved memory did, what KV usage did,
     and which requests were released."""
+    engine = _engine(run)
     kind, mem = memory_traces(run)
     held = [tr for role, tr in mem if role in ("used", "rss")]
     kv = metric_traces(run, "kv_cache_usage_ratio")
@@ -51,9 +64,15 @@ def memory_story(run: Run, verdicts: list[CancelVerdict], cancel: CancelVerdict 
             change = 100 * (mem_after - mem_before) / mem_before
             sentences.append(
                 f"When the user pressed Stop at {t_stop:.1f} s, {WHAT[kind]} was {_gib(mem_before)}, and after the "
-                f"cancel it was {_gib(mem_after)} ({change:+.1f} %): that number stays flat because vLLM reserves its "
-                "KV-cache pool when it starts and keeps it, whether requests use it or not.")
-        if cancel.phase_at_cancel == "queued":
+                f"cancel it was {_gib(mem_after)} ({change:+.1f} %): {FLAT[engine]}")
+        if engine == "triton":
+            if cancel.phase_at_cancel == "queued":
+                sentences.append("The request was still waiting in the server's queue when it was cancelled: the core "
+                                 "dropped it there, and it never reached the model.")
+            else:
+                sentences.append("What shows whether it stopped is the server's own evidence: the model's log line "
+                                 "and its count of active requests, not the memory line.")
+        elif cancel.phase_at_cancel == "queued":
             sentences.append(
                 "The request was still waiting in the queue when it was cancelled, so it held no KV-cache space: "
                 f"the share of the pool in use stayed at {_percent(kv_before)}, and its place in the queue went to the next request.")
@@ -69,8 +88,9 @@ def memory_story(run: Run, verdicts: list[CancelVerdict], cancel: CancelVerdict 
         lo = min(float(np.nanmin(tr.v)) for tr in held if len(tr.v))
         hi = max(float(np.nanmax(tr.v)) for tr in held if len(tr.v))
         sentences.append(
-            f"Over the whole run {WHAT[kind]} stayed between {_gib(lo)} and {_gib(hi)}: vLLM reserves its KV-cache pool "
-            "at start-up and keeps it, so this number does not fall when a request is cancelled.")
+            f"Over the whole run {WHAT[kind]} stayed between {_gib(lo)} and {_gib(hi)}: " + (
+                "vLLM reserves its KV-cache pool at start-up and keeps it, so this number does not fall when a "
+                "request is cancelled." if engine == "vllm" else FLAT[engine]))
     if kv:
         peak = max(float(np.nanmax(k.v)) for k in kv if len(k.v))
         sentences.append(f"What does move is the share of that pool holding requests (KV-cache usage, peak {_percent(peak)}), "
@@ -91,6 +111,11 @@ def _verdict_sentence(v: CancelVerdict) -> str:
         tail = (f", and a new request got in {1000 * (probe - tp['user_stop']):.0f} ms after the Stop"
                 if probe is not None else ", but no new request was seen getting in")
         source = v.source_of("engine_abort")
+        if ev.model is not None:  # Triton: the model's own log, or the core's CANCELED count
+            since = (f"the model logged that it saw the cancel ({1000 * (tp['engine_abort'] - tp['user_stop']):.0f} ms "
+                     "after the Stop)" if source == "engine_log" else "the server's core dropped it from its queue "
+                     "(its CANCELED count rose)")
+            return f"{who} left the server {ev.release_ms or 0:.0f} ms after {since}{tail}."
         if source == "engine_log":
             since = f"the engine logged its abort ({1000 * (tp['engine_abort'] - tp['user_stop']):.0f} ms after the Stop)"
         elif source == "relay":
@@ -100,6 +125,8 @@ def _verdict_sentence(v: CancelVerdict) -> str:
                      "is not seen)")
         return f"{who} left the engine {ev.release_ms or 0:.0f} ms after {since}{tail}."
     if v.verdict == "leaked":
+        if ev.model is not None:  # Triton: the why names the cause (HTTP, a deaf backend, a lost cancel)
+            return f"{who} was NOT released: {ev.why}. The server worked for nobody."
         if ev.kept_running_ms is not None or (ev.why or "").startswith("the cancel never reached"):
             return (f"{who} was NOT released: {ev.why}. The engine generated for nobody; the cancel was lost on "
                     "the way (a proxy or app that does not pass it on).")

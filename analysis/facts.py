@@ -14,6 +14,9 @@ VIEW_METRICS = (
     "requests_running", "requests_waiting", "kv_cache_usage_ratio", "generation_tokens_total",
     "prefix_cache_queries_tokens_total", "prefix_cache_hits_tokens_total", "preemptions_total",
     "engine_rss_bytes", "gpu_memory_used_bytes", "gpu_memory_reserved_bytes", "gpu_memory_total_bytes",
+    # Triton: what its verdicts rest on, and the models' own memory
+    "model_active_requests", "model_steps_total", "triton_pending_requests", "triton_request_failure_total",
+    "triton_request_success_total", "model_buffer_bytes",
 )
 
 
@@ -69,6 +72,13 @@ def memory_source(run: Run) -> str:
     return "none"
 
 
+def _engine_label(engine: dict, engines: dict) -> str:
+    embedded = any(e.get("embedded") for e in engines.values())
+    if engine.get("engine") == "triton":
+        return "embedded Triton (tritonserver of the nvidia-pytriton wheel, CPU)" if embedded else "external Triton"
+    return "embedded vLLM (CPU build)" if embedded else "external"
+
+
 def run_facts(run: Run) -> dict:
     info = run.info
     started = datetime.fromtimestamp(info["started_wall_ns"] / 1e9, tz=timezone.utc)
@@ -86,7 +96,8 @@ def run_facts(run: Run) -> dict:
         "duration_s": (ended - info["started_wall_ns"]) / 1e9 if ended else None,
         "targets": [{"label": t["label"], "url": t.get("url")} for t in info.get("targets", [])],
         "driven_target": DriveSettings.of_run(settings).driven_target,
-        "engine": "embedded vLLM (CPU build)" if any(e.get("embedded") for e in engines.values()) else "external",
+        "engine": _engine_label(info.get("engine") or {}, engines),
+        "version": ", ".join(dict.fromkeys(str(e["version"]) for e in engines.values() if e.get("version"))) or None,
         "model": model,
         "served_model": ", ".join(served) if served else None,
         "kv_pools": [kv_pool(run, t) for t in scheduler_targets(run)],

@@ -35,7 +35,7 @@ def facts_frame(facts: dict) -> pd.DataFrame:
     rows = [("run", f"{facts['run_id']} · {facts['name'] or ''}"), ("status", facts["status"]),
             ("started (UTC)", facts["started_utc"]),
             ("duration", f"{facts['duration_s']:.1f} s" if facts["duration_s"] else "still recording"),
-            ("engine", facts["engine"]), ("model", facts["served_model"] or facts["model"] or "n/a"),
+            ("engine", facts["engine"] + (f" · {facts['version']}" if facts.get("version") else "")), ("model", facts["served_model"] or facts["model"] or "n/a"),
             ("targets", ", ".join(f"{t['label']} = {t['url']}" for t in facts["targets"])),
             ("memory shown", {"nvml": "GPU memory from NVML", "process": "engine process memory (no GPU in this run)",
                               "none": "not sampled"}[facts["memory_source"]]),

@@ -50,6 +50,16 @@ MODE_TEXT = {
     "timeout": "timeout: a non-streaming client gives up after its timeout",
     "explicit": "explicit: POST /cancel to the relay app, which awaits AsyncLLM.abort()",
 }
+# a Triton run's client methods (tritonclient calls, collectors/cancels/triton_calls.py) and phases
+TRITON_PHASES = ("queued", "executing")
+TRITON_MODE_TEXT = {
+    "explicit": "explicit: tritonclient.grpc async_infer's CallContext.cancel()",
+    "task_cancel": "task cancel: the asyncio task over tritonclient.grpc.aio stream_infer is cancelled",
+    "stream_wide": "stream-wide: stop_stream(cancel_requests=True) cancels every request of the stream",
+    "deadline": "deadline: gRPC client_timeout passes while the request runs",
+    "disconnect": "disconnect: the request's gRPC channel is closed, no cancel call",
+    "http_timeout": "HTTP timeout: a non-streaming KServe v2 POST gives up (HTTP carries no cancel)",
+}
 POINT_TEXT = {
     "user_stop": "the driver decided to cancel (its own clock)",
     "app_received": "the cancel reached the application serving the request",
@@ -381,14 +391,15 @@ def _concurrency_section(run: Run, recs: list[ScenarioRecord]) -> list[str]:
 
 
 
-def _scenario_section(recs: list[ScenarioRecord]) -> list[str]:
+def _scenario_section(recs: list[ScenarioRecord], triton: bool = False) -> list[str]:
     lines = ["## 3. Scenarios: client method and cancel scope", ""]
+    texts = TRITON_MODE_TEXT if triton else MODE_TEXT
     if not recs:
         return lines + ["No scenario ran: this run only sampled.", ""]
     rows = []
     for r in recs:
         modes = r.mode_values
-        method = "; ".join(MODE_TEXT.get(m, m) for m in modes) if modes else NOT_RECORDED
+        method = "; ".join(texts.get(m, m) for m in modes) if modes else NOT_RECORDED
         stream = r.stream
         rows.append([r.name, r.proves or NOT_RECORDED, method, r.api or NOT_RECORDED,
                      NOT_RECORDED if stream is None else ("yes" if stream else "no"), r.trigger or NOT_RECORDED,
@@ -536,9 +547,12 @@ def _outcome_section(doc: Mapping, recs: list[ScenarioRecord]) -> list[str]:
 
 def coverage(recs: list[ScenarioRecord], doc: Mapping) -> dict[str, dict[str, list[str]]]:
     """{dimension: {state: [scenarios that covered it]}} over the full set of each dimension."""
+    triton = doc.get("engine") == "triton"
     cov: dict[str, dict[str, list[str]]] = {
-        "phase": {p: [] for p in PHASES}, "client method": {m: [] for m in MODES}, "API": {a: [] for a in APIS},
-        "n>1": {"n>1": []}, "burst": {"burst (K of M)": []},
+        "phase": {p: [] for p in (TRITON_PHASES if triton else PHASES)},
+        "client method": {m: [] for m in (TRITON_MODE_TEXT if triton else MODES)},
+        **({} if triton else {"API": {a: [] for a in APIS}, "n>1": {"n>1": []}}),
+        "burst": {"burst (K of M)": []},
         "verdict": {v: [] for v in VERDICTS},
     }
 
@@ -550,7 +564,7 @@ def coverage(recs: list[ScenarioRecord], doc: Mapping) -> dict[str, dict[str, li
         for c in r.cancels:
             phase = c.get("phase_at_cancel")
             ev = c.get("evidence") or {}
-            if phase in ("queued", "prefill", "decode"):
+            if phase in ("queued", "prefill", "decode", "executing"):
                 add("phase", phase, r.name)
             elif phase and phase != "completed":  # e.g. in_flight: a non-streaming client cannot tell
                 cov["phase"].setdefault(phase, [])
@@ -564,9 +578,9 @@ def coverage(recs: list[ScenarioRecord], doc: Mapping) -> dict[str, dict[str, li
             continue
         for m in r.mode_values:
             add("client method", m, r.name)
-        if r.api:
+        if r.api and "API" in cov:
             add("API", r.api, r.name)
-        if any(n > 1 for n in r.n_values):
+        if any(n > 1 for n in r.n_values) and "n>1" in cov:
             add("n>1", "n>1", r.name)
         if (r.per_repeat_targets or 0) > 1:
             add("burst", "burst (K of M)", r.name)
@@ -588,8 +602,12 @@ def _coverage_section(recs: list[ScenarioRecord], doc: Mapping) -> list[str]:
     if unknown_api:
         lines.append(f"- The API of {', '.join(unknown_api)} is not recorded by the run (no builtin definition "
                      "of that name agrees with it): it counts for neither completions nor chat above.")
-    lines.append("- **Engines**: Triton Inference Server is not covered: cancelwatch drives vLLM's OpenAI server "
-                 "(and AsyncLLM in process, through the relay app); no vLLM run says anything about Triton.")
+    if doc.get("engine") == "triton":
+        lines.append("- **Engines**: vLLM is not covered: this run drove Triton Inference Server over gRPC and HTTP; "
+                     "no Triton run says anything about vLLM.")
+    else:
+        lines.append("- **Engines**: Triton Inference Server is not covered: this run drove vLLM's OpenAI server "
+                     "(and AsyncLLM in process, through the relay app); no vLLM run says anything about Triton.")
     lines += ["", "What the run did cover:", ""]
     rows = [[dim, state, ", ".join(by) or "**not covered**"] for dim, states in cov.items() if dim != "verdict"
             for state, by in states.items()]
@@ -612,7 +630,12 @@ def protocol_markdown(run: Run, doc: Mapping, builtin: Mapping[str, Mapping] | N
     if not cancels:
         result = "**not accepted**: no cancel was recorded"
     elif accepted(doc):
-        result = f"**accepted**: all {len(cancels)} cancels released, every neighbour completed"
+        expected = sum(1 for c in cancels if c["verdict"] != "released" and c["verdict"] ==
+                       (c.get("evidence") or {}).get("expected"))
+        result = (f"**accepted**: all {len(cancels)} cancels released, every neighbour completed" if not expected else
+                  f"**accepted**: {len(cancels) - expected} of {len(cancels)} cancels released and {expected} "
+                  f"{'leaked' if expected > 1 else 'leaked'} as their scenario is built to show, every neighbour "
+                  "completed, no silent resubmit")
     else:
         parts = ", ".join(f"{counts[v]} {v.replace('_', ' ')}" for v in VERDICTS if counts[v])
         result = f"**not accepted**: {parts} of {_plural(len(cancels), 'cancel')}" + \
@@ -623,7 +646,7 @@ def protocol_markdown(run: Run, doc: Mapping, builtin: Mapping[str, Mapping] | N
              f"Result: {result}.", ""]
     lines += _system_section(run, facts)
     lines += _concurrency_section(run, recs)
-    lines += _scenario_section(recs)
+    lines += _scenario_section(recs, triton=doc.get("engine") == "triton")
     lines += _delay_section(run, doc, facts)
     lines += _measurement_section(run, recs)
     lines += _outcome_section(doc, recs)

@@ -21,15 +21,20 @@ FIXTURES = ROOT / "tests" / "fixtures"
 # Fixtures that start (or stand for) the embedded engine: a test using any of them, directly or through
 # another fixture, is marked `engine`, so `-m "not engine"` never starts one.
 ENGINE_FIXTURES = frozenset({"engine", "private_engine", "engine_home", "proxy_and_direct_runs"})
+# the same for the embedded Triton (marked `triton`)
+TRITON_FIXTURES = frozenset({"triton", "triton_home", "triton_run"})
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+        names = set(getattr(item, "fixturenames", ()))
+        if ENGINE_FIXTURES & names:
             item.add_marker(pytest.mark.engine)
+        if TRITON_FIXTURES & names:
+            item.add_marker(pytest.mark.triton)
 
 
-_current = {"engine": False, "nodeid": ""}
+_current = {"engine": False, "triton": False, "nodeid": ""}
 
 
 @pytest.fixture(autouse=True)
@@ -37,18 +42,20 @@ def _no_engine_outside_engine_tests(request, monkeypatch):
     """A test not marked `engine` that tries to start one fails instead (in process, or `engine up`
     through `cli`): the fast subset (-m "not engine") must never start an engine."""
     marked = request.node.get_closest_marker("engine") is not None
-    _current.update(engine=marked, nodeid=request.node.nodeid)
+    _current.update(engine=marked, triton=request.node.get_closest_marker("triton") is not None,
+                    nodeid=request.node.nodeid)
     if not marked:
         def refuse(*args, **kw):
             pytest.fail(f"{request.node.nodeid} starts an engine but is not marked `engine`")
 
         monkeypatch.setattr(engine_mod, "start", refuse)
     yield
-    _current.update(engine=False, nodeid="")
+    _current.update(engine=False, triton=False, nodeid="")
 
 
 def _guard_cli(args: tuple[str, ...]) -> None:
-    if args[:2] == ("engine", "up") and not _current["engine"]:
+    triton = "triton" in args and _current["triton"]
+    if args[:2] == ("engine", "up") and not _current["engine"] and not triton:
         pytest.fail(f"{_current['nodeid']} runs `engine up` but is not marked `engine`")
 
 
@@ -103,6 +110,36 @@ def private_engine(tmp_path):
     yield home, state
     left = _stop_engine(home, state)
     assert not left, f"engine down left processes behind: {left}"
+
+
+def free_triton_port() -> int:
+    """A port p on 127.0.0.1 with p, p+1 and p+2 free: Triton's HTTP, gRPC and metrics."""
+    for _ in range(50):
+        p = free_port()
+        if p + 2 < 65536 and not any(engine_mod.port_in_use(p + k) for k in (1, 2)):
+            return p
+    raise RuntimeError("no three free ports in a row on 127.0.0.1")
+
+
+@pytest.fixture(scope="session")
+def triton_home(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("triton-home")
+
+
+@pytest.fixture(scope="session")
+def triton(triton_home):
+    """The shared embedded Triton (the real tritonserver of the nvidia-pytriton wheel); stopped at the end,
+    with every process under it (the python-backend stubs)."""
+    from collectors.engines import triton_server
+
+    try:
+        triton_server.bundled_server()
+    except engine_mod.EngineError as exc:
+        pytest.fail(str(exc))
+    state = triton_server.start(triton_home, port=free_triton_port())
+    yield state
+    left = _stop_engine(triton_home, state)
+    assert not left, f"engine down left Triton processes behind: {left}"
 
 
 def cli(*args: str, home: Path | None = None, timeout: float = 120, **kw) -> subprocess.CompletedProcess:

@@ -68,16 +68,19 @@ def bundled_server(venv: Path = TRITON_VENV) -> Path:
     return binary
 
 
-def write_repository(home: Path, step_ms: int = STEP_MS) -> Path:
+def write_repository(home: Path, step_ms: int = STEP_MS, models: tuple[str, ...] = MODEL_NAMES) -> Path:
     """The model repository: one folder per model, version 1, from triton_models/ (rewritten each start)."""
     repo = home / "triton-models"
     shutil.rmtree(repo, ignore_errors=True)
+    repo.mkdir(parents=True)
     for name, source, config in (
         ("generator", "generator.py", _GENERATOR_CONFIG.format(name="generator", poll="true", step_ms=step_ms)),
         ("generator_deaf", "generator.py", _GENERATOR_CONFIG.format(name="generator_deaf", poll="false",
                                                                     step_ms=step_ms)),
         ("slow", "slow.py", _SLOW_CONFIG),
     ):
+        if name not in models:
+            continue
         (repo / name / "1").mkdir(parents=True)
         shutil.copy(MODELS_DIR / source, repo / name / "1" / "model.py")
         (repo / name / "config.pbtxt").write_text(config)
@@ -132,7 +135,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Pat
 
 
 def start(home: Path, port: int = 8100, venv: Path = TRITON_VENV, step_ms: int = STEP_MS,
-          timeout_s: float = 120.0) -> EngineState:
+          timeout_s: float = 120.0, models: tuple[str, ...] = MODEL_NAMES) -> EngineState:
     home = Path(home).resolve()
     home.mkdir(parents=True, exist_ok=True)
     prior = read_state(home, port)
@@ -145,7 +148,7 @@ def start(home: Path, port: int = 8100, venv: Path = TRITON_VENV, step_ms: int =
                            "(Triton takes --port and the two after it)")
     binary = bundled_server(venv)
     sp = site_packages(venv)
-    repo, backends = write_repository(home, step_ms), write_backends(home, venv)
+    repo, backends = write_repository(home, step_ms, models), write_backends(home, venv)
     cmd = build_command(binary, repo, backends, port)
     env = dict(os.environ)
     libdir = sysconfig.get_config_var("LIBDIR") or ""
@@ -161,7 +164,7 @@ def start(home: Path, port: int = 8100, venv: Path = TRITON_VENV, step_ms: int =
     state = EngineState(
         pid=proc.pid, port=port, url=f"http://127.0.0.1:{p['http']}", log_path=str(log_path), model=str(repo),
         served_model_name="generator", command=cmd, started_wall_ns=time.time_ns(),
-        shape={"step_ms": step_ms, "models": list(MODEL_NAMES)}, kind="triton",
+        shape={"step_ms": step_ms, "models": list(models)}, kind="triton",
         urls={"grpc": f"127.0.0.1:{p['grpc']}", "metrics": f"http://127.0.0.1:{p['metrics']}"},
     )
     state_path(home, port).write_text(json.dumps(asdict(state), indent=1))

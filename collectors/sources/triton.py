@@ -30,8 +30,9 @@ NAMES: dict[str, str] = {
     "nv_inference_compute_infer_duration_us": "triton_compute_infer_duration_us_total",
     "nv_cpu_memory_used_bytes": "cpu_memory_used_bytes",
     "nv_cpu_memory_total_bytes": "cpu_memory_total_bytes",
-    "nv_gpu_memory_used_bytes": "gpu_memory_used_bytes",
-    "nv_gpu_memory_total_bytes": "gpu_memory_total_bytes",
+    # Triton's own reading of the GPUs, apart from NVML's (same meaning, another sampler)
+    "nv_gpu_memory_used_bytes": "triton_gpu_memory_used_bytes",
+    "nv_gpu_memory_total_bytes": "triton_gpu_memory_total_bytes",
     "cancelwatch_model_active_requests": "model_active_requests",
     "cancelwatch_model_steps_total": "model_steps_total",
     "cancelwatch_model_cancels_seen_total": "model_cancels_seen_total",
