@@ -560,6 +560,12 @@ def _judge_without_abort(run: Run, englog: _EngineLog, verdict, ev: Evidence, sc
     if not englog.was_added(target, rid):
         return verdict("inconclusive", "the engine log never names this request (no 'Added request' line): the "
                        "engine may never have had it, so the cancel had nothing to act on")
+    early = [x for x in englog.aborted.get((target, rid), []) if x < t_stop - LOG_SLACK_S]
+    if early and ahead:
+        # the engine ended it itself before the client's stop (an error in the stream, another cancel)
+        return verdict("inconclusive", f"the engine's log shows this request aborted {1000 * (t_stop - max(early)):.0f} "
+                       "ms before the stop: nothing was left to cancel, so this cancel cannot show whether cancels "
+                       "reach the engine")
     already = ("the engine had already finished the request before the stop (the server counted fewer requests "
                "than the client, and its log shows no abort): nothing was left to cancel, so this cancel cannot "
                "show whether cancels reach the engine")

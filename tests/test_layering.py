@@ -21,9 +21,9 @@ ROOMS = ("sources", "recording", "cancels", "engines")
 # package (or collectors room) -> what it must not import (project packages and outside modules)
 FORBIDDEN = {
     "runstore": {"collectors", "analysis", "cancelwatch", "dashboard", "notebooks", "bench", "httpx", "pynvml",
-                 "psutil", "streamlit"},
+                 "psutil", "streamlit", "tritonclient"},
     "analysis": {"collectors", "cancelwatch", "dashboard", "notebooks", "bench", "streamlit", "httpx", "pynvml",
-                 "psutil"},
+                 "psutil", "tritonclient"},
     "collectors": {"analysis", "cancelwatch", "dashboard", "notebooks", "bench", "streamlit"},
     "collectors.sources": {"collectors.recording", "collectors.cancels", "collectors.engines"},
     "collectors.engines": {"collectors.sources", "collectors.recording", "collectors.cancels"},
@@ -31,8 +31,8 @@ FORBIDDEN = {
     "collectors.recording": {"collectors.cancels"},
     # the dashboard and the notebooks read runs: they never sample or drive. The dashboard may start the
     # command line in a subprocess (dashboard/recording.py), which writes the run; it never imports it
-    "dashboard": {"collectors", "cancelwatch", "notebooks", "httpx", "pynvml", "psutil"},
-    "notebooks": {"collectors", "cancelwatch", "dashboard", "httpx", "pynvml", "psutil"},
+    "dashboard": {"collectors", "cancelwatch", "notebooks", "httpx", "pynvml", "psutil", "tritonclient"},
+    "notebooks": {"collectors", "cancelwatch", "dashboard", "httpx", "pynvml", "psutil", "tritonclient"},
 }
 SQL = re.compile(r"\b(INSERT\s+(OR\s+\w+\s+)?INTO|SELECT\s+.+?\s+FROM|UPDATE\s+\w+\s+SET|CREATE\s+(TABLE|INDEX)|"
                  r"DELETE\s+FROM|VACUUM)\b", re.IGNORECASE | re.DOTALL)

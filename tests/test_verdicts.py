@@ -212,6 +212,15 @@ def test_an_engine_that_had_already_finished_the_request_is_not_released():
     assert v.verdict == "inconclusive" and "already finished" in v.evidence.why, v
 
 
+def test_an_engine_that_aborted_the_request_before_the_stop_says_so():
+    # the engine's own log: the request was aborted 0.5 s before the client's stop (an error in its stream)
+    run = build_run(lambda t: 2.0 if t < 1.5 else 1.0, lambda t: 0.4 if t < 1.5 else 0.1, steady_gen,
+                    probe_first_s=2.2, engine_log=[*ADDED, ("engine_aborted", "tg", 1.5)])
+    (v,) = judge_run(run)
+    assert v.verdict == "inconclusive" and "aborted 500 ms before the stop" in v.evidence.why, v
+    assert v.timepoints["engine_abort"] is None  # an abort before the stop is not this cancel's
+
+
 def test_a_request_the_ledger_does_not_know_in_the_window_is_other_traffic_not_a_leak():
     # a clean abort, then an unrelated stream 100 ms after the stop that the server counts
     run = build_run(lambda t: 2.0 if t < 2.05 or t >= 2.1 else 1.0, lambda t: 0.4 if t < 2.05 else 0.1, steady_gen,
