@@ -55,7 +55,7 @@ test-fast: venv
 # default suite with their report; the engine is stopped, and the dashboard serves the runs just
 # recorded on 127.0.0.1 until Ctrl-C. (`record` exits 1 when a cancel was not released: still shown.)
 demo: venv engine-venv
-	@trap '$(CW) engine down --port $(PORT) >/dev/null 2>&1' EXIT; \
+	@trap '$(CW) engine down --port $(PORT) >/dev/null 2>&1' EXIT; trap 'exit 130' INT TERM; \
 	$(CW) engine up --port $(PORT) || exit $$?; \
 	$(CW) load --target http://127.0.0.1:$(PORT) --streams 6 --delay 3 & \
 	$(CW) sample --target http://127.0.0.1:$(PORT) --duration 30 --store $(STORE) --name demo-load; rc=$$?; wait; \
@@ -68,7 +68,7 @@ demo: venv engine-venv
 # The Triton suite on the embedded Triton (HTTP on TRITON_PORT, gRPC and metrics on the two after), then the
 # dashboard on its run until Ctrl-C; the server is stopped on the way out.
 demo-triton: venv triton-venv
-	@trap '$(CW) engine down --port $(TRITON_PORT) >/dev/null 2>&1' EXIT; \
+	@trap '$(CW) engine down --port $(TRITON_PORT) >/dev/null 2>&1' EXIT; trap 'exit 130' INT TERM; \
 	$(CW) engine up --engine triton --port $(TRITON_PORT) || exit $$?; \
 	$(CW) record --target grpc://127.0.0.1:$$(($(TRITON_PORT) + 1)) --scenario triton --store $(TRITON_STORE) \
 	  --name demo-triton; rc=$$?; [ $$rc -le 1 ] || exit $$rc; \
@@ -85,7 +85,7 @@ SAMPLE_PORT ?= 8011
 SAMPLE_SCENARIOS ?= queued,decode,disconnect,burst,resubmit
 sample-run: venv engine-venv
 	@rm -f runs/sample-new.db runs/sample-new.db-wal runs/sample-new.db-shm
-	@trap '$(CW) engine down --port $(SAMPLE_PORT)' EXIT; \
+	@trap '$(CW) engine down --port $(SAMPLE_PORT)' EXIT; trap 'exit 130' INT TERM; \
 	$(CW) engine up --port $(SAMPLE_PORT) && \
 	$(CW) record --target http://127.0.0.1:$(SAMPLE_PORT) --scenario $(SAMPLE_SCENARIOS) --store runs/sample-new.db \
 	  --name sample

@@ -132,6 +132,10 @@ def test_report_html_protocol_and_dashboard_work_on_a_triton_run(triton_run, tmp
     assert "stop_stream(cancel_requests=True)" in text and "vLLM is not covered" in text
     page = html.read_text()
     assert "Triton 2.51.0" in page and "HTTP carries no cancel" in page
+    for nb in ("vram_plateau", "capacity_review"):  # exit 1 would mean an error cell
+        res = cli("notebook", nb, "--run", "latest", "--store", str(store), "--html", str(tmp_path / f"{nb}.html"),
+                  timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
     from streamlit.testing.v1 import AppTest
 
     from tests.test_dashboard import APP, ROOT

@@ -61,6 +61,13 @@ class TritonRequest:
     client_closed_ns: int | None = None
     handle: object = None  # the library object that can cancel it (CallContext, task, client)
     stream: "SharedStream | None" = None
+    timeout_s: float | None = None  # deadline / HTTP timeout: their passing is the stop
+    last_response_ns: int | None = None
+
+    def step_s(self) -> float | None:
+        """Duration, s between responses as the client saw them (the model's step, for its natural end)."""
+        first, last, n = self.row.first_token_mono_ns, self.last_response_ns, self.row.chunks
+        return (last - first) / 1e9 / (n - 1) if first and last and n >= 2 else None
 
     @property
     def chunks(self) -> int:
@@ -68,6 +75,7 @@ class TritonRequest:
 
     def response(self) -> None:
         self.row.chunks += 1
+        self.last_response_ns = now_ns()
         if self.row.first_token_mono_ns is None:
             self.row.first_token_mono_ns = now_ns()
         if self.cancel_requested:
@@ -139,12 +147,11 @@ class Calls:
         """Start the request the way its call says; it ends (req.done) on its own."""
         req.row.sent_mono_ns = now_ns()
         if req.call in ("explicit", "deadline"):
-            timeout = None
             if req.call == "deadline":
-                timeout = float(req.inputs.pop("_deadline_s"))
+                req.timeout_s = float(req.inputs.pop("_deadline_s"))
             req.handle = self.sync.async_infer(
                 req.model, _grpc_inputs(grpcclient, req.inputs), request_id=req.row.request_id,
-                client_timeout=timeout,
+                client_timeout=req.timeout_s,
                 callback=lambda result, error: self._threadsafe(self._unary_done, req, result, error))
         elif req.call in ("task_cancel", "stream", "disconnect"):
             client = self.aio
@@ -157,8 +164,8 @@ class Calls:
         elif req.call == "unary":
             req.handle = asyncio.create_task(self._aio_unary(req))
         elif req.call == "http_timeout":
-            timeout = float(req.inputs.pop("_timeout_s"))
-            req.handle = asyncio.create_task(self._http(req, timeout))
+            req.timeout_s = float(req.inputs.pop("_timeout_s"))
+            req.handle = asyncio.create_task(self._http(req, req.timeout_s))
         elif req.call == "stream_wide":
             req.stream.add(req)
         else:
@@ -167,8 +174,8 @@ class Calls:
     def _unary_done(self, req: TritonRequest, result, error) -> None:
         if error is not None:
             if req.call == "deadline" and not req.cancel_requested:
-                req.cancel_requested = True  # the deadline is this mode's cancel
-                req.row.cancel_mono_ns = now_ns()
+                req.cancel_requested = True  # the deadline is this mode's cancel: its passing is the stop
+                req.row.cancel_mono_ns = req.row.sent_mono_ns + int(req.timeout_s * 1e9)
             req.end_with(error)
         else:
             req.response()
@@ -222,9 +229,9 @@ class Calls:
             else:
                 req.end("error", None, f"HTTP {resp.status_code}: {resp.text[:200]}")
         except httpx.TimeoutException as exc:
-            # the client's timeout is this mode's cancel: the moment it fired is the user stop
+            # the client's timeout is this mode's cancel: the moment it passed is the user stop
             req.cancel_requested = True
-            req.row.cancel_mono_ns = now_ns()
+            req.row.cancel_mono_ns = req.row.sent_mono_ns + int(timeout_s * 1e9)
             req.end("cancelled", "client timeout (HTTP carries no cancel)", type(exc).__name__)
         except httpx.HTTPError as exc:
             req.end("error", None, f"{type(exc).__name__}: {exc}")

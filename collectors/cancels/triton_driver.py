@@ -214,8 +214,11 @@ class TritonDriver:
 
     def _stop_events(self, s: TritonScenario, t: TritonRequest, t_stop: int, cancel_id: str) -> None:
         rid = t.row.request_id
+        # what the request would have done on its own, for telling a release from a natural end
+        inputs = {k: v for k, v in t.inputs.items() if not k.startswith("_")}
         self.event("user_stop", rid, t_stop, scenario=s.name, phase=s.phase, cancel_id=cancel_id, mode=s.call,
-                   model=t.model, tokens_at_cancel=t.chunks, expect=s.expect, engine="triton")
+                   model=t.model, tokens_at_cancel=t.chunks, expect=s.expect, engine="triton", inputs=inputs,
+                   step_s=t.step_s(), sent_mono_ns=t.row.sent_mono_ns)
         if t.client_closed_ns:
             # the client's own view of its end (CANCELLED, a deadline, a timeout): never server evidence
             self.event("client_closed", rid, t.client_closed_ns, cancel_id=cancel_id, source="client",

@@ -14,7 +14,7 @@ A request the core dropped while queued never reaches the model, so it has no li
 from __future__ import annotations
 
 import re
-from datetime import datetime
+from datetime import datetime, timezone
 
 from collectors.sources.engine_log import EngineLogSource
 from runstore.records import EventRecord
@@ -29,15 +29,25 @@ KINDS = {"started": "engine_added", "cancelled": "engine_aborted", "finished": "
 
 
 def parse_triton_line(line: str, year: int) -> tuple[str, str, str, int, str] | None:
-    """(kind, request id, model, wall-clock ns, detail) of a model's request line, else None."""
+    """(kind, request id, model, wall-clock ns, detail) of a model's request line, else None.
+
+    Triton stamps its log in UTC whatever the host's time zone, without a year: the year is the one of
+    `year`-1, `year`, `year`+1 that puts the line nearest to now (a run across New Year)."""
     m = _LINE.match(line)
     if m is None or m.group("event") not in KINDS:
         return None
-    try:
-        at = datetime.strptime(f"{year}-{m.group('month')}-{m.group('day')} {m.group('time')}", "%Y-%m-%d %H:%M:%S")
-    except ValueError:
+    now = datetime.now(timezone.utc).timestamp()
+    stamps = []
+    for y in (year - 1, year, year + 1):
+        try:
+            at = datetime.strptime(f"{y}-{m.group('month')}-{m.group('day')} {m.group('time')}", "%Y-%m-%d %H:%M:%S")
+        except ValueError:  # 29 February of a year that has none
+            continue
+        stamps.append(int(at.replace(tzinfo=timezone.utc).timestamp()))
+    if not stamps:
         return None
-    wall_ns = int(at.timestamp()) * 1_000_000_000 + int(m.group("us")) * 1000
+    secs = min(stamps, key=lambda x: abs(x - now))
+    wall_ns = secs * 1_000_000_000 + int(m.group("us")) * 1000
     detail = (m.group("event") + m.group("detail")).strip()
     return KINDS[m.group("event")], m.group("rid"), m.group("model"), wall_ns, detail
 

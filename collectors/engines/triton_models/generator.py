@@ -75,8 +75,11 @@ class TritonPythonModel:
                     with self.lock:
                         self.cancels.increment(1)
                     error = pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
-                    sender.send(pb_utils.InferenceResponse(error=error),
-                                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    try:  # the model stopped whether or not the answer can still be delivered
+                        sender.send(pb_utils.InferenceResponse(error=error),
+                                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    except Exception:
+                        pass
                     return
                 time.sleep(step_s)
                 held[i % held.size] += 1.0

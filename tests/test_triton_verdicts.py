@@ -1,0 +1,132 @@
+"""Triton verdict rules on a run recorded from the real tritonserver 2.51 (tests/fixtures/triton/suite_run.db:
+the whole `triton` suite against the embedded server), judged as recorded and with parts of its evidence
+taken away: the server's log (an external Triton recorded without --engine-log), the models' gauges, a
+longer grace, a gauge held up after the cancel. The verdict must stay true to what is left."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from analysis.verdicts import judge_run
+from collectors.sources.triton_log import parse_triton_line
+from runstore.reader import load_run
+
+RUN = Path(__file__).resolve().parent / "fixtures" / "triton" / "suite_run.db"
+LOG_KINDS = ("engine_added", "engine_aborted", "engine_finished")
+
+
+@pytest.fixture
+def run():
+    return load_run(RUN, "latest")
+
+
+def verdicts(run, **kw) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for v in judge_run(run, **kw):
+        out.setdefault(v.scenario, []).append(v)
+    return out
+
+
+def without_log(run):
+    run.events = run.events[~run.events["kind"].isin(LOG_KINDS)].reset_index(drop=True)
+    run.info["engine"]["engine_log"] = {"t0": {"off": "no server log"}}
+    return run
+
+
+def test_as_recorded_every_scenario_gives_its_expected_verdict(run):
+    got = verdicts(run)
+    stops = run.events[run.events["kind"] == "user_stop"]
+    expect = {rid: json.loads(d)["expect"] for rid, d in zip(stops["request_id"], stops["data"])}
+    assert len(expect) == 8
+    for name, vs in got.items():
+        for v in vs:
+            assert v.verdict == v.evidence.expected == expect[v.request_id], (name, v.verdict, v.evidence.why)
+    assert [v.verdict for v in got["triton_http_timeout"]] == ["leaked"]
+    assert [v.verdict for v in got["triton_stream_wide"]] == ["released", "released"]
+
+
+def test_without_the_server_log_a_request_that_ran_to_its_natural_end_is_not_released(run):
+    got = verdicts(without_log(run))
+    (http,) = got["triton_http_timeout"]
+    (deaf,) = got["triton_deaf"]
+    # their gauges fell only when they would have ended anyway: inside a long grace that is no release
+    assert http.verdict == "leaked" and "natural end" in http.evidence.why, http.evidence.why
+    assert deaf.verdict == "leaked" and "natural end" in deaf.evidence.why, deaf.evidence.why
+    for v in got["triton_executing"] + got["triton_disconnect"]:
+        assert v.verdict == "released" and "before the request's natural end" in v.evidence.why
+        assert v.evidence.engine_log == "no server log" and v.source_of("engine_abort") is None
+    (queued,) = got["triton_queued"]
+    assert queued.verdict == "released" and queued.source_of("engine_abort") == "samples"
+
+
+def test_without_the_server_log_a_longer_grace_does_not_turn_a_leak_into_a_release(run):
+    got = verdicts(without_log(run), grace_s=4.0)
+    assert got["triton_deaf"][0].verdict == "leaked"
+    assert got["triton_http_timeout"][0].verdict == "leaked"
+
+
+def test_a_log_with_no_line_of_the_models_is_no_server_log(run):
+    run.events = run.events[~run.events["kind"].isin(LOG_KINDS)].reset_index(drop=True)  # facts still say read
+    got = verdicts(run)
+    (executing,) = got["triton_executing"]
+    assert executing.evidence.engine_log.startswith("read, but it holds no line of the models")
+    assert executing.phase_at_cancel == "executing"  # the driver's phase, not "queued" for want of a line
+    assert executing.verdict == "released"
+
+
+def test_missing_model_gauges_never_read_as_a_stale_gauge(run):
+    run.samples = run.samples[run.samples["metric"] != "model_active_requests"].reset_index(drop=True)
+    got = verdicts(run)
+    for name in ("triton_executing", "triton_stream_wide", "triton_deadline", "triton_disconnect"):
+        for v in got[name]:
+            assert v.verdict == "released" and "own log line alone" in v.evidence.why, (name, v.evidence.why)
+            assert v.timepoints["left_scheduler"] is None
+
+
+def test_a_gauge_held_up_after_a_stream_wide_cancel_releases_neither_target(run):
+    stops = run.events[run.events["kind"] == "user_stop"]
+    t_stop = float(stops[stops["data"].str.contains("triton_stream_wide")]["t_s"].iloc[0])
+    s = run.samples.copy()
+    held = (s["metric"] == "model_active_requests") & (s["labels"].astype(str) == '{"model": "generator"}') & \
+        (s["t_s"] > t_stop) & (s["t_s"] < t_stop + 3.0)
+    s.loc[held, "value"] += 1.0  # one request's unit of the gauge never comes back
+    run.samples = s
+    got = verdicts(run)
+    assert [v.verdict for v in got["triton_stream_wide"]] == ["stale_gauge", "stale_gauge"]
+
+
+def test_the_neighbour_ending_does_not_stand_in_for_a_target_that_stayed(run):
+    stops = run.events[run.events["kind"] == "user_stop"]
+    t_stop = float(stops[stops["data"].str.contains("triton_executing")]["t_s"].iloc[0])
+    s = run.samples.copy()
+    held = (s["metric"] == "model_active_requests") & (s["labels"].astype(str) == '{"model": "generator"}') & \
+        (s["t_s"] > t_stop) & (s["t_s"] < t_stop + 7.0)
+    s.loc[held, "value"] += 1.0  # the target's unit stays; the neighbour still ends inside a 6 s grace
+    run.samples = s
+    (v,) = verdicts(run, grace_s=6.0)["triton_executing"]
+    assert v.verdict == "stale_gauge", v.evidence.why
+
+
+def test_triton_log_stamps_are_utc_whatever_the_host_zone():
+    line = 'I1130 09:29:13.588560 18307 model.py:31] "cancelwatch model=slow request=r event=started ms=800 poll=true"'
+    old = os.environ.get("TZ")
+    try:
+        stamps = []
+        for tz in ("UTC", "Asia/Tokyo", "America/Los_Angeles"):
+            os.environ["TZ"] = tz
+            time.tzset()
+            stamps.append(parse_triton_line(line, 2026)[3])
+    finally:
+        if old is None:
+            os.environ.pop("TZ", None)
+        else:
+            os.environ["TZ"] = old
+        time.tzset()
+    assert len(set(stamps)) == 1
+    assert pd.Timestamp(stamps[0], unit="ns", tz="UTC").strftime("%m-%d %H:%M:%S.%f") == "11-30 09:29:13.588560"
