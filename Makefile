@@ -10,7 +10,7 @@ PORT ?= 8000
 STORE ?= runs/cancelwatch.db
 DASHBOARD_PORT ?= 8501
 
-.PHONY: venv engine-venv triton-venv demo-triton browser test test-fast demo bench clean engine-down sample-run dashboard
+.PHONY: venv engine-venv triton-venv demo-triton browser prometheus test test-fast demo bench clean engine-down sample-run dashboard
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -43,13 +43,19 @@ browser:
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends chromium; }
 
-test: venv engine-venv triton-venv browser
+# Debian's prometheus and promtool: a real Prometheus for the import tests (started by the tests, on loopback).
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends prometheus; }
+
+test: venv engine-venv triton-venv browser prometheus
 	$(VENV)/bin/python -m pytest -v -rs tests
 	$(ENGINE_VENV)/bin/python -m pytest -v -rs -p no:cacheprovider tests_engine
 
 # Everyday subset: no engine, no browser (the tests marked engine/browser are left out).
 test-fast: venv
-	$(VENV)/bin/python -m pytest -q -rs -m "not engine and not browser and not triton" tests
+	$(VENV)/bin/python -m pytest -q -rs -m "not engine and not browser and not triton and not prometheus" tests
 
 # Engine up, a 30 s sampling run under a small load with its summary, then the scripted cancels of the
 # default suite with their report; the engine is stopped, and the dashboard serves the runs just

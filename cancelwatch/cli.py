@@ -1,7 +1,8 @@
 """The `cancelwatch` command line. Settings are read here, at the edge, and passed down.
 
 One module per command group: engine_commands (engine up/down/status), sampling_commands (sample,
-summary, runs, export, load), cancel_commands (record), report_commands (report, notebook).
+summary, runs, export, load), cancel_commands (record), report_commands (report, notebook),
+import_commands (import prometheus).
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import typer
 
 from cancelwatch import cancel_commands, report_commands, sampling_commands
 from cancelwatch.engine_commands import engine_app
+from cancelwatch.import_commands import import_app
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="cancelwatch: does a cancelled LLM request really leave the engine?")
 app.add_typer(engine_app, name="engine")
+app.add_typer(import_app, name="import")
 for command in (sampling_commands.sample, sampling_commands.summary, sampling_commands.runs, sampling_commands.export,
                 sampling_commands.load):
     app.command()(command)

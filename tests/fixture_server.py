@@ -42,6 +42,7 @@ class MetricsFixtureServer:
         self._lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._gone = False
 
     @property
     def url(self) -> str:
@@ -69,6 +70,9 @@ class MetricsFixtureServer:
             protocol_version = "HTTP/1.1"  # kept-alive connections, like uvicorn's
 
             def do_GET(self):  # noqa: N802 - http.server's name
+                if server._gone:  # stopped: a kept-alive connection gets no answer, as from a dead server
+                    self.close_connection = True
+                    return
                 with server._lock:
                     server.paths.append(self.path)
                 status, text = server.answer(self.path)
@@ -90,6 +94,7 @@ class MetricsFixtureServer:
         return self
 
     def stop(self) -> None:
+        self._gone = True
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()

@@ -1,0 +1,169 @@
+"""`cancelwatch import prometheus` against a real Prometheus (Debian's package, started here on 127.0.0.1)
+that scrapes the embedded vLLM at 1 s while cancelwatch records the same minutes at 20 Hz, plus a second
+replica (a recorded vLLM body served on loopback) that disappears mid-window."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from runstore.reader import load_run
+from tests.conftest import FIXTURES, cli, free_port
+from tests.fixture_server import MetricsFixtureServer
+
+pytestmark = pytest.mark.prometheus
+
+
+class Prometheus:
+    """A real Prometheus server on 127.0.0.1 scraping `targets` (host:port) every second."""
+
+    def __init__(self, folder: Path, targets: list[str]):
+        binary = shutil.which("prometheus")
+        if binary is None:
+            pytest.fail("no prometheus binary: `make prometheus` (make test does) installs Debian's package")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        folder.mkdir(parents=True, exist_ok=True)
+        listed = ", ".join(f"'{t}'" for t in targets)
+        (folder / "prometheus.yml").write_text(
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 900ms\n"
+            f"scrape_configs:\n  - job_name: vllm\n    static_configs:\n      - targets: [{listed}]\n")
+        self.log = open(folder / "prometheus.log", "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [binary, f"--config.file={folder / 'prometheus.yml'}", f"--storage.tsdb.path={folder / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"], stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/-/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        pytest.fail("Prometheus did not become ready in 30 s")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def history(engine, engine_home, tmp_path_factory):
+    """The embedded engine and a second, static replica scraped by Prometheus while the tool records the
+    decode and burst scenarios; the static replica is stopped halfway. Then the window is imported."""
+    folder = tmp_path_factory.mktemp("prometheus")
+    other = MetricsFixtureServer(FIXTURES / "vllm" / "0.32" / "loaded.txt").start()
+    engine_host, other_host = engine.url.split("//")[1], other.url.split("//")[1]
+    prom = Prometheus(folder, [engine_host, other_host])
+    own = folder / "own.db"
+    try:
+        time.sleep(3)  # a few scrapes of both before the window
+        t_start = time.time()
+        rec = subprocess.Popen([*_cli(), "record", "--target", engine.url, "--scenario", "decode,burst",
+                                "--store", str(own)], env=_env(engine_home), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+        time.sleep(8)
+        other.stop()  # the second replica goes away mid-window
+        t_gone = time.time()
+        out, _ = rec.communicate(timeout=300)
+        time.sleep(2.5)  # Prometheus's last scrapes of the window
+        t_end = time.time()
+        imported = folder / "imported.db"
+        res = cli("import", "prometheus", "--url", prom.url, "--start", f"{t_start:.3f}", "--end", f"{t_end:.3f}",
+                  "--step", "1s", "--store", str(imported), timeout=120)
+        yield {"prom": prom, "own": own, "imported": imported, "res": res, "record_out": out, "engine": engine_host,
+               "other": other_host, "t_gone": t_gone, "folder": folder}
+    finally:
+        prom.stop()
+
+
+def _cli():
+    import sys
+
+    return [sys.executable, "-m", "cancelwatch"]
+
+
+def _env(home):
+    import os
+
+    return {**os.environ, "CANCELWATCH_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+
+
+def _series(run, metric, target):
+    df = run.series(metric, target=target).sort_values("wall_ns")
+    return df["wall_ns"].to_numpy(dtype=np.int64) / 1e9, df["value"].to_numpy(dtype=float)
+
+
+def test_imported_replicas_match_the_tools_own_recording_within_prometheus_resolution(history):
+    res = history["res"]
+    assert res.returncode == 0, res.stdout + res.stderr
+    imported = load_run(history["imported"], "latest")
+    own = load_run(history["own"], "latest")
+    labels = sorted(t["label"] for t in imported.info["targets"])
+    assert labels == sorted([history["engine"], history["other"]])  # both replicas, by their instance
+    facts = imported.info["engine"]["imported"]
+    assert facts["url"] == history["prom"].url and facts["step_s"] == 1.0 and facts["queries"]
+    assert imported.info["settings"]["kind"] == "imported history"
+    for metric in ("kv_cache_usage_ratio", "requests_running", "requests_waiting"):
+        t_imp, v_imp = _series(imported, metric, history["engine"])
+        t_own, v_own = _series(own, metric, "t0")
+        inside = (t_imp >= t_own[0] + 1.5) & (t_imp <= t_own[-1])
+        assert inside.sum() >= 20, (metric, inside.sum())
+        ok = []
+        for t, v in zip(t_imp[inside], v_imp[inside]):
+            # Prometheus holds its last scrape at or before t: within the second before, the tool saw it
+            near = v_own[(t_own >= t - 1.6) & (t_own <= t + 0.05)]
+            ok.append(len(near) > 0 and near.min() - 1e-9 <= v <= near.max() + 1e-9)
+        share = float(np.mean(ok))
+        print(f"{metric}: {share:.1%} of {inside.sum()} imported steps within the tool's own samples")
+        assert share >= 0.9, (metric, share)
+    assert np.nanmax(_series(imported, "requests_running", history["engine"])[1]) >= 2  # the burst was seen
+
+
+def test_a_replica_that_disappears_mid_window_is_a_gap_not_zeros(history):
+    imported = load_run(history["imported"], "latest")
+    t, v = _series(imported, "requests_running", history["other"])
+    assert len(v) and (v == 4).all()  # the recorded body says 4 running, never a made-up 0
+    assert t.max() <= history["t_gone"] + 1.5
+    gaps = imported.gaps[imported.gaps["target"] == history["other"]]
+    assert len(gaps) >= 1 and (gaps["ticks"] > 5).any()
+
+
+def test_the_capacity_review_renders_on_the_imported_run(history, tmp_path):
+    out = tmp_path / "capacity.html"
+    res = cli("notebook", "capacity_review", "--run", "latest", "--store", str(history["imported"]), "--html",
+              str(out), timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert history["engine"] in out.read_text()
+
+
+def test_bad_input_is_one_line_and_creates_no_run(history, tmp_path):
+    prom = history["prom"]
+    store = tmp_path / "cw.db"
+    dead = f"http://127.0.0.1:{free_port()}"
+    cases = [
+        (["--url", dead, "--start", "now-1m"], "cannot reach Prometheus"),
+        (["--url", prom.url, "--start", "now-1m", "--match", '{job="nothing-here"}'], "no vLLM series"),
+        (["--url", prom.url, "--start", "2001-01-01T00:00:00Z", "--end", "2001-01-01T01:00:00Z"], "no vLLM series"),
+        (["--url", prom.url, "--start", "now-1m", "--step", "15x"], "not a duration"),
+        (["--url", prom.url, "--start", "yesterday"], "not a time"),
+        (["--url", prom.url, "--start", "now", "--end", "now-1h"], "--end must be after --start"),
+        (["--url", prom.url, "--start", "now-1m", "--match", "job=vllm"], "in braces"),
+    ]
+    for args, why in cases:
+        res = cli("import", "prometheus", *args, "--store", str(store))
+        assert res.returncode == 2, (args, res.stdout, res.stderr)
+        assert why in res.stderr and len(res.stderr.strip().splitlines()) == 1, (args, res.stderr)
+    assert not store.exists()
