@@ -74,6 +74,9 @@ def memory_source(run: Run) -> str:
 
 def _engine_label(engine: dict, engines: dict) -> str:
     embedded = any(e.get("embedded") for e in engines.values())
+    if engine.get("imported"):
+        imp = engine["imported"]
+        return f"imported history from Prometheus {imp.get('url')} (step {imp.get('step_s'):g} s)"
     if engine.get("engine") == "triton":
         return "embedded Triton (tritonserver of the nvidia-pytriton wheel, CPU)" if embedded else "external Triton"
     return "embedded vLLM (CPU build)" if embedded else "external"

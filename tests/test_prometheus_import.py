@@ -149,6 +149,27 @@ def test_the_capacity_review_renders_on_the_imported_run(history, tmp_path):
     assert history["engine"] in out.read_text()
 
 
+def test_the_dashboard_draws_one_line_per_replica_of_the_imported_run(history, monkeypatch):
+    import json
+
+    from streamlit.testing.v1 import AppTest
+
+    from tests.test_dashboard import APP, ROOT
+
+    monkeypatch.setenv("CANCELWATCH_STORE_DIR", str(history["imported"].parent))
+    monkeypatch.chdir(ROOT)
+    at = AppTest.from_file(APP, default_timeout=180)
+    at.query_params["store"] = str(history["imported"])
+    at.run()
+    assert not at.exception, at.exception
+    names = {t.get("name") for c in at.get("plotly_chart") for t in json.loads(c.proto.spec)["data"]}
+    for replica in (history["engine"], history["other"]):
+        assert {f"running {replica}", f"KV usage {replica}", f"waiting {replica}"} <= names, names
+    assert "sampling gap (no reading)" in names  # the replica that went away
+    facts = next(d.value for d in at.dataframe if "fact" in d.value.columns)
+    assert "imported history from Prometheus" in " ".join(facts["value"].astype(str))
+
+
 def test_bad_input_is_one_line_and_creates_no_run(history, tmp_path):
     prom = history["prom"]
     store = tmp_path / "cw.db"
