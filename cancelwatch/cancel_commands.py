@@ -40,6 +40,9 @@ def record_cmd(
     grace: float = typer.Option(2.0, help="Seconds the scheduler has to reconcile after an abort."),
     relay_url: Optional[str] = typer.Option(None, help="Relay app for in-process scenarios (inproc); default: start one."),
     http_url: Optional[str] = typer.Option(None, help="Triton only: its HTTP endpoint (default HOST:8000)."),
+    prometheus: Optional[str] = typer.Option(None, help="A Prometheus whose active targets of --job are the replicas "
+                                             "to sample (instead of --metrics-url); the cancels go to --target."),
+    job: str = typer.Option("vllm", help="With --prometheus: the scrape job of the replicas."),
 ):
     """Run scripted cancels while sampling; one run holds samples, ledger and events. Prints the report."""
     import httpx
@@ -63,8 +66,12 @@ def record_cmd(
         scenarios = resolve(scenario)
     except ScenarioError as exc:
         raise fail(str(exc)) from None
+    from collectors.recording.session import discover_targets
+
+    found: list[str] = []
     try:
-        targets = parse_targets([metrics_url or target])
+        found = discover_targets(prometheus, job) if prometheus else []
+        targets = parse_targets(found or [metrics_url or target])
         parse_targets([target])
         model = served_model(target)
     except PreflightError as exc:
@@ -80,6 +87,8 @@ def record_cmd(
                                   drive=DriveSettings(driven_target=target, scenarios=[s.name for s in scenarios],
                                                       grace_s=grace, model=model, relay_url=relay_url))
         sources, facts = build_sources(settings)
+        if prometheus:
+            facts["discovery"] = {"prometheus": prometheus, "job": job, "found": found}
 
         def driver_factory(writer, sampler):
             async def start_relay():
@@ -107,8 +116,10 @@ def record_cmd(
                 if "state" in relay_state:
                     await asyncio.to_thread(engine_mod.stop, home_dir(), relay_state["state"].port)
 
-            return Driver(target, model, writer.put, scheduler_reader(sampler, targets[0].label), grace_s=grace,
-                          metrics_target=targets[0].label, relay_factory=start_relay,
+            # the replica the cancels go to judges them (a discovered one by its URL), else the first
+            judged = next((t.label for t in targets if t.url == target.rstrip("/")), targets[0].label)
+            return Driver(target, model, writer.put, scheduler_reader(sampler, judged), grace_s=grace,
+                          metrics_target=judged, relay_factory=start_relay,
                           relay_cleanup=stop_relay).run(scenarios)
 
         result = record(settings, sources, facts, driver_factory=driver_factory)

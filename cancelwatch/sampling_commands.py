@@ -46,7 +46,10 @@ def _progress(run_id: int, sampler, started: float) -> Table:
 
 
 def sample(
-    target: list[str] = typer.Option(..., help="vLLM server URL, or LABEL=URL; repeat for replicas."),
+    target: Optional[list[str]] = typer.Option(None, help="vLLM server URL, or LABEL=URL; repeat for replicas."),
+    prometheus: Optional[str] = typer.Option(None, help="A Prometheus whose active targets of --job are the "
+                                             "replicas to sample (each labelled by its instance)."),
+    job: str = typer.Option("vllm", help="With --prometheus: the scrape job of the replicas."),
     hz: float = typer.Option(20.0, help="Samples per second per source."),
     duration: float = typer.Option(30.0, help="Seconds to sample; 0 runs until Ctrl-C."),
     nvml: str = typer.Option("auto", help="auto: only where a driver answers; on: required; off."),
@@ -59,11 +62,19 @@ def sample(
     """Sample the scheduler and memory only; prints the run id. Ctrl-C ends the run as interrupted."""
     import time
 
+    from collectors.recording.session import discover_targets
+
     try:
-        settings = RecordSettings(targets=parse_targets(target), store=store, hz=hz, duration_s=duration or None,
+        if not target and not prometheus:
+            raise PreflightError("no --target given: pass the vLLM server's URL, or --prometheus URL --job NAME "
+                                 "to sample the replicas Prometheus scrapes")
+        found = discover_targets(prometheus, job) if prometheus else []
+        settings = RecordSettings(targets=parse_targets([*(target or []), *found]), store=store, hz=hz, duration_s=duration or None,
                                   nvml=nvml, name=name, pids=list(pid or []), lost_after_s=lost_after, home=home_dir(),
                                   engine_log=engine_log)
         sources, facts = build_sources(settings)
+        if prometheus:
+            facts["discovery"] = {"prometheus": prometheus, "job": job, "found": found}
     except PreflightError as exc:
         raise fail(str(exc)) from None
     started = time.monotonic()

@@ -4,6 +4,7 @@ replica (a recorded vLLM body served on loopback) that disappears mid-window."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import time
@@ -150,8 +151,6 @@ def test_the_capacity_review_renders_on_the_imported_run(history, tmp_path):
 
 
 def test_the_dashboard_draws_one_line_per_replica_of_the_imported_run(history, monkeypatch):
-    import json
-
     from streamlit.testing.v1 import AppTest
 
     from tests.test_dashboard import APP, ROOT
@@ -188,3 +187,38 @@ def test_bad_input_is_one_line_and_creates_no_run(history, tmp_path):
         assert res.returncode == 2, (args, res.stdout, res.stderr)
         assert why in res.stderr and len(res.stderr.strip().splitlines()) == 1, (args, res.stderr)
     assert not store.exists()
+
+
+def test_discovery_samples_every_replica_prometheus_scrapes_labelled_by_instance(engine, engine_home, tmp_path):
+    other = MetricsFixtureServer(FIXTURES / "vllm" / "0.32" / "loaded.txt").start()
+    engine_host, other_host = engine.url.split("//")[1], other.url.split("//")[1]
+    prom = Prometheus(tmp_path / "prom", [engine_host, other_host])
+    try:
+        deadline = time.monotonic() + 20  # until Prometheus lists both as active targets
+        while time.monotonic() < deadline:
+            active = httpx.get(prom.url + "/api/v1/targets").json()["data"]["activeTargets"]
+            if len(active) == 2:
+                break
+            time.sleep(0.3)
+        store = tmp_path / "cw.db"
+        res = cli("sample", "--prometheus", prom.url, "--job", "vllm", "--duration", "3", "--store", str(store),
+                  home=engine_home)
+        assert res.returncode == 0, res.stdout + res.stderr
+        run = load_run(store, "latest")
+        assert sorted(t["label"] for t in run.info["targets"]) == sorted([engine_host, other_host])
+        assert run.info["engine"]["discovery"]["job"] == "vllm"
+        for replica in (engine_host, other_host):
+            assert len(run.series("requests_running", target=replica)) >= 20  # sampled at the tool's own rate
+        # record: the cancels go to the engine, every replica is sampled, the engine's replica judges them
+        rec = cli("record", "--target", engine.url, "--prometheus", prom.url, "--scenario", "decode",
+                  "--store", str(store), home=engine_home, timeout=300)
+        assert rec.returncode == 0, rec.stdout + rec.stderr
+        doc = json.loads(cli("report", "latest", "--json", "--store", str(store)).stdout)
+        assert [c["evidence"]["metrics_target"] for c in doc["cancels"]] == [engine_host]
+        assert sorted(t["label"] for t in load_run(store, "latest").info["targets"]) == sorted([engine_host, other_host])
+        bad = cli("sample", "--prometheus", prom.url, "--job", "nope", "--duration", "1", "--store", str(store))
+        assert bad.returncode == 2 and "no target of job 'nope'" in bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1
+    finally:
+        prom.stop()
+        other.stop()

@@ -92,6 +92,25 @@ def parse_targets(values: list[str]) -> list[Target]:
     return out
 
 
+def discover_targets(prometheus_url: str, job: str) -> list[str]:
+    """`INSTANCE=URL` of every replica Prometheus scrapes for `job`: sampled directly, at the tool's own
+    rate (Prometheus gives history, cancelwatch the resolution). PreflightError when none is found."""
+    from collectors.sources.prometheus_api import PrometheusError, PrometheusHistory
+
+    prom = PrometheusHistory(prometheus_url, timeout_s=10.0)
+    problem = prom.check()
+    if problem:
+        raise PreflightError(problem.replace("check --url", "check --prometheus"))
+    try:
+        found = prom.active_targets(job)
+    except PrometheusError as exc:
+        raise PreflightError(str(exc)) from None
+    if not found:
+        raise PreflightError(f"Prometheus at {prometheus_url} scrapes no target of job {job!r}: check --job "
+                             "(the job_name in its scrape config)")
+    return [f"{instance}={url}" for instance, url in found]
+
+
 def embedded_engine_for(url: str, home: Path) -> engine_mod.EngineState | None:
     parsed = urlparse(url)
     if parsed.hostname not in ("127.0.0.1", "localhost") or parsed.port is None:

@@ -102,6 +102,28 @@ class PrometheusHistory:
             raise PrometheusError(f"cannot reach Prometheus at {self.url} ({type(exc).__name__}): check --url") \
                 from None
 
+    def active_targets(self, job: str) -> list[tuple[str, str]]:
+        """(instance, base URL) of every target of `job` Prometheus scrapes now (its active targets, healthy
+        or not), in instance order; the base URL is the scrape URL without its /metrics path."""
+        import requests
+        from urllib.parse import urlsplit
+
+        try:
+            resp = requests.get(self.url + "/api/v1/targets", params={"state": "active"}, timeout=self.timeout_s)
+            active = resp.json()["data"]["activeTargets"]
+        except (requests.RequestException, ValueError, KeyError) as exc:
+            raise PrometheusError(f"cannot read the active targets of Prometheus at {self.url} "
+                                  f"({type(exc).__name__}): check --prometheus") from None
+        out = {}
+        for t in active:
+            labels = t.get("labels") or {}
+            if labels.get("job") != job:
+                continue
+            parts = urlsplit(t.get("scrapeUrl", ""))
+            path = parts.path[: -len("/metrics")] if parts.path.endswith("/metrics") else parts.path
+            out[labels.get("instance") or parts.netloc] = f"{parts.scheme}://{parts.netloc}{path}".rstrip("/")
+        return sorted(out.items())
+
     def query(self, query: str, at: float) -> list[dict]:
         """An instant query at `at` (epoch seconds)."""
         import requests
