@@ -2,7 +2,7 @@
 
 One module per command group: engine_commands (engine up/down/status), sampling_commands (sample,
 summary, runs, export, load), cancel_commands (record), report_commands (report, notebook),
-import_commands (import prometheus).
+import_commands (import prometheus), canary_commands (canary).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from cancelwatch import cancel_commands, report_commands, sampling_commands
+from cancelwatch import canary_commands, cancel_commands, report_commands, sampling_commands
 from cancelwatch.engine_commands import engine_app
 from cancelwatch.import_commands import import_app
 
@@ -23,6 +23,7 @@ for command in (sampling_commands.sample, sampling_commands.summary, sampling_co
                 sampling_commands.load):
     app.command()(command)
 app.command("record")(cancel_commands.record_cmd)
+app.command()(canary_commands.canary)
 app.command()(report_commands.report)
 app.command()(report_commands.notebook)
 

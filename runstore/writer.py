@@ -86,6 +86,15 @@ def finish_run(con: sqlite3.Connection, run_id: int, status: str, stats: dict, e
     con.commit()
 
 
+def delete_runs(con: sqlite3.Connection, run_ids: Iterable[int]) -> None:
+    """Remove whole runs (every table's rows of them): a canary's bounded retention."""
+    ids = [(int(r),) for r in run_ids]
+    with con:
+        for table in ("samples", "scrapes", "series", "gaps", "events", "ledger"):
+            con.executemany(f"DELETE FROM {table} WHERE run_id = ?", ids)  # noqa: S608 - fixed table names
+        con.executemany("DELETE FROM runs WHERE id = ?", ids)
+
+
 def set_run_json(con: sqlite3.Connection, run_id: int, column: str, value) -> None:
     """Replace one JSON column of a run (targets, engine, cache, settings, stats)."""
     if column not in RUN_JSON_COLUMNS:

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.prometheus
 class Prometheus:
     """A real Prometheus server on 127.0.0.1 scraping `targets` (host:port) every second."""
 
-    def __init__(self, folder: Path, targets: list[str]):
+    def __init__(self, folder: Path, targets: list[str], job: str = "vllm", rule_files: list[str] | None = None):
         binary = shutil.which("prometheus")
         if binary is None:
             pytest.fail("no prometheus binary: `make prometheus` (make test does) installs Debian's package")
@@ -32,9 +32,11 @@ class Prometheus:
         self.url = f"http://127.0.0.1:{self.port}"
         folder.mkdir(parents=True, exist_ok=True)
         listed = ", ".join(f"'{t}'" for t in targets)
+        rules = "".join(f"  - {r}\n" for r in rule_files or [])
         (folder / "prometheus.yml").write_text(
-            "global:\n  scrape_interval: 1s\n  scrape_timeout: 900ms\n"
-            f"scrape_configs:\n  - job_name: vllm\n    static_configs:\n      - targets: [{listed}]\n")
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 900ms\n  evaluation_interval: 1s\n"
+            + (f"rule_files:\n{rules}" if rules else "")
+            + f"scrape_configs:\n  - job_name: {job}\n    static_configs:\n      - targets: [{listed}]\n")
         self.log = open(folder / "prometheus.log", "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [binary, f"--config.file={folder / 'prometheus.yml'}", f"--storage.tsdb.path={folder / 'data'}",
