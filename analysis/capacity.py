@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -103,3 +105,79 @@ def capacity_figure(caps: list[tuple[str, dict]]) -> go.Figure:
                       title="The KV pool per run: how much of it requests used, and how much was left",
                       xaxis_title="tokens", legend=dict(orientation="h", y=-0.3))
     return fig
+
+
+def _bucketed(run: Run, metric: str, target: str, bucket_s: float) -> pd.Series:
+    """One metric of one target, one value per time bucket (the last in it): replicas sampled at their
+    own instants line up on the buckets."""
+    df = series_frame(run, metric, target)
+    if df.empty:
+        return pd.Series(dtype=float)
+    keys = np.floor(df["t_s"].to_numpy(dtype=float) / bucket_s).astype(np.int64)
+    return pd.Series(df["value"].to_numpy(dtype=float), index=keys).groupby(level=0).last()
+
+
+def fleet_frame(run: Run, context_len: int = 2048) -> pd.DataFrame:
+    """Per replica, and for the fleet of them, over the run: KV pool, p95 and peak KV usage, max
+    concurrency at `context_len`, time with requests waiting, preemptions. The fleet's KV usage is the
+    pool-weighted usage of all replicas at each step; its waiting time counts a step once however many
+    replicas had requests waiting. Unknowns stay n/a, never zero."""
+    targets = scheduler_targets(run)
+    caps = [capacity(run, context_len, t) for t in targets]
+
+    def pct(x):
+        return "n/a" if x is None else f"{100 * x:.1f} %"
+
+    rows = [{"replica": c["target"], "KV pool (tokens)": c["pool_tokens"], "p95 KV usage": pct(c["p95_kv"]),
+             "peak KV usage": pct(c["peak_kv"]), f"max concurrency at {context_len}": c["max_concurrency"],
+             "time with requests waiting (s)": round(c["waiting_s"], 1), "preemptions": c["preemptions"]}
+            for c in caps]
+    if len(targets) > 1:
+        hz = (run.info.get("settings") or {}).get("hz") or 1.0
+        bucket = max(1.0 / float(hz), 0.05)
+        pools = {c["target"]: c["pool_tokens"] for c in caps if c["pool_tokens"]}
+        kv = pd.DataFrame({t: _bucketed(run, "kv_cache_usage_ratio", t, bucket) for t in pools})
+        fleet_kv = None
+        if not kv.empty and pools:
+            weights = pd.Series(pools, dtype=float)
+            used = (kv * weights).sum(axis=1, min_count=1)
+            total = kv.notna().mul(weights).sum(axis=1)
+            fleet_kv = (used / total.where(total > 0)).dropna().to_numpy()
+        waiting = pd.DataFrame({t: _bucketed(run, "requests_waiting", t, bucket) for t in targets})
+        steps_waiting = float((waiting.fillna(0).sum(axis=1) > 0).sum()) * bucket if not waiting.empty else 0.0
+        pre = [c["preemptions"] for c in caps if c["preemptions"] is not None]
+        pool_total = sum(pools.values()) if pools else None
+        rows.append({"replica": f"fleet ({len(targets)} replicas)", "KV pool (tokens)": pool_total,
+                     "p95 KV usage": pct(float(np.quantile(fleet_kv, 0.95)) if fleet_kv is not None and len(fleet_kv)
+                                         else None),
+                     "peak KV usage": pct(float(fleet_kv.max()) if fleet_kv is not None and len(fleet_kv) else None),
+                     f"max concurrency at {context_len}": pool_total // context_len if pool_total else None,
+                     "time with requests waiting (s)": round(steps_waiting, 1),
+                     "preemptions": sum(pre) if pre else None})
+    def cell(x):
+        if x is None or (isinstance(x, float) and np.isnan(x)):
+            return "n/a"
+        return str(int(x)) if isinstance(x, (int, float, np.integer)) and float(x).is_integer() else str(x)
+
+    return pd.DataFrame([{k: cell(v) for k, v in row.items()} for row in rows])
+
+
+def gpu_memory_frame(run: Run) -> pd.DataFrame:
+    """Per GPU (host and index): memory used and reserved over the run (median and peak, GiB), from NVML
+    or from DCGM exporter's history. Empty when the run has no GPU readings."""
+    rows = []
+    for metric, what in (("gpu_memory_used_bytes", "used"), ("gpu_memory_reserved_bytes", "reserved")):
+        df = run.series(metric)
+        if df.empty:
+            continue
+        for (target, labels), g in df.groupby(["target", "labels"], observed=True):
+            gpu = json.loads(str(labels)).get("gpu", "?")
+            v = g["value"].dropna().to_numpy(dtype=float) / 1024**3
+            if len(v):
+                rows.append({"host": str(target), "gpu": gpu, "what": what, "median GiB": round(float(np.median(v)), 2),
+                             "peak GiB": round(float(v.max()), 2)})
+    if not rows:
+        return pd.DataFrame(columns=["host", "gpu", "used median GiB", "used peak GiB", "reserved median GiB"])
+    df = pd.DataFrame(rows).pivot_table(index=["host", "gpu"], columns="what", values=["median GiB", "peak GiB"])
+    df.columns = [f"{what} {stat}" for stat, what in df.columns]
+    return df.reset_index()

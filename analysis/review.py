@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 
 from analysis.anatomy import cancel_summary
 from analysis.cancel_table import cancel_table, release_latencies_ms, verdict_counts
-from analysis.capacity import capacity, capacity_figure, capacity_frame
+from analysis.capacity import capacity, capacity_figure, capacity_frame, fleet_frame, gpu_memory_frame
 from analysis.compare import compare_runs
 from analysis.explain import memory_story, pick_story_cancel
 from analysis.facts import VIEW_METRICS
@@ -94,6 +94,18 @@ def capacity_drawing(runs: list[ReviewRun], context_len: int) -> go.Figure:
 
 def capacity_summary(runs: list[ReviewRun], context_len: int) -> dict[str, pd.DataFrame]:
     return {r.label: capacity_frame(capacity(r.run, context_len)) for r in runs}
+
+
+def fleet_summary(runs: list[ReviewRun], context_len: int) -> dict[str, pd.DataFrame]:
+    """Per run with more than one replica (an imported fleet, a run with several targets): each replica
+    and the fleet."""
+    return {r.label: fleet_frame(r.run, context_len) for r in runs if len(r.run.info.get("targets", [])) > 1}
+
+
+def gpu_summary(runs: list[ReviewRun]) -> dict[str, pd.DataFrame]:
+    """Per run with GPU readings: memory used and reserved per GPU and host."""
+    out = {r.label: gpu_memory_frame(r.run) for r in runs}
+    return {label: df for label, df in out.items() if not df.empty}
 
 
 def comparison(runs: list[ReviewRun], context_len: int) -> pd.DataFrame:

@@ -124,7 +124,7 @@ def test_a_bad_parameter_ends_in_one_readable_error_cell(tmp_path, args, says):
 
 def test_bad_command_lines_are_usage_errors(tmp_path):
     res = cli("notebook", "nope", "--html", str(tmp_path / "x.html"))
-    assert res.returncode == 2 and "capacity_review, vram_plateau" in res.stderr
+    assert res.returncode == 2 and "capacity_review, resolution, vram_plateau" in res.stderr
     res = cli("notebook", "capacity_review", "-p", "colour=blue", "--html", str(tmp_path / "x.html"))
     assert res.returncode == 2 and "no such parameter" in res.stderr
     res = cli("notebook", "capacity_review", "-p", "context_len", "--html", str(tmp_path / "x.html"))
