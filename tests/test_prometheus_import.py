@@ -147,6 +147,16 @@ def test_a_replica_that_disappears_mid_window_is_a_gap_not_zeros(history):
     assert len(gaps) >= 1 and (gaps["ticks"] > 5).any()
 
 
+def test_the_html_report_and_the_plateau_walkthrough_work_on_the_imported_run(history, tmp_path):
+    html = tmp_path / "report.html"
+    res = cli("report", "latest", "--store", str(history["imported"]), "--html", str(html))
+    assert res.returncode == 1, res.stdout + res.stderr  # no cancels in imported history: nothing accepted
+    assert "imported history from Prometheus" in html.read_text() and history["other"] in html.read_text()
+    res = cli("notebook", "vram_plateau", "--run", "latest", "--store", str(history["imported"]), "--html",
+              str(tmp_path / "plateau.html"), timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
 def test_dcgm_exporter_memory_lands_per_gpu_and_host_in_bytes(history):
     imported = load_run(history["imported"], "latest")
     assert imported.info["engine"]["imported"]["gpu_hosts"] == ["gpu-node-a"]

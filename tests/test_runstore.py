@@ -133,3 +133,23 @@ def test_a_store_of_another_schema_is_left_as_it_was(tmp_path):
     with pytest.raises(StoreError, match="has schema 1.*--store"):
         open_store(store)
     assert store.read_bytes() == before
+
+
+def test_deleting_runs_leaves_the_others_whole(tmp_path):
+    from bench.synthetic import write_synthetic_run
+    from runstore.writer import delete_runs, open_store
+
+    store = tmp_path / "cw.db"
+    first = write_synthetic_run(store, duration_s=60, cancels=3, name="a")
+    second = write_synthetic_run(store, duration_s=60, cancels=3, name="b")
+    before = load_run(store, second)
+    con = open_store(store)
+    try:
+        delete_runs(con, [first])
+        left = {t: con.execute(f"SELECT count(*) FROM {t} WHERE run_id = ?", (first,)).fetchone()[0]
+                for t in ("samples", "scrapes", "series", "gaps", "events", "ledger")}
+    finally:
+        con.close()
+    assert list(list_runs(store)["id"]) == [second] and not any(left.values()), left
+    after = load_run(store, second)
+    assert len(after.samples) == len(before.samples) > 0 and len(after.events) == len(before.events)
