@@ -244,8 +244,12 @@ def test_bad_input_is_one_line_and_creates_no_run(history, tmp_path):
 
 
 def test_discovery_samples_every_replica_prometheus_scrapes_labelled_by_instance(engine, engine_home, tmp_path):
-    other = MetricsFixtureServer(FIXTURES / "vllm" / "0.32" / "loaded.txt").start()
-    engine_host, other_host = engine.url.split("//")[1], other.url.split("//")[1]
+    from collectors.engines import vllm_server as engine_mod
+
+    # the second replica: a second real vLLM (the relay app's in-process AsyncLLM, with its own /metrics)
+    relay_home = tmp_path / "relay-home"
+    relay = engine_mod.start(relay_home, port=free_port(), relay=True, timeout_s=600)
+    engine_host, other_host = engine.url.split("//")[1], relay.url.split("//")[1]
     prom = Prometheus(tmp_path / "prom", [engine_host, other_host])
     try:
         deadline = time.monotonic() + 20  # until Prometheus lists both as active targets
@@ -275,4 +279,4 @@ def test_discovery_samples_every_replica_prometheus_scrapes_labelled_by_instance
         assert len(bad.stderr.strip().splitlines()) == 1
     finally:
         prom.stop()
-        other.stop()
+        engine_mod.stop(relay_home, relay.port)
