@@ -53,14 +53,12 @@ def record_cmd(
         return record_triton(target, metrics_url, http_url, scenario, hz, nvml, store, name, pid, lost_after,
                              engine_log, grace)
 
-    from analysis.verdicts import judge_run, report_document
     from collectors.cancels.driver import Driver
     from collectors.cancels.load import served_model
     from collectors.cancels.scenarios import ScenarioError, resolve
     from collectors.recording.session import scheduler_reader
     from collectors.sources.process_memory import ProcessMemorySource
     from collectors.sources.vllm import VllmMetricsSource
-    from runstore.reader import load_run
 
     try:
         scenarios = resolve(scenario)
@@ -132,13 +130,7 @@ def record_cmd(
     finally:
         if "state" in relay_state:  # also after Ctrl-C or a lost target
             engine_mod.stop(home_dir(), relay_state["state"].port)
-    recorded = load_run(store, result.run_id)
-    verdicts = judge_run(recorded, grace)
-    doc = report_document(recorded, verdicts=verdicts)
-    print_report(doc, verdicts)
-    print_store_error(result.stats)
-    out.print(f"run {result.run_id} {result.status} -> {store}")
-    raise typer.Exit(result.exit_code if result.exit_code else report_exit(doc))
+    report_recorded(store, result, grace)
 
 
 
@@ -146,11 +138,9 @@ def record_triton(target: str, metrics_url: str | None, http_url: str | None, sc
                   store: Path, name: str | None, pid: list[int] | None, lost_after: float, engine_log: Path | None,
                   grace: float) -> None:
     """`record` against Triton: the Triton scenarios over gRPC (and HTTP for the timeout case)."""
-    from analysis.verdicts import judge_run, report_document
     from collectors.cancels.triton_driver import TritonDriver, resolve_triton
     from collectors.recording.session import scheduler_reader
     from collectors.recording.triton_session import build_triton_sources, endpoints
-    from runstore.reader import load_run
 
     if scenario == "default":
         scenario = "triton"
@@ -179,6 +169,15 @@ def record_triton(target: str, metrics_url: str | None, http_url: str | None, sc
         raise fail(str(exc)) from None
     except StoreError as exc:
         raise fail(str(exc)) from None
+    report_recorded(store, result, grace)
+
+
+def report_recorded(store: Path, result, grace: float) -> None:
+    """After `record`: the run's verdicts as the table, then exit with the recording's failure code, else
+    the report's (0 accepted, 1 not)."""
+    from analysis.verdicts import judge_run, report_document
+    from runstore.reader import load_run
+
     recorded = load_run(store, result.run_id)
     verdicts = judge_run(recorded, grace)
     doc = report_document(recorded, verdicts=verdicts)

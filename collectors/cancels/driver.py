@@ -32,6 +32,24 @@ from runstore.records import EventRecord, LedgerRecord
 IDLE_WAIT_S = 90.0
 
 
+def event_record(kind: str, request_id: str | None, at_ns: int | None, metrics_target: str, data: dict) -> EventRecord:
+    """A trace or scenario event at `at_ns` (monotonic; now when None), its wall time derived from now."""
+    data.setdefault("metrics_target", metrics_target)
+    mono = at_ns or now_ns()
+    wall = time.time_ns() - (now_ns() - mono)
+    return EventRecord(kind=kind, wall_ns=wall, mono_ns=mono, request_id=request_id, data=data)
+
+
+async def until(cond, timeout_s: float) -> bool:
+    """Poll `cond` every 5 ms for at most `timeout_s`; its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        await asyncio.sleep(0.005)
+    return cond()
+
+
 class Driver:
     """Runs scenarios one after another; `emit` receives EventRecords and LedgerRecords.
 
@@ -55,10 +73,7 @@ class Driver:
 
     # ------------------------------------------------------------------ events
     def event(self, kind: str, request_id: str | None = None, at_ns: int | None = None, **data) -> None:
-        data.setdefault("metrics_target", self.metrics_target)
-        mono = at_ns or now_ns()
-        wall = time.time_ns() - (now_ns() - mono)
-        self.emit(EventRecord(kind=kind, wall_ns=wall, mono_ns=mono, request_id=request_id, data=data))
+        self.emit(event_record(kind, request_id, at_ns, self.metrics_target, data))
 
     # ------------------------------------------------------------------ requests
     def new_request(self, scenario: Scenario, role: str, prompt_tokens: int, max_tokens: int, seed: int,
@@ -75,14 +90,6 @@ class Driver:
         return req
 
     # ------------------------------------------------------------------ triggers
-    async def _until(self, cond, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if cond():
-                return True
-            await asyncio.sleep(0.005)
-        return cond()
-
     async def _wait_trigger(self, s: Scenario, targets: list[Request]) -> None:
         first = targets[0]
         v = s.trigger_value
@@ -90,9 +97,9 @@ class Driver:
         if s.trigger == "after_ms":
             await asyncio.sleep(v / 1000.0)
         elif s.trigger == "after_tokens":
-            hit = await self._until(lambda: all(t.chunks >= v or t.task.done() for t in targets), 60)
+            hit = await until(lambda: all(t.chunks >= v or t.task.done() for t in targets), 60)
         elif s.trigger == "near_completion_tokens":
-            hit = await self._until(lambda: all(t.chunks >= t.row.max_tokens - v or t.task.done() for t in targets), 60)
+            hit = await until(lambda: all(t.chunks >= t.row.max_tokens - v or t.task.done() for t in targets), 60)
         elif s.trigger == "before_first_token":
             await asyncio.sleep(v / 1000.0)
         elif s.trigger == "while_queued":
@@ -104,7 +111,7 @@ class Driver:
                 # once it has a token or an end it will never queue again: waiting longer only lets it finish
                 return first.row.first_token_mono_ns is not None or first.task.done()
             await asyncio.sleep(0.1)
-            hit = await self._until(lambda: queued() or gone_past(), 20) and queued()
+            hit = await until(lambda: queued() or gone_past(), 20) and queued()
         if not hit or any(t.task.done() for t in targets):
             # the cancel goes out anyway, and the run says that it did not land where the scenario meant
             running, waiting = self.scheduler_now()
@@ -162,7 +169,7 @@ class Driver:
             running, waiting = self.scheduler_now()
             return running == 0 and waiting == 0
         await asyncio.sleep(0.2)
-        ok = await self._until(idle, timeout_s)
+        ok = await until(idle, timeout_s)
         if not ok:
             # the next scenario starts beside work the client does not know of: the run says so
             running, waiting = self.scheduler_now()
@@ -176,11 +183,11 @@ class Driver:
         reqs: list[Request] = []
         neighbour = self.send(self.new_request(s, "neighbour", 200, s.neighbour_max_tokens, seed + 1))
         reqs.append(neighbour)
-        await self._until(lambda: neighbour.chunks > 0 or neighbour.task.done(), 30)
+        await until(lambda: neighbour.chunks > 0 or neighbour.task.done(), 30)
         for i in range(s.fillers):
             reqs.append(self.send(self.new_request(s, "filler", 100, s.filler_max_tokens, seed + 10 + i)))
         if s.fillers:
-            await self._until(lambda: all(r.chunks > 0 or r.task.done() for r in reqs), 30)
+            await until(lambda: all(r.chunks > 0 or r.task.done() for r in reqs), 30)
         targets = [
             self.send(self.new_request(s, "target", s.prompt_tokens, s.max_tokens, seed + 100 + i, n=s.n, api=s.api,
                                        stream=s.stream, timeout_s=s.timeout_s if s.mode == "timeout" else REQUEST_TIMEOUT_S))
@@ -212,7 +219,7 @@ class Driver:
             running, waiting = self.scheduler_now()
             return running + waiting <= sum(r.row.n for r in reqs if r not in chosen and not r.task.done())
 
-        await self._until(reconciled, self.grace_s)
+        await until(reconciled, self.grace_s)
         probe_prompt = chosen[0].body.get("prompt") if s.resubmit else None
         probe = self.send(self.new_request(s, "probe", s.prompt_tokens if s.resubmit else 100,
                                            s.probe_max_tokens, seed + 999, prompt=probe_prompt))

@@ -9,13 +9,13 @@ from the client's CANCELLED. Every request loop is bounded in count and time.
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from dataclasses import dataclass
 
+from collectors.cancels.driver import event_record, until
 from collectors.cancels.streams import now_ns
 from collectors.cancels.triton_calls import CALL_OBJECTS, REQUEST_TIMEOUT_S, Calls, SharedStream, TritonRequest
-from runstore.records import EventRecord, LedgerRecord
+from runstore.records import LedgerRecord
 
 IDLE_WAIT_S = 30.0
 NEIGHBOUR_TOKENS = 80  # 4 s at the generators' 50 ms step: it spans every cancel's window
@@ -99,10 +99,7 @@ class TritonDriver:
         self.metrics_target = metrics_target
 
     def event(self, kind: str, request_id: str | None = None, at_ns: int | None = None, **data) -> None:
-        data.setdefault("metrics_target", self.metrics_target)
-        mono = at_ns or now_ns()
-        wall = time.time_ns() - (now_ns() - mono)
-        self.emit(EventRecord(kind=kind, wall_ns=wall, mono_ns=mono, request_id=request_id, data=data))
+        self.emit(event_record(kind, request_id, at_ns, self.metrics_target, data))
 
     def new(self, s: TritonScenario, role: str, model: str, call: str, inputs: dict,
             stream: SharedStream | None = None) -> TritonRequest:
@@ -118,17 +115,9 @@ class TritonDriver:
         self.calls.send(req)
         return req
 
-    async def _until(self, cond, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if cond():
-                return True
-            await asyncio.sleep(0.005)
-        return cond()
-
     async def wait_idle(self, timeout_s: float = IDLE_WAIT_S) -> bool:
         await asyncio.sleep(0.2)
-        ok = await self._until(lambda: self.scheduler_now() == (0, 0), timeout_s)
+        ok = await until(lambda: self.scheduler_now() == (0, 0), timeout_s)
         if not ok:
             running, waiting = self.scheduler_now()
             self.event("engine_not_idle", None, waited_s=timeout_s, running=running, waiting=waiting)
@@ -149,7 +138,7 @@ class TritonDriver:
         reqs: list[TritonRequest] = []
         neighbour = self.send(self.new(s, "neighbour", "generator", "stream", {"N": NEIGHBOUR_TOKENS}))
         reqs.append(neighbour)
-        await self._until(lambda: neighbour.chunks > 0 or neighbour.done.is_set(), 10)
+        await until(lambda: neighbour.chunks > 0 or neighbour.done.is_set(), 10)
         for i in range(s.fillers):
             reqs.append(self.send(self.new(s, "filler", "slow", "unary", {"MS": s.filler_ms})))
             await asyncio.sleep(0.05)  # in order: the target queues behind all of them
@@ -179,7 +168,7 @@ class TritonDriver:
                 self._stop_events(s, t, t_stop, cid)
         # the probe is sent once the server counts no more than the client's live requests (or the grace is over)
         live = lambda: sum(1 for r in reqs if r not in targets and not r.done.is_set())  # noqa: E731
-        await self._until(lambda: sum(self.scheduler_now()) <= live(), self.grace_s)
+        await until(lambda: sum(self.scheduler_now()) <= live(), self.grace_s)
         probe_inputs = {"MS": 50} if s.model == "slow" else {"N": 3}
         probe = self.send(self.new(s, "probe", "slow" if s.model == "slow" else "generator",
                                    "unary" if s.model == "slow" else "stream", probe_inputs))
@@ -203,7 +192,7 @@ class TritonDriver:
             await asyncio.sleep(s.trigger_ms / 1000.0)
             hit = not any(t.done.is_set() for t in targets)
         else:
-            hit = await self._until(lambda: all(t.chunks >= s.trigger_responses or t.done.is_set() for t in targets),
+            hit = await until(lambda: all(t.chunks >= s.trigger_responses or t.done.is_set() for t in targets),
                                     30)
             hit = hit and not any(t.done.is_set() for t in targets)
         if not hit:

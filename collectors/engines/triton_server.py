@@ -19,10 +19,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import httpx
-
-from collectors.engines.vllm_server import (PROJECT_ROOT, EngineError, EngineState, PortBusy, is_alive, port_in_use,
-                                            read_state, state_path, stop)
+from collectors.engines.vllm_server import (PROJECT_ROOT, EngineError, EngineState, PortBusy, port_in_use,
+                                            refuse_if_running, state_path, stop, wait_healthy)
 
 TRITON_VENV = PROJECT_ROOT / ".venv-triton"
 MODELS_DIR = Path(__file__).resolve().with_name("triton_models")
@@ -117,31 +115,11 @@ def build_command(binary: Path, repo: Path, backends: Path, port: int) -> list[s
             "--log-info", "true"]  # the default format stamps microseconds (ISO8601 only seconds)
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
-                raise EngineError(f"tritonserver exited with code {proc.returncode} while starting; "
-                                  f"log {log_path}: {' | '.join(tail)}")
-            try:
-                if client.get(url + "/v2/health/ready").status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-    raise EngineError(f"tritonserver did not answer {url}/v2/health/ready within {timeout_s:.0f} s; see {log_path}")
-
-
 def start(home: Path, port: int = 8100, venv: Path = TRITON_VENV, step_ms: int = STEP_MS,
           timeout_s: float = 120.0, models: tuple[str, ...] = MODEL_NAMES) -> EngineState:
     home = Path(home).resolve()
     home.mkdir(parents=True, exist_ok=True)
-    prior = read_state(home, port)
-    if prior is not None and is_alive(prior):
-        raise PortBusy(f"an engine already runs on port {port} (pid {prior.pid}): stop it with "
-                       f"`cancelwatch engine down --port {port}` or pick --port")
+    refuse_if_running(home, port)
     for name, p in ports(port).items():
         if port_in_use(p):
             raise PortBusy(f"port {p} on 127.0.0.1 ({name}) is busy: pick another with --port "
@@ -169,7 +147,7 @@ def start(home: Path, port: int = 8100, venv: Path = TRITON_VENV, step_ms: int =
     )
     state_path(home, port).write_text(json.dumps(asdict(state), indent=1))
     try:
-        wait_ready(state.url, proc, timeout_s, log_path)
+        wait_healthy(state.url, proc, timeout_s, log_path, path="/v2/health/ready", poll_s=0.3)
     except BaseException:
         stop(home, port)
         raise

@@ -235,7 +235,18 @@ def is_alive(state: EngineState) -> bool:
         return False
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float, log_path: Path | None = None) -> None:
+def refuse_if_running(home: Path, port: int) -> None:
+    """PortBusy when an embedded engine (of either kind) still runs under this port's state file."""
+    prior = read_state(home, port)
+    if prior is not None and is_alive(prior):
+        raise PortBusy(f"an engine already runs on port {port} (pid {prior.pid}): stop it with "
+                       f"`cancelwatch engine down --port {port}` or pick --port")
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float, log_path: Path | None = None,
+                 path: str = "/health", poll_s: float = 0.5) -> None:
+    """Until `url + path` answers 200 (vLLM's /health, Triton's /v2/health/ready); EngineError, with the
+    log's last lines, when the process exits first or the time runs out."""
     deadline = time.monotonic() + timeout_s
     with httpx.Client(timeout=2.0) as client:
         while time.monotonic() < deadline:
@@ -243,12 +254,12 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float, log_
                 tail = log_path.read_text(errors="replace").strip().splitlines()[-3:] if log_path else []
                 raise EngineError(f"the engine exited with code {proc.returncode} while starting; log {log_path}: {' | '.join(tail)}")
             try:
-                if client.get(url + "/health").status_code == 200:
+                if client.get(url + path).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
-    raise EngineError(f"the engine did not answer {url}/health within {timeout_s:.0f} s; see its log {log_path}")
+            time.sleep(poll_s)
+    raise EngineError(f"the engine did not answer {url}{path} within {timeout_s:.0f} s; see its log {log_path}")
 
 
 def start(
@@ -267,9 +278,7 @@ def start(
     home.mkdir(parents=True, exist_ok=True)
     shape = shape or EngineShape()
     engine_python = engine_python or default_engine_python()
-    prior = read_state(home, port)
-    if prior is not None and is_alive(prior):
-        raise PortBusy(f"an engine already runs on port {port} (pid {prior.pid}): stop it with `cancelwatch engine down --port {port}` or pick --port")
+    refuse_if_running(home, port)
     if port_in_use(port):
         raise PortBusy(f"port {port} on 127.0.0.1 is busy: pick another with --port")
     dummy = model is None

@@ -167,27 +167,36 @@ def build_sources(settings: RecordSettings, nvml_module=None) -> tuple[list[Sour
             continue
         sources.append(log)
         engine_facts["engine_log"][label] = {"path": path}
+    sources += memory_sources(settings, pids, engine_facts, nvml_module)
+    return sources, engine_facts
+
+
+def memory_sources(settings: RecordSettings, pids: list[int], facts: dict, nvml_module=None) -> list[Source]:
+    """The engine's process memory (RSS of `pids` and all under them) and NVML where a driver answers;
+    `facts` gets the pids and the NVML state. PreflightError for pids given with --pid that are not
+    there, an --nvml value that is not auto/on/off, or --nvml on without a driver."""
+    out: list[Source] = []
     if pids:
         proc = ProcessMemorySource(pids, target="engine")
         problem = proc.check()
         if problem and settings.pids:
             raise PreflightError(problem)
         if not problem:
-            sources.append(proc)
-    engine_facts["pids"] = pids
+            out.append(proc)
+    facts["pids"] = pids
     if settings.nvml not in ("auto", "on", "off"):
         raise PreflightError(f"--nvml {settings.nvml!r}: use auto, on or off")
     if settings.nvml != "off":
         nv = NvmlSource(nvml=nvml_module, pids=pids)
         problem = nv.check()
         if problem is None:
-            sources.append(nv)
+            out.append(nv)
         elif settings.nvml == "on":
             raise PreflightError(problem)
-        engine_facts["nvml"] = "on" if problem is None else f"off: {problem}"
+        facts["nvml"] = "on" if problem is None else f"off: {problem}"
     else:
-        engine_facts["nvml"] = "off"
-    return sources, engine_facts
+        facts["nvml"] = "off"
+    return out
 
 
 def record(

@@ -12,10 +12,8 @@ from urllib.parse import urlparse
 import httpx
 
 from collectors.engines import vllm_server as engine_mod
-from collectors.recording.session import PreflightError, RecordSettings
+from collectors.recording.session import PreflightError, RecordSettings, memory_sources
 from collectors.sources.base import Source
-from collectors.sources.nvml import NvmlSource
-from collectors.sources.process_memory import ProcessMemorySource
 from collectors.sources.triton import TritonMetricsSource, server_version
 from collectors.sources.triton_log import TritonLogSource
 
@@ -120,19 +118,6 @@ def build_triton_sources(settings: RecordSettings, ep: TritonEndpoints, models: 
     if ep.state is not None:
         facts["targets"][label].update({"embedded": True, "pid": ep.state.pid, "command": ep.state.command,
                                         "shape": ep.state.shape})
-    if pids:
-        proc = ProcessMemorySource(pids, target="engine")
-        if proc.check() is None:
-            sources.append(proc)  # the server and its python-backend stubs, where the models' buffers live
-    facts["pids"] = pids
-    if settings.nvml != "off":
-        nv = NvmlSource(nvml=nvml_module, pids=pids)
-        problem = nv.check()
-        if problem is None:
-            sources.append(nv)
-        elif settings.nvml == "on":
-            raise PreflightError(problem)
-        facts["nvml"] = "on" if problem is None else f"off: {problem}"
-    else:
-        facts["nvml"] = "off"
+    # the server and its python-backend stubs, where the models' buffers live
+    sources += memory_sources(settings, pids, facts, nvml_module)
     return sources, facts

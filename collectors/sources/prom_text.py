@@ -15,8 +15,8 @@ from urllib.parse import urlencode, urlparse
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from collectors.sources.base import ParseError, SourceError
-from runstore.records import Labels, freeze_labels
+from collectors.sources.base import ParseError, Source, SourceError
+from runstore.records import Labels, Sample, freeze_labels
 
 # answers of a server that has no filterable route: full bodies from then on
 FILTER_UNSUPPORTED = (301, 302, 307, 308, 400, 404)
@@ -180,3 +180,57 @@ class MetricsEndpoint:
             conn.close()
         self._all.clear()
         self._local = threading.local()
+
+
+class PromTextSource(Source):
+    """One server's Prometheus text as a source: read through `MetricsEndpoint` (kept-alive, `name[]`
+    filtered once the names are known), parsed by the subclass's `parse` from the lines its `lines`
+    keeps; `unreadable` says how to fix an endpoint that cannot be read."""
+
+    max_in_flight = 4  # a busy server may answer late; later ticks still start on time
+
+    def __init__(self, url: str, target: str, timeout_s: float = 1.0, critical: bool = True):
+        self.critical = critical  # losing it ends the run (target_lost)
+        self.target = target
+        self.endpoint = MetricsEndpoint(url, timeout_s)
+        self.base_url, self.metrics_url = self.endpoint.base_url, self.endpoint.url
+        self._memo = LineMemo()
+
+    def parse(self, text: str, wall_ns: int, mono_ns: int, memo: LineMemo | None = None) -> list[Sample]:
+        raise NotImplementedError
+
+    def lines(self, text: str) -> list[str]:
+        raise NotImplementedError
+
+    def unreadable(self, exc: SourceError) -> str:
+        raise NotImplementedError
+
+    def check(self) -> str | None:
+        try:
+            self.parse(self.endpoint.fetch(), 0, 0)
+        except SourceError as exc:
+            return self.unreadable(exc)
+        return None
+
+    def sample(self, wall_ns: int, mono_ns: int) -> list[Sample]:
+        text, full_read_at = self.endpoint.read()
+        samples = self.parse(text, wall_ns, mono_ns, memo=self._memo)
+        if full_read_at is not None:
+            self.endpoint.keep_only(sorted({sample_name(line) for line in self.lines(text)}), full_read_at)
+        return samples
+
+    def close(self) -> None:
+        self.endpoint.close()
+
+
+def json_version(url: str, timeout_s: float = 2.0) -> str | None:
+    """The `version` field of a server's JSON answer at `url` (vLLM's /version, Triton's /v2); None
+    when it does not say (a proxy, an older build): a run records unknown rather than a guess."""
+    import httpx
+
+    try:
+        resp = httpx.get(url, timeout=timeout_s)
+        version = resp.json().get("version") if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return str(version) if version else None

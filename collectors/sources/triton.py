@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import re
 
-from collectors.sources.base import ParseError, Source, SourceError
-from collectors.sources.prom_text import LineMemo, MetricsEndpoint, sample_name
+from collectors.sources.base import ParseError, SourceError
+from collectors.sources.prom_text import LineMemo, PromTextSource, json_version, sample_name
 from runstore.records import Sample
 
 SOURCE_NAME = "triton"
@@ -72,43 +72,20 @@ def parse_triton_metrics(text: str, wall_ns: int, mono_ns: int, source: str = SO
 
 def server_version(http_url: str, timeout_s: float = 2.0) -> str | None:
     """Triton's own version from its `GET /v2` (server metadata); None when it does not say."""
-    import httpx
-
-    try:
-        resp = httpx.get(http_url.rstrip("/") + "/v2", timeout=timeout_s)
-        version = resp.json().get("version") if resp.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return None
-    return str(version) if version else None
+    return json_version(http_url.rstrip("/") + "/v2", timeout_s)
 
 
-class TritonMetricsSource(Source):
+class TritonMetricsSource(PromTextSource):
     """One Triton server's metrics port (see prom_text.MetricsEndpoint for how it is read)."""
 
     name = SOURCE_NAME
-    max_in_flight = 4
 
-    def __init__(self, url: str, target: str, timeout_s: float = 1.0, critical: bool = True):
-        self.critical = critical
-        self.target = target
-        self.endpoint = MetricsEndpoint(url, timeout_s)
-        self.base_url, self.metrics_url = self.endpoint.base_url, self.endpoint.url
-        self._memo = LineMemo()
+    def parse(self, text: str, wall_ns: int, mono_ns: int, memo: LineMemo | None = None) -> list[Sample]:
+        return parse_triton_metrics(text, wall_ns, mono_ns, memo=memo)
 
-    def check(self) -> str | None:
-        try:
-            parse_triton_metrics(self.endpoint.fetch(), 0, 0)
-        except SourceError as exc:
-            return (f"cannot read Triton metrics at {self.metrics_url} ({exc}): start it "
-                    "(cancelwatch engine up --engine triton) or fix --metrics-url (Triton's metrics port, 8002)")
-        return None
+    def lines(self, text: str) -> list[str]:
+        return _lines(text)
 
-    def sample(self, wall_ns: int, mono_ns: int) -> list[Sample]:
-        text, full_read_at = self.endpoint.read()
-        samples = parse_triton_metrics(text, wall_ns, mono_ns, memo=self._memo)
-        if full_read_at is not None:
-            self.endpoint.keep_only(sorted({sample_name(line) for line in _lines(text)}), full_read_at)
-        return samples
-
-    def close(self) -> None:
-        self.endpoint.close()
+    def unreadable(self, exc: SourceError) -> str:
+        return (f"cannot read Triton metrics at {self.metrics_url} ({exc}): start it "
+                "(cancelwatch engine up --engine triton) or fix --metrics-url (Triton's metrics port, 8002)")

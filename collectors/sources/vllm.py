@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import re
 
-from collectors.sources.base import ParseError, Source, SourceError
-from collectors.sources.prom_text import LineMemo, MetricsEndpoint, sample_name
+from collectors.sources.base import ParseError, SourceError
+from collectors.sources.prom_text import LineMemo, PromTextSource, json_version, sample_name
 from runstore.records import Sample
 
 # Server sample name -> (our name, rank). When one body holds several server names for the same
@@ -88,44 +88,20 @@ def model_names(samples: list[Sample]) -> list[str]:
 
 
 def server_version(base_url: str, timeout_s: float = 2.0) -> str | None:
-    """vLLM's own version, from its `GET /version`; None when the server does not say (a proxy, an
-    older build): the run then records that it is unknown rather than a guess."""
-    import httpx
-
-    try:
-        resp = httpx.get(base_url.rstrip("/") + "/version", timeout=timeout_s)
-        version = resp.json().get("version") if resp.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return None
-    return str(version) if version else None
+    """vLLM's own version, from its `GET /version`; None when the server does not say."""
+    return json_version(base_url.rstrip("/") + "/version", timeout_s)
 
 
-class VllmMetricsSource(Source):
+class VllmMetricsSource(PromTextSource):
     """One vLLM server's /metrics (see prom_text.MetricsEndpoint for how it is read)."""
 
     name = SOURCE_NAME
-    max_in_flight = 4  # a busy API server may answer late; later ticks still start on time
 
-    def __init__(self, url: str, target: str, timeout_s: float = 1.0, critical: bool = True):
-        self.critical = critical  # losing it ends the run (target_lost)
-        self.target = target
-        self.endpoint = MetricsEndpoint(url, timeout_s)
-        self.base_url, self.metrics_url = self.endpoint.base_url, self.endpoint.url
-        self._memo = LineMemo()
+    def parse(self, text: str, wall_ns: int, mono_ns: int, memo: LineMemo | None = None) -> list[Sample]:
+        return parse_vllm_metrics(text, wall_ns, mono_ns, memo=memo)
 
-    def check(self) -> str | None:
-        try:
-            parse_vllm_metrics(self.endpoint.fetch(), 0, 0)
-        except SourceError as exc:
-            return f"cannot read {self.metrics_url} ({exc}); start the engine (cancelwatch engine up) or fix --target"
-        return None
+    def lines(self, text: str) -> list[str]:
+        return _vllm_lines(text)
 
-    def sample(self, wall_ns: int, mono_ns: int) -> list[Sample]:
-        text, full_read_at = self.endpoint.read()
-        samples = parse_vllm_metrics(text, wall_ns, mono_ns, memo=self._memo)
-        if full_read_at is not None:
-            self.endpoint.keep_only(sorted({sample_name(line) for line in _vllm_lines(text)}), full_read_at)
-        return samples
-
-    def close(self) -> None:
-        self.endpoint.close()
+    def unreadable(self, exc: SourceError) -> str:
+        return f"cannot read {self.metrics_url} ({exc}); start the engine (cancelwatch engine up) or fix --target"
