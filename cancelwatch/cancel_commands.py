@@ -8,7 +8,14 @@ from typing import Optional
 
 import typer
 
-from cancelwatch.console import DEFAULT_STORE, ENGINE_LOG_HELP, fail, home_dir, out, print_store_error
+from cancelwatch.console import (
+    DEFAULT_STORE,
+    ENGINE_LOG_HELP,
+    fail,
+    home_dir,
+    out,
+    print_store_error,
+)
 from cancelwatch.report_commands import print_report, report_exit
 from collectors.engines import vllm_server as engine_mod
 from collectors.recording.session import (
@@ -43,12 +50,27 @@ def record_cmd(
     prometheus: Optional[str] = typer.Option(None, help="A Prometheus whose active targets of --job are the replicas "
                                              "to sample (instead of --metrics-url); the cancels go to --target."),
     job: str = typer.Option("vllm", help="With --prometheus: the scrape job of the replicas."),
+    api_key_env: Optional[str] = typer.Option(None, help="Environment variable holding the API key of an engine "
+                                              "started with --api-key (default: VLLM_API_KEY, then OPENAI_API_KEY). "
+                                              "Sent to --target only; never stored."),
 ):
     """Run scripted cancels while sampling; one run holds samples, ledger and events. Prints the report."""
     import httpx
 
+    from collectors.credentials import (
+        CredentialError,
+        api_key,
+        auth_headers,
+        split_userinfo,
+    )
     from collectors.recording.triton_session import is_triton_target
 
+    target, basic = split_userinfo(target)  # user:password@ is sent, never stored
+    try:
+        key, key_var = api_key(api_key_env)
+    except CredentialError as exc:
+        raise fail(str(exc)) from None
+    auth = auth_headers(key, basic)
     if is_triton_target(target):
         return record_triton(target, metrics_url, http_url, scenario, hz, nvml, store, name, pid, lost_after,
                              engine_log, grace)
@@ -71,9 +93,16 @@ def record_cmd(
         found = discover_targets(prometheus, job) if prometheus else []
         targets = parse_targets(found or [metrics_url or target])
         parse_targets([target])
-        model = served_model(target)
+        model = served_model(target, auth=auth)
     except PreflightError as exc:
         raise fail(str(exc)) from None
+    except httpx.HTTPStatusError as exc:
+        if exc.response.status_code in (401, 403):
+            said = f"the key in {key_var} was refused" if key_var else "it wants an API key"
+            raise fail(f"{target}/v1/models answered HTTP {exc.response.status_code}: {said}; export VLLM_API_KEY "
+                       "(or name the variable that holds the key with --api-key-env VAR)") from None
+        raise fail(f"cannot list models at {target}/v1/models (HTTP {exc.response.status_code}): start the engine "
+                   "(cancelwatch engine up) or fix --target") from None
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         raise fail(f"cannot list models at {target}/v1/models ({type(exc).__name__}): start the engine "
                    "(cancelwatch engine up) or fix --target") from None
@@ -87,6 +116,8 @@ def record_cmd(
         sources, facts = build_sources(settings)
         if prometheus:
             facts["discovery"] = {"prometheus": prometheus, "job": job, "found": found}
+        # where the credentials came from, never what they are
+        facts["auth"] = {"api_key_env": key_var} if key else ({"url_credentials": True} if basic else None)
 
         def driver_factory(writer, sampler):
             async def start_relay():
@@ -118,7 +149,7 @@ def record_cmd(
             judged = next((t.label for t in targets if t.url == target.rstrip("/")), targets[0].label)
             return Driver(target, model, writer.put, scheduler_reader(sampler, judged), grace_s=grace,
                           metrics_target=judged, relay_factory=start_relay,
-                          relay_cleanup=stop_relay).run(scenarios)
+                          relay_cleanup=stop_relay, auth=auth).run(scenarios)
 
         result = record(settings, sources, facts, driver_factory=driver_factory)
     except PreflightError as exc:

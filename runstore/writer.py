@@ -161,6 +161,17 @@ def write_scrape_block(con: sqlite3.Connection, run_id: int, source: str, target
 _STOP = object()
 
 
+def store_path(con: sqlite3.Connection) -> str:
+    """The file behind a connection (for messages)."""
+    try:
+        for _, name, file in con.execute("PRAGMA database_list"):
+            if name == "main":
+                return file or ":memory:"
+    except sqlite3.Error:
+        pass
+    return "?"
+
+
 class StoreWriter:
     """Owns the store connection on its own thread; producers only enqueue.
 
@@ -175,6 +186,8 @@ class StoreWriter:
         self.samples_written = 0
         self.scrapes_written = 0
         self.error: BaseException | None = None
+        self.failed = threading.Event()  # set once a write failed: the recorder ends the run
+        self.path = store_path(con)
         self._q: queue.Queue = queue.Queue()
         self._series: dict[tuple, int] = {}
         self._thread = threading.Thread(target=self._loop, name="store-writer", daemon=True)
@@ -190,7 +203,17 @@ class StoreWriter:
         self._q.put(_STOP)
         self._thread.join(timeout_s)
         if self.error is not None:
-            raise StoreError(f"writing the run store failed: {self.error}") from self.error
+            raise StoreError(self.error_line()) from self.error
+
+    def error_line(self) -> str:
+        """One line: which store, what failed, what to do, and that the earlier writes are kept."""
+        exc = self.error
+        full = isinstance(exc, sqlite3.Error) and any(
+            w in str(exc).lower() for w in ("full", "disk i/o", "too big", "no space"))
+        why = "the disk is full or a file-size limit was reached: free space or choose another --store" if full \
+            else "choose a writable --store"
+        return (f"the run store at {self.path} stopped taking writes ({exc}); {why}. The "
+                f"{self.samples_written} samples written before it are kept")
 
     def _series_id(self, s: Sample, target: str) -> int:
         key = (s.source, target, s.metric, s.labels)
@@ -243,5 +266,7 @@ class StoreWriter:
                 self.samples_written += sum(counts)
                 self.scrapes_written += len(counts)
             except sqlite3.Error as exc:
-                # Keep draining so producers never block; the error surfaces at close().
-                self.error = exc
+                # Keep draining so producers never block; the error surfaces at close(), and the
+                # recorder, told by `failed`, ends the run rather than sample into nothing.
+                self.error = self.error or exc
+                self.failed.set()

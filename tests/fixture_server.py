@@ -34,8 +34,11 @@ def filter_body(body: str, names: set[str]) -> str:
 
 
 class MetricsFixtureServer:
-    def __init__(self, body: str | Path, filtered: str | int = "serve", version: str = "0.32.0"):
+    def __init__(self, body: str | Path, filtered: str | int = "serve", version: str = "0.32.0",
+                 require_auth: str | None = None):
         self.body = body.read_text() if isinstance(body, Path) else body
+        self.require_auth = require_auth  # an Authorization value every request must carry, else 401
+        self.auths: list[str | None] = []  # the Authorization header of every request, in order
         self.filtered = filtered
         self.version = version
         self.paths: list[str] = []
@@ -73,9 +76,14 @@ class MetricsFixtureServer:
                 if server._gone:  # stopped: a kept-alive connection gets no answer, as from a dead server
                     self.close_connection = True
                     return
+                auth = self.headers.get("Authorization")
                 with server._lock:
                     server.paths.append(self.path)
-                status, text = server.answer(self.path)
+                    server.auths.append(auth)
+                if server.require_auth is not None and auth != server.require_auth:
+                    status, text = 401, "unauthorized\n"
+                else:
+                    status, text = server.answer(self.path)
                 data = text.encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")

@@ -13,8 +13,10 @@ connection, and watches each client: the client went when its socket reads EOF o
   sees its tokens;
 - `foreign_after_stop_s`: that long after the first target's client went, ONE unrelated streamed
   completion (X-Request-Id `foreign-<hex>`) goes straight to the engine and is read to its end;
-- `metrics_down_after_stop_s`: from the first target's client going, /metrics answers nothing (the
-  connection is dropped without a response) for that many seconds;
+- `metrics_down=(k, s)`: from the moment the proxy has handed the first target's k-th event to its
+  client, /metrics answers nothing (the connection is dropped without a response) for s seconds. A
+  client that stops after more than k tokens stops inside the outage, whatever the machine's load
+  (starting it when the proxy saw the client go began it up to 0.6 s late on a loaded machine);
 - `retry_upstream_s`: a request the engine refuses (nothing listens: it is restarting) is tried again
   for up to that many seconds, as a gateway in front of a restarting engine would.
 
@@ -60,6 +62,7 @@ class Seen:
     leaked: bool = False
     chunks_up: int = 0
     chunks_down: int = 0
+    events_down: int = 0  # SSE events (`data: ` lines) handed to the client
     errors: list[str] = field(default_factory=list)
 
 
@@ -67,7 +70,7 @@ class ProxyBehaviour:
     def __init__(self, upstream: str, port: int, *, leak: bool = False,
                  leak_only: str | Callable[[str], bool] | None = None, late_s: float = 0.0,
                  foreign_after_stop_s: float | None = None, foreign_max_tokens: int = 200,
-                 metrics_down_after_stop_s: float | None = None, retry_upstream_s: float = 0.0):
+                 metrics_down: tuple[int, float] | None = None, retry_upstream_s: float = 0.0):
         self.upstream = upstream.rstrip("/")
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
@@ -79,7 +82,7 @@ class ProxyBehaviour:
         self.late_s = float(late_s)
         self.foreign_after_stop_s = foreign_after_stop_s
         self.foreign_max_tokens = foreign_max_tokens
-        self.metrics_down_after_stop_s = metrics_down_after_stop_s
+        self.metrics_down = metrics_down
         self.retry_upstream_s = float(retry_upstream_s)
         self.upstream_retries = 0  # connection attempts the engine refused and that were tried again
         # what happened
@@ -112,7 +115,8 @@ class ProxyBehaviour:
         return {"client_gone": self.client_gone, "leaked": list(self.leaked), "passed_on": list(self.passed_on),
                 "foreign_sent": self.foreign_sent, "foreign_ids": list(self.foreign_ids),
                 "foreign_chunks": self.foreign_chunks, "foreign_error": self.foreign_error,
-                "metrics_down_at": self.metrics_down_at, "metrics_refused": self.metrics_refused,
+                "metrics_down_at": self.metrics_down_at, "metrics_down_until": self.metrics_down_until,
+                "metrics_refused": self.metrics_refused,
                 "requests": {k: vars(v) for k, v in self.requests.items()}}
 
     # ------------------------------------------------------------------ decisions
@@ -126,15 +130,20 @@ class ProxyBehaviour:
     def _metrics_down(self) -> bool:
         return self.metrics_down_until is not None and time.monotonic() < self.metrics_down_until
 
+    def _maybe_metrics_down(self, seen: Seen) -> None:
+        if self.metrics_down is None or self.metrics_down_at is not None or "-target-" not in seen.request_id:
+            return
+        k, duration_s = self.metrics_down
+        if seen.events_down >= k:
+            self.metrics_down_at = time.monotonic()
+            self.metrics_down_until = self.metrics_down_at + duration_s
+
     def _on_gone(self, seen: Seen) -> None:
         seen.client_gone_at = time.monotonic()
         self.client_gone += 1
         if "-target-" not in seen.request_id or self.first_target_gone_at is not None:
             return
         self.first_target_gone_at = seen.client_gone_at
-        if self.metrics_down_after_stop_s:
-            self.metrics_down_at = seen.client_gone_at
-            self.metrics_down_until = seen.client_gone_at + self.metrics_down_after_stop_s
         if self.foreign_after_stop_s is not None:
             self._spawn(self._foreign())
 
@@ -279,6 +288,8 @@ class ProxyBehaviour:
                 writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                 await writer.drain()
                 seen.chunks_down += 1
+                seen.events_down += chunk.count(b"data: ")
+                self._maybe_metrics_down(seen)
                 seen.delivered_done = seen.delivered_done or b"data: [DONE]" in chunk
             writer.write(b"0\r\n\r\n")
             await writer.drain()

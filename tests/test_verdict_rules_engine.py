@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from collectors.engines import vllm_server as engine_mod
 from runstore.reader import load_run
@@ -29,6 +30,12 @@ from tests.conftest import cli, cli_popen, free_port
 from tests.proxies import ProxyBehaviour
 
 GRACE_S = 2.0
+
+
+# far more tokens than the engine can make while its API server hands the client the first 20: on a
+# loaded 2-core machine the server runs seconds behind the engine core, and a 600-token target was
+# seen finished in the engine before the client's stop (no abort to wait for, nothing to judge here)
+LONG = 1200
 
 
 def scenario(folder: Path, **keys) -> Path:
@@ -157,7 +164,7 @@ def test_a_cancel_that_never_reached_the_engine_is_leaked_even_when_it_ends_insi
 
 def test_foreign_traffic_in_a_cancels_window_is_inconclusive_not_leaked(engine, engine_home, tmp_path):
     toml = scenario(tmp_path, name="foreign_window", trigger="after_tokens", trigger_value=20, prompt_tokens=600,
-                    max_tokens=600)
+                    max_tokens=LONG)
     proxy = ProxyBehaviour(engine.url, free_port(), foreign_after_stop_s=0.3).start()
     try:
         _, doc, run = record(proxy.url, toml, tmp_path / "cw.db", engine_home, metrics_url=engine.url)
@@ -207,10 +214,11 @@ def test_in_a_burst_only_the_cancel_the_proxy_leaked_is_leaked(engine, engine_ho
 # --------------------------------------------------------------------------- g: /metrics down
 
 
-def test_metrics_down_from_the_stop_is_inconclusive_no_samples(engine, engine_home, tmp_path):
+def test_metrics_down_across_the_stop_is_inconclusive_no_samples(engine, engine_home, tmp_path):
     toml = scenario(tmp_path, name="metrics_gap", trigger="after_tokens", trigger_value=20, prompt_tokens=600,
-                    max_tokens=600)
-    proxy = ProxyBehaviour(engine.url, free_port(), metrics_down_after_stop_s=3.0).start()
+                    max_tokens=LONG)
+    # /metrics goes down as the target's 15th token reaches the client, which stops at its 20th
+    proxy = ProxyBehaviour(engine.url, free_port(), metrics_down=(15, 5.0)).start()
     try:
         # /metrics through the proxy; the engine's log given by path (the proxy's port is no embedded engine)
         _, doc, run = record(proxy.url, toml, tmp_path / "cw.db", engine_home, metrics_url=proxy.url,
@@ -219,9 +227,11 @@ def test_metrics_down_from_the_stop_is_inconclusive_no_samples(engine, engine_ho
         proxy.stop()
     (c,) = doc["cancels"]
     t_stop = c["timepoints"]["user_stop"]
-    # the misbehaviour happened: /metrics went down at the stop and no scrape got through the grace
+    # the misbehaviour happened: /metrics was down from before the stop to past the grace, and no
+    # scrape got through it
     assert proxy.metrics_down_at is not None and proxy.metrics_refused >= 1, dump(doc, proxy)
-    assert abs(run_clock(run, proxy.metrics_down_at) - t_stop) <= 0.5, (run_clock(run, proxy.metrics_down_at), t_stop)
+    down, up = run_clock(run, proxy.metrics_down_at), run_clock(run, proxy.metrics_down_until)
+    assert down <= t_stop and up >= t_stop + 2.5, (down, t_stop, up)
     sc = run.scrapes
     ok_in_outage = sc[(sc["source"] == "vllm") & (sc["ok"] == 1) & (sc["t_s"] > t_stop + 0.1)
                       & (sc["t_s"] < t_stop + 2.5)]
@@ -248,7 +258,7 @@ def _wait_for_line(path: str, offset: int, needle: str, also: str, proc, timeout
 def test_an_engine_killed_and_restarted_during_a_cancel_is_inconclusive(private_engine, tmp_path):
     home, state = private_engine
     toml = scenario(tmp_path, name="restart_window", trigger="after_tokens", trigger_value=20, prompt_tokens=600,
-                    max_tokens=600)
+                    max_tokens=LONG)
     store = tmp_path / "cw.db"
     # a gateway that retries a refused connection: the probe waits for the new engine, so the run goes
     # on until the engine is back (and --lost-after outlasts the restart)
@@ -260,8 +270,11 @@ def test_an_engine_killed_and_restarted_during_a_cancel_is_inconclusive(private_
     new_state = None
     try:
         # the engine logs the target's abort: the cancel reached it. Kill it there, all of it at once.
-        assert _wait_for_line(state.log_path, offset, "Aborted request(s)", "-target-", proc, 120), \
-            proc.stderr.read() if proc.poll() is not None else "no abort line for the target"
+        if not _wait_for_line(state.log_path, offset, "Aborted request(s)", "-target-", proc, 120):
+            ended = proc.poll() is not None
+            out, err = proc.communicate(timeout=30) if ended else ("", "")
+            pytest.fail(f"no abort line for the target in the engine's log; record "
+                        f"{'exited ' + str(proc.returncode) if ended else 'still running'}\n{out[-4000:]}\n{err[-2000:]}")
         tree = [psutil.Process(p) for p in engine_mod.engine_pids(state)]
         os.killpg(state.pid, signal.SIGKILL)  # started in a session of its own: the group is the engine
         killed_at = time.monotonic()

@@ -58,8 +58,10 @@ class Driver:
     """
 
     def __init__(self, base_url: str, model: str, emit, scheduler_now, grace_s: float = 2.0,
-                 metrics_target: str = "t0", relay: "Driver | None" = None, relay_factory=None, relay_cleanup=None):
+                 metrics_target: str = "t0", relay: "Driver | None" = None, relay_factory=None, relay_cleanup=None,
+                 auth: dict[str, str] | None = None):
         self.base_url = base_url.rstrip("/")
+        self.auth = dict(auth or {})  # the Authorization header of base_url's server, sent to it alone
         self.model = model
         self.emit = emit
         self.scheduler_now = scheduler_now
@@ -70,6 +72,7 @@ class Driver:
         self.relay_factory = relay_factory
         self.relay_cleanup = relay_cleanup
         self.client: httpx.AsyncClient | None = None
+        self.open: list[Request] = []  # sent in the scenario under way, their ledger rows not yet written
 
     # ------------------------------------------------------------------ events
     def event(self, kind: str, request_id: str | None = None, at_ns: int | None = None, **data) -> None:
@@ -82,12 +85,29 @@ class Driver:
         rid = f"cw-{scenario.name}-{role}-{uuid.uuid4().hex[:8]}"
         row = LedgerRecord(request_id=rid, scenario=scenario.name, role=role, n=n, prompt_tokens=prompt_tokens,
                            max_tokens=max_tokens)
-        return build_request(row, self.model, prompt or make_prompt(prompt_tokens, seed), api=api, stream=stream,
-                           timeout_s=timeout_s)
+        req = build_request(row, self.model, prompt or make_prompt(prompt_tokens, seed), api=api, stream=stream,
+                            timeout_s=timeout_s)
+        req.auth = self.auth
+        return req
 
     def send(self, req: Request) -> Request:
         req.task = asyncio.create_task(run_request(self.client, self.base_url, req))
+        self.open.append(req)
         return req
+
+    async def write_open_rows(self, why: str = "run interrupted") -> None:
+        """The ledger rows of requests still open when the run ends early (Ctrl-C, the target lost, the
+        store failed): written, so a cancel already made keeps its row. A request the run's end cut
+        off, not a cancel of the scenario's, says so."""
+        reqs, self.open = self.open, []
+        for r in reqs:
+            if r.task is not None and not r.task.done():
+                r.task.cancel()
+        await asyncio.gather(*(r.task for r in reqs if r.task is not None), return_exceptions=True)
+        for r in reqs:
+            if not r.cancel_requested and r.row.terminal_state != "completed":
+                r.row.terminal_state, r.row.reason = "interrupted", why
+            self.emit(r.row)
 
     # ------------------------------------------------------------------ triggers
     async def _wait_trigger(self, s: Scenario, targets: list[Request]) -> None:
@@ -202,12 +222,16 @@ class Driver:
             await asyncio.gather(*(asyncio.shield(t.task) for t in chosen), return_exceptions=True)
             for t in chosen:
                 cid = uuid.uuid4().hex[:8]
-                # the stop is the moment the client's timeout fired (its deadline, if it never did)
-                stop_at = t.timeout_fired_ns or (t.row.sent_mono_ns or t_stop) + int(s.timeout_s * 1e9)
+                # the stop is the client's deadline. Not the instant httpx raised: it closes the
+                # connection before it raises, and a loaded machine let the engine log the abort
+                # milliseconds before that stamp
+                stop_at = t.deadline_ns or t_stop + int(s.timeout_s * 1e9)
                 t.row.cancel_mono_ns = stop_at
                 # a non-streaming client sees no tokens: the request was somewhere in the engine
                 self.event("user_stop", t.row.request_id, stop_at, scenario=s.name, phase="in_flight",
-                           cancel_id=cid, mode=s.mode, tokens_at_cancel=0)
+                           cancel_id=cid, mode=s.mode, tokens_at_cancel=0,
+                           raised_after_deadline_ms=None if t.timeout_fired_ns is None
+                           else round((t.timeout_fired_ns - stop_at) / 1e6, 1))
                 self._trace_after_stop(t, cid)
         else:
             await self._wait_trigger(s, targets)
@@ -233,6 +257,7 @@ class Driver:
         await asyncio.gather(*(r.task for r in reqs), return_exceptions=True)
         for r in reqs:
             self.emit(r.row)
+        self.open = [r for r in self.open if r not in reqs]
         await self.wait_idle()
         await asyncio.sleep(max(0.0, self.grace_s - 0.2))  # the verdict's grace window is sampled, not guessed
         self.event("scenario_end", None, scenario=s.name, repeat=repeat)
@@ -258,5 +283,8 @@ class Driver:
                     for repeat in range(s.repeats):
                         await driver.run_scenario(s, repeat)
             finally:
+                for d in (self, self.relay):
+                    if d is not None and d.open:
+                        await d.write_open_rows()
                 if self.relay_cleanup is not None:
                     await self.relay_cleanup()

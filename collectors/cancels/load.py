@@ -68,8 +68,8 @@ async def run_streams(
         )
 
 
-def served_model(url: str, timeout_s: float = 5.0) -> str:
+def served_model(url: str, timeout_s: float = 5.0, auth: dict[str, str] | None = None) -> str:
     """The first model id the server lists at /v1/models."""
-    resp = httpx.get(url.rstrip("/") + "/v1/models", timeout=timeout_s)
+    resp = httpx.get(url.rstrip("/") + "/v1/models", timeout=timeout_s, headers=auth or {})
     resp.raise_for_status()
     return resp.json()["data"][0]["id"]

@@ -29,7 +29,11 @@ class Request:
 
     client_closed_ns: monotonic instant the client had closed its connection after the cancel (its
         own stamp: it says nothing of whether the server noticed)
-    timeout_fired_ns: monotonic instant the client's timeout fired (non-streaming timeout mode)
+    timeout_fired_ns: monotonic instant the client's timeout fired (non-streaming timeout mode), as
+        stamped once httpx raised: it has closed the connection by then, so the engine may see the
+        close before this stamp
+    body_sent_ns: monotonic instant the request body was written (httpx's read timer starts there:
+        the deadline is body_sent_ns + timeout_s)
     app_received_ns, engine_abort_ns: the relay app's own readings (explicit mode), on this clock
     """
 
@@ -44,6 +48,8 @@ class Request:
     cancel_requested: bool = False
     client_closed_ns: int | None = None
     timeout_fired_ns: int | None = None
+    body_sent_ns: int | None = None
+    auth: dict = field(default_factory=dict, repr=False)  # the target's Authorization header, if it wants one
     app_received_ns: int | None = None
     engine_abort_ns: int | None = None
 
@@ -51,6 +57,12 @@ class Request:
     def chunks(self) -> int:
         """Content chunks received so far (one token each on the tiny model's streams)."""
         return self.row.chunks
+
+    @property
+    def deadline_ns(self) -> int | None:
+        """When the client's timeout was due: from the body written (or, unseen, from the send)."""
+        start = self.body_sent_ns or self.row.sent_mono_ns
+        return None if start is None else start + int(self.timeout_s * 1e9)
 
     @property
     def path(self) -> str:
@@ -122,7 +134,7 @@ def _count(req: Request, payload: dict) -> None:
 
 async def _stream(client: httpx.AsyncClient, base_url: str, req: Request) -> None:
     async with client.stream("POST", base_url + req.path, json=req.body,
-                             headers={"X-Request-Id": req.row.request_id, "X-Owner": OWNER}) as resp:
+                             headers={"X-Request-Id": req.row.request_id, "X-Owner": OWNER, **req.auth}) as resp:
         req.response = resp
         if resp.status_code != 200:
             await resp.aread()
@@ -143,8 +155,12 @@ async def _stream(client: httpx.AsyncClient, base_url: str, req: Request) -> Non
 
 
 async def _plain(client: httpx.AsyncClient, base_url: str, req: Request) -> None:
+    async def trace(event: str, info: dict) -> None:
+        if event == "http11.send_request_body.complete":
+            req.body_sent_ns = now_ns()
+
     resp = await client.post(base_url + req.path, json=req.body, timeout=req.timeout_s,
-                             headers={"X-Request-Id": req.row.request_id})
+                             headers={"X-Request-Id": req.row.request_id, **req.auth}, extensions={"trace": trace})
     if resp.status_code != 200:
         req.row.terminal_state, req.row.error = "error", f"HTTP {resp.status_code}: {resp.text[:200]}"
         return

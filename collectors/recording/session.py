@@ -6,19 +6,26 @@ The CLI and the tests both call `record`; nothing here prints.
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from collectors.credentials import split_userinfo, strip_userinfo
 from collectors.engines import vllm_server as engine_mod
 from collectors.recording.sampler import Sampler
 from collectors.sources.base import Source
 from collectors.sources.engine_log import EngineLogSource
 from collectors.sources.nvml import NvmlSource
 from collectors.sources.process_memory import ProcessMemorySource
-from collectors.sources.vllm import VllmMetricsSource, cache_config, model_names, server_version
+from collectors.sources.vllm import (
+    VllmMetricsSource,
+    cache_config,
+    model_names,
+    server_version,
+)
 from runstore.records import DriveSettings
 from runstore.writer import StoreWriter, create_run, finish_run, open_store
 
@@ -39,8 +46,20 @@ class PreflightError(Exception):
 
 @dataclass
 class Target:
+    """One sampled server. `url` is what the run stores (no user:password). The URL as given,
+    credentials and all, is kept outside the dataclass's fields, so that asdict() (what the run
+    stores) and repr() never see it: only the source that reads the server gets it (`source_url`)."""
+
     label: str
     url: str
+
+    def with_credentials(self, given: str | None) -> Target:
+        self._given = given
+        return self
+
+    @property
+    def source_url(self) -> str:
+        return getattr(self, "_given", None) or self.url
 
 
 @dataclass
@@ -84,8 +103,10 @@ def parse_targets(values: list[str]) -> list[Target]:
         url = url.rstrip("/")
         parsed = urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise PreflightError(f"--target {value!r} is not an http(s) URL: use e.g. --target http://127.0.0.1:8000")
-        out.append(Target(label or f"t{i}", url))
+            raise PreflightError(f"--target {strip_userinfo(value)!r} is not an http(s) URL: use e.g. "
+                                 "--target http://127.0.0.1:8000")
+        clean, basic = split_userinfo(url)
+        out.append(Target(label or f"t{i}", clean).with_credentials(url if basic else None))
     labels = [t.label for t in out]
     if len(set(labels)) != len(labels):
         raise PreflightError(f"--target labels must be unique, got {labels}: write them as LABEL=URL")
@@ -130,7 +151,7 @@ def build_sources(settings: RecordSettings, nvml_module=None) -> tuple[list[Sour
     pids = list(settings.pids)
     logs: dict[str, str] = {}  # target label -> the engine log followed for it
     for t in settings.targets:
-        src = VllmMetricsSource(t.url, t.label)
+        src = VllmMetricsSource(t.source_url, t.label)
         problem = src.check()
         if problem:
             for s in sources:
@@ -243,7 +264,7 @@ def record(
     deadline = mono_ns + int(settings.duration_s * 1e9) if settings.duration_s else None
     try:
         if driver_factory is not None:
-            asyncio.run(_drive(driver_factory(writer, sampler), sampler))
+            asyncio.run(_drive(driver_factory(writer, sampler), sampler, writer.failed))
             if sampler.lost.is_set():
                 status = "target_lost"
             stop.set()
@@ -251,6 +272,8 @@ def record(
             if sampler.lost.is_set():
                 status = "target_lost"
                 break
+            if writer.failed.is_set():
+                break  # the store takes no more: recording on would only lose what is sampled
             if deadline is not None and time.monotonic_ns() >= deadline:
                 break
             if on_tick is not None:
@@ -276,17 +299,20 @@ def record(
             "scrapes_written": writer.scrapes_written,
             "store_error": str(error) if error else None,
         }
-        finish_run(con, run_id, status, stats)
+        try:
+            finish_run(con, run_id, status, stats)
+        except sqlite3.Error as exc:  # a full disk may refuse the status too: the samples stay intact
+            stats["store_error"] = stats["store_error"] or f"the run store at {settings.store}: {exc}"
         con.close()
     code = {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED, "target_lost": EXIT_TARGET_LOST}.get(status, EXIT_FAILED)
     return RunResult(run_id, status, stats, code)
 
 
-async def _drive(coro, sampler: Sampler) -> None:
-    """Run the driver, but give up when the target is lost."""
+async def _drive(coro, sampler: Sampler, store_failed: threading.Event | None = None) -> None:
+    """Run the driver, but give up when the target is lost or the store takes no more writes."""
     task = asyncio.ensure_future(coro)
     while not task.done():
-        if sampler.lost.is_set():
+        if sampler.lost.is_set() or (store_failed is not None and store_failed.is_set()):
             task.cancel()
         await asyncio.wait([task], timeout=0.2)
     if not task.cancelled():

@@ -9,12 +9,15 @@ prometheus_client's parser, once per series. Nothing here knows a vLLM name: the
 from __future__ import annotations
 
 import http.client
+import math
+import re
 import threading
 import time
 from urllib.parse import urlencode, urlparse
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from collectors.credentials import split_userinfo
 from collectors.sources.base import ParseError, Source, SourceError
 from runstore.records import Labels, Sample, freeze_labels
 
@@ -43,16 +46,38 @@ def _split_value(line: str) -> tuple[str, str] | None:
     return (parts[0], parts[1]) if len(parts) == 2 else None
 
 
+# The memo's fast path reads a value only when it is written the plain way (ASCII digits, Inf, NaN); any
+# other spelling goes through the parser, so both ways give one answer (float() alone took '1_000', which
+# prometheus_client refuses: found by tests/test_fuzz.py).
+_PLAIN_VALUE = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[+-]?Inf|NaN")
+
+
+def _as_float(value: int | float) -> float:
+    """prometheus_client gives an int for integer text; one of 400 digits is too large for a float (an
+    OverflowError, found by tests/test_fuzz.py): +-inf then, as float('1e999') and the memo's path give."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def one_line(text: str, limit: int = 200) -> str:
+    """Text for a one-line error: prometheus_client quotes the offending line, which may hold a \\r, \\v or
+    U+2028 (found by tests/test_fuzz.py); cut short, a line can be the whole body."""
+    text = " ".join(text.splitlines())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def parse_lines(lines: list[str]) -> list[tuple[str, Labels, float]]:
     """(sample name, labels, value) of each sample line, through prometheus_client's parser.
     Raises ParseError unless every line gives exactly one sample."""
     try:
         samples = [s for fam in text_string_to_metric_families("\n".join(lines) + "\n") for s in fam.samples]
     except (ValueError, TypeError, IndexError) as exc:
-        raise ParseError(f"unparseable /metrics body: {exc}") from exc
+        raise ParseError(f"unparseable /metrics body: {one_line(str(exc))}") from exc
     if len(samples) != len(lines):
         raise ParseError(f"unparseable /metrics body: {len(lines)} sample lines gave {len(samples)} samples")
-    return [(s.name, freeze_labels(s.labels), float(s.value)) for s in samples]
+    return [(s.name, freeze_labels(s.labels), _as_float(s.value)) for s in samples]
 
 
 class LineMemo:
@@ -73,7 +98,7 @@ class LineMemo:
         fresh: list[int] = []
         for line in lines:
             split = _split_value(line)
-            known = self._series.get(split[0]) if split else None
+            known = self._series.get(split[0]) if split and _PLAIN_VALUE.fullmatch(split[1]) else None
             if known is None:
                 fresh.append(len(out))
                 out.append(None)
@@ -107,6 +132,8 @@ class MetricsEndpoint:
     """
 
     def __init__(self, base_url: str, timeout_s: float = 1.0, full_every_s: float = 10.0):
+        # user:password in the URL: sent as Basic credentials, kept out of url (messages, gaps, the run)
+        base_url, self._auth = split_userinfo(base_url)
         self.base_url = base_url.rstrip("/")
         self.url = self.base_url + "/metrics"
         self.timeout_s = timeout_s
@@ -152,7 +179,10 @@ class MetricsEndpoint:
         return body.decode("utf-8", errors="replace")
 
     def _get(self, conn: http.client.HTTPConnection, path: str) -> tuple[http.client.HTTPResponse, bytes]:
-        conn.request("GET", path, headers={"Accept-Encoding": "identity"})
+        headers = {"Accept-Encoding": "identity"}
+        if self._auth:
+            headers["Authorization"] = self._auth
+        conn.request("GET", path, headers=headers)
         resp = conn.getresponse()
         return resp, resp.read()
 

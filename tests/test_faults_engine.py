@@ -1,0 +1,139 @@
+"""Faults on the real engine during a cancel; each must lose nothing recorded and end with a clear status.
+
+- SIGSTOP: the engine freezes right after it aborted the target. Scrapes time out into gaps, the
+  cancel is `inconclusive` (no samples to judge it on), and the run goes on once the engine resumes.
+- SIGKILL (no restart): the run ends as `target_lost` with one line saying so; the cancel and the
+  samples before the kill are kept and `report` works on the run.
+- Ctrl-C during `record`: the run ends as `interrupted`; the cancels already made are kept, the one
+  in flight too, and `report` works on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from collectors.engines import vllm_server as engine_mod
+from runstore.reader import load_run
+from tests.conftest import SHORT, cli, cli_popen
+from tests.test_verdict_rules_engine import LONG, _wait_for_line, dump, engine_lines, run_clock, scenario
+
+
+def abort_line_or_fail(state, offset, proc, needle="-target-", timeout_s=120):
+    if not _wait_for_line(state.log_path, offset, "Aborted request(s)", needle, proc, timeout_s):
+        ended = proc.poll() is not None
+        out, err = proc.communicate(timeout=30) if ended else ("", "")
+        pytest.fail(f"no abort line for {needle} in the engine's log; record "
+                    f"{'exited ' + str(proc.returncode) if ended else 'still running'}\n{out[-4000:]}\n{err[-2000:]}")
+
+
+def finish(proc, timeout_s=300):
+    try:
+        return proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+
+
+def test_an_engine_stopped_during_a_cancel_gives_gaps_and_inconclusive_and_the_run_goes_on(engine, engine_home,
+                                                                                           tmp_path):
+    toml = scenario(tmp_path, name="frozen_window", trigger="after_tokens", trigger_value=20, prompt_tokens=600,
+                    max_tokens=LONG)
+    store = tmp_path / "cw.db"
+    offset = os.path.getsize(engine.log_path)
+    proc = cli_popen("record", "--target", engine.url, "--scenario", str(toml), "--store", str(store),
+                     "--lost-after", "60", home=engine_home)
+    stopped_at = resumed_at = None
+    try:
+        abort_line_or_fail(engine, offset, proc)
+        os.killpg(engine.pid, signal.SIGSTOP)  # the whole engine: API server and engine core
+        stopped_at = time.monotonic()
+        time.sleep(4.0)
+    finally:
+        os.killpg(engine.pid, signal.SIGCONT)
+        resumed_at = time.monotonic()
+    out, err = finish(proc)
+    assert proc.returncode in (0, 1), out[-3000:] + err[-3000:]
+    run = load_run(store, "latest")
+    doc = json.loads(cli("report", "latest", "--json", "--store", str(store)).stdout)
+    (c,) = doc["cancels"]
+    t_stop, t_frozen, t_back = c["timepoints"]["user_stop"], run_clock(run, stopped_at), run_clock(run, resumed_at)
+    assert t_stop < t_frozen < t_stop + 1.0, (t_stop, t_frozen)
+    assert run.info["status"] == "completed"
+    # the scrapes in the freeze timed out into a gap, and sampling came back after it
+    g = run.gaps[run.gaps["source"] == "vllm"]
+    assert ((g["t_s"] <= t_frozen + 1.5) & (g["end_t_s"] >= t_back - 0.5)).any(), g
+    sc = run.scrapes[run.scrapes["source"] == "vllm"]
+    assert ((sc["ok"] == 1) & (sc["t_s"] > t_back)).any()
+    # the engine had aborted it, but nothing sampled across the grace says it left: not called released
+    assert c["request_id"] in engine_lines(run, "engine_aborted")
+    assert c["verdict"] == "inconclusive", dump(doc)
+    assert "no samples" in c["evidence"]["why"], dump(doc)
+    # the run went on: the probe and the neighbour were served once the engine resumed
+    ledger = run.ledger.set_index("role")
+    assert ledger.loc["probe", "terminal_state"] == "completed", run.ledger
+    assert ledger.loc["neighbour", "terminal_state"] == "completed", run.ledger
+
+
+def test_an_engine_killed_during_a_cancel_ends_the_run_as_target_lost_keeping_the_cancel(private_engine, tmp_path):
+    home, state = private_engine
+    toml = scenario(tmp_path, name="killed_window", trigger="after_tokens", trigger_value=20, prompt_tokens=600,
+                    max_tokens=LONG)
+    store = tmp_path / "cw.db"
+    offset = os.path.getsize(state.log_path)
+    proc = cli_popen("record", "--target", state.url, "--scenario", str(toml), "--store", str(store),
+                     "--lost-after", "4", home=home)
+    try:
+        abort_line_or_fail(state, offset, proc)
+        tree = [psutil.Process(p) for p in engine_mod.engine_pids(state)]
+        os.killpg(state.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        assert not psutil.wait_procs(tree, timeout=10)[1]
+    finally:
+        out, err = finish(proc, 120)
+    assert proc.returncode == 3, out[-3000:] + err[-3000:]  # EXIT_TARGET_LOST
+    assert "target_lost" in out + err
+    run = load_run(store, "latest")
+    assert run.info["status"] == "target_lost"
+    assert (run.scrapes[(run.scrapes["source"] == "vllm")]["ok"] == 1).sum() >= 10  # what came before is kept
+    assert run_clock(run, killed_at) < run.scrapes["t_s"].max() + 6
+    rep = cli("report", "latest", "--json", "--store", str(store))
+    assert rep.returncode in (0, 1), rep.stderr
+    doc = json.loads(rep.stdout)
+    (c,) = doc["cancels"]
+    assert c["request_id"] in set(run.ledger["request_id"])  # the ledger row of the cancelled request is kept
+    assert c["verdict"] == "inconclusive", dump(doc)
+
+
+def test_ctrl_c_during_record_keeps_the_cancels_made_and_report_works(engine, engine_home, tmp_path):
+    scen = tmp_path / "short.toml"
+    scen.write_text(SHORT)  # decode_short, then chat_short
+    store = tmp_path / "cw.db"
+    offset = os.path.getsize(engine.log_path)
+    proc = cli_popen("record", "--target", engine.url, "--scenario", str(scen), "--store", str(store),
+                     home=engine_home)
+    try:
+        # the first scenario's cancel is made; Ctrl-C as the second one's target is being cancelled
+        abort_line_or_fail(engine, offset, proc, "-decode_short-target-")
+        abort_line_or_fail(engine, offset, proc, "-chat_short-target-")
+        proc.send_signal(signal.SIGINT)
+    finally:
+        out, err = finish(proc, 120)
+    assert proc.returncode == 130, out[-3000:] + err[-3000:]
+    assert "interrupted" in out + err
+    run = load_run(store, "latest")
+    assert run.info["status"] == "interrupted"
+    rep = cli("report", "latest", "--json", "--store", str(store))
+    assert rep.returncode in (0, 1), rep.stderr
+    doc = json.loads(rep.stdout)
+    by = {c["scenario"]: c for c in doc["cancels"]}
+    assert set(by) == {"decode_short", "chat_short"}, dump(doc)
+    assert by["decode_short"]["verdict"] == "released", dump(doc)  # judged whole: its window was recorded
+    roles = set(zip(run.ledger["scenario"], run.ledger["role"]))
+    assert {("decode_short", "target"), ("decode_short", "probe"), ("chat_short", "target")} <= roles, run.ledger

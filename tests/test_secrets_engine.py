@@ -1,0 +1,131 @@
+"""An engine behind an API key: the key reaches that engine and nothing else keeps it.
+
+A real vLLM started with VLLM_API_KEY guards /v1/*. `record --api-key-env VAR` must get its cancels
+through (the engine logs and aborts them: the key was sent), and afterwards the key, and the password
+of a target URL given as http://user:password@host, must be absent from everything the tool wrote:
+the store (every file of it), the Parquet export, the HTML report, a rendered notebook and the
+tool's own output. A missing or refused key is one line that names the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from runstore.reader import load_run
+from tests.conftest import SHORT, _start_engine, _stop_engine, cli
+
+pytestmark = pytest.mark.engine
+
+KEY = f"sk-cw-{uuid.uuid4().hex}"
+PASSWORD = f"pw-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="module")
+def keyed_engine(tmp_path_factory):
+    home = tmp_path_factory.mktemp("keyed-home")
+    before = os.environ.get("VLLM_API_KEY")
+    os.environ["VLLM_API_KEY"] = KEY  # the engine reads it at start; never on its command line
+    try:
+        state = _start_engine(home)
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_API_KEY", None)
+        else:
+            os.environ["VLLM_API_KEY"] = before
+    yield home, state
+    left = _stop_engine(home, state)
+    assert not left, f"engine down left processes behind: {left}"
+
+
+def run_cli(*args, env: dict[str, str | None], home: Path, timeout: float = 300):
+    saved = {k: os.environ.get(k) for k in [*env, "VLLM_API_KEY", "OPENAI_API_KEY"]}
+    try:
+        for k in ("VLLM_API_KEY", "OPENAI_API_KEY"):
+            os.environ.pop(k, None)
+        for k, v in env.items():
+            if v is not None:
+                os.environ[k] = v
+        return cli(*args, home=home, timeout=timeout)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def with_password(url: str) -> str:
+    return url.replace("http://", f"http://cwuser:{PASSWORD}@")
+
+
+def test_the_engine_wants_the_key(keyed_engine):
+    _, state = keyed_engine
+    assert httpx.get(state.url + "/v1/models", timeout=10).status_code == 401
+    ok = httpx.get(state.url + "/v1/models", timeout=10, headers={"Authorization": f"Bearer {KEY}"})
+    assert ok.status_code == 200
+    assert KEY not in " ".join(state.command)  # the key went by the environment, not argv
+    home = keyed_engine[0]
+    assert all(KEY.encode() not in p.read_bytes() for p in home.rglob("*.json"))  # nor into the engine's state
+
+
+def test_a_missing_or_refused_key_is_one_line_naming_the_fix(keyed_engine, tmp_path):
+    home, state = keyed_engine
+    store = tmp_path / "cw.db"
+    args = ("record", "--target", state.url, "--scenario", "decode", "--store", str(store))
+    none = run_cli(*args, env={}, home=home, timeout=120)
+    assert none.returncode == 2, none.stdout + none.stderr
+    line = none.stderr.strip()
+    assert "\n" not in line and "401" in line and "--api-key-env" in line, line
+    unset = run_cli(*args, "--api-key-env", "CW_TEST_KEY", env={}, home=home, timeout=120)
+    assert unset.returncode == 2 and "CW_TEST_KEY is not set" in unset.stderr and "\n" not in unset.stderr.strip()
+    wrong = run_cli(*args, "--api-key-env", "CW_TEST_KEY", env={"CW_TEST_KEY": "sk-wrong"}, home=home, timeout=120)
+    assert wrong.returncode == 2 and "CW_TEST_KEY was refused" in wrong.stderr, wrong.stderr
+    assert "sk-wrong" not in wrong.stderr + wrong.stdout
+    assert not store.exists() or "cw-" not in store.read_bytes().decode("latin-1")  # nothing was driven
+
+
+def test_the_key_gets_the_cancels_through_and_is_stored_nowhere(keyed_engine, tmp_path):
+    home, state = keyed_engine
+    folder = tmp_path / "run"
+    folder.mkdir()
+    scen = folder / "short.toml"
+    scen.write_text(SHORT)
+    store = folder / "cw.db"
+    rec = run_cli("record", "--target", with_password(state.url), "--metrics-url", with_password(state.url),
+                  "--scenario", str(scen), "--store", str(store), "--name", "keyed",
+                  "--api-key-env", "CW_TEST_KEY", env={"CW_TEST_KEY": KEY}, home=home)
+    assert rec.returncode in (0, 1), rec.stdout[-3000:] + rec.stderr[-3000:]
+    doc = json.loads(cli("report", "latest", "--json", "--store", str(store)).stdout)
+    # the key was sent: the engine itself logged and aborted the cancels
+    assert doc["cancels"] and all(c["timepoint_sources"]["engine_abort"]["source"] == "engine_log"
+                                  for c in doc["cancels"] if c["verdict"] == "released"), doc
+    assert any(c["verdict"] == "released" for c in doc["cancels"]), doc
+    assert doc["target"] == state.url  # stored without user:password
+    html = folder / "report.html"
+    rep = cli("report", "latest", "--store", str(store), "--html", str(html))
+    assert rep.returncode in (0, 1), rep.stderr
+    export = cli("export", "latest", "--store", str(store), "--parquet", str(folder / "parquet"))
+    assert export.returncode == 0, export.stderr
+    nb = cli("notebook", "vram_plateau", "--store", str(store), "--html", str(folder / "nb.html"),
+             "--ipynb", str(folder / "nb.ipynb"), timeout=600)
+    assert nb.returncode == 0, nb.stderr[-2000:]
+    (folder / "cli-output.txt").write_text("\n".join(r.stdout + r.stderr for r in (rec, rep, export, nb)))
+    written = sorted(p for p in folder.rglob("*") if p.is_file() and p != scen)
+    names = {p.name for p in written}
+    assert {"cw.db", "report.html", "nb.html", "nb.ipynb", "cli-output.txt"} <= names, names
+    assert any(p.suffix == ".parquet" for p in written), names
+    for p in written:
+        data = p.read_bytes()
+        for secret in (KEY, PASSWORD):
+            assert secret.encode() not in data, f"{secret[:8]}... found in {p}"
+    # the engine's own log is vLLM's to write; it should not hold the key either
+    assert KEY.encode() not in Path(state.log_path).read_bytes()
+    # the run says where the credentials came from, not what they are
+    run = load_run(store, "latest")
+    assert run.info["engine"]["auth"] == {"api_key_env": "CW_TEST_KEY"}, run.info["engine"]
