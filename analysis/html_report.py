@@ -54,7 +54,9 @@ def styled_cancel_table(table: pd.DataFrame) -> str:
     def colour(v):
         return f"background-color: {VERDICT_COLOURS.get(v, '#fff')}; color: white; font-weight: 600"
 
-    return table.style.map(colour, subset=["verdict"]).format(precision=1, na_rep="–").hide(axis="index").to_html()
+    # a Styler writes cells as they are: the scenario names and request ids come from the run, so escape them
+    return (table.style.map(colour, subset=["verdict"]).format(precision=1, na_rep="–", escape="html")
+            .format_index(escape="html", axis=1).hide(axis="index").to_html())
 
 
 def _fig_html(fig: go.Figure) -> str:

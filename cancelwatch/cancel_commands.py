@@ -23,6 +23,7 @@ from collectors.recording.session import (
     PreflightError,
     RecordSettings,
     build_sources,
+    check_burst,
     parse_targets,
     record,
 )
@@ -38,6 +39,10 @@ def record_cmd(
     scenario: str = typer.Option("default", help="Suite, built-in scenario name, or a TOML file (Triton: triton, "
                                  "or triton_* names)."),
     hz: float = typer.Option(20.0),
+    burst_hz: Optional[float] = typer.Option(None, help="Sample the scheduler at this rate (a whole multiple of "
+                                             "--hz) from just before each stop to the end of --burst-window; "
+                                             "--hz stays the baseline."),
+    burst_window: str = typer.Option("2s", help="How long each burst lasts from the stop, e.g. 2s or 1.5."),
     nvml: str = typer.Option("auto"),
     store: Path = typer.Option(DEFAULT_STORE),
     name: Optional[str] = typer.Option(None),
@@ -57,7 +62,7 @@ def record_cmd(
     """Run scripted cancels while sampling; one run holds samples, ledger and events. Prints the report."""
     import httpx
 
-    from collectors.credentials import (
+    from collectors.sources.credentials import (
         CredentialError,
         api_key,
         auth_headers,
@@ -66,6 +71,11 @@ def record_cmd(
     from collectors.recording.triton_session import is_triton_target
 
     target, basic = split_userinfo(target)  # user:password@ is sent, never stored
+    window_s = seconds(burst_window, "--burst-window")
+    try:  # before anything is sent to the target
+        check_burst(RecordSettings(targets=[], hz=hz, burst_hz=burst_hz, burst_window_s=window_s))
+    except PreflightError as exc:
+        raise fail(str(exc)) from None
     try:
         key, key_var = api_key(api_key_env)
     except CredentialError as exc:
@@ -110,7 +120,7 @@ def record_cmd(
     try:
         settings = RecordSettings(targets=targets, store=store, hz=hz, duration_s=None, nvml=nvml, name=name,
                                   pids=list(pid or []), lost_after_s=lost_after, home=home_dir(),
-                                  engine_log=engine_log,
+                                  engine_log=engine_log, burst_hz=burst_hz, burst_window_s=window_s,
                                   drive=DriveSettings(driven_target=target, scenarios=[s.name for s in scenarios],
                                                       grace_s=grace, model=model, relay_url=relay_url))
         sources, facts = build_sources(settings)
@@ -136,8 +146,10 @@ def record_cmd(
                 relay_state.setdefault("sources", []).append(src)
                 all_targets = [*({"label": t.label, "url": t.url} for t in targets), {"label": "relay", "url": url}]
                 writer.set_run_json("targets", all_targets)
-                return Driver(url, await asyncio.to_thread(served_model, url), writer.put,
-                              scheduler_reader(sampler, "relay"), grace_s=grace, metrics_target="relay")
+                relay_driver = Driver(url, await asyncio.to_thread(served_model, url), writer.put,
+                                      scheduler_reader(sampler, "relay"), grace_s=grace, metrics_target="relay")
+                relay_driver.stop_soon = lambda: sampler.burst(window_s, target="relay")
+                return relay_driver
 
             async def stop_relay():
                 for src in relay_state.get("sources", []):
@@ -147,9 +159,11 @@ def record_cmd(
 
             # the replica the cancels go to judges them (a discovered one by its URL), else the first
             judged = next((t.label for t in targets if t.url == target.rstrip("/")), targets[0].label)
-            return Driver(target, model, writer.put, scheduler_reader(sampler, judged), grace_s=grace,
-                          metrics_target=judged, relay_factory=start_relay,
-                          relay_cleanup=stop_relay, auth=auth).run(scenarios)
+            driver = Driver(target, model, writer.put, scheduler_reader(sampler, judged), grace_s=grace,
+                            metrics_target=judged, relay_factory=start_relay,
+                            relay_cleanup=stop_relay, auth=auth)
+            driver.stop_soon = lambda: sampler.burst(window_s, target=judged)
+            return driver.run(scenarios)
 
         result = record(settings, sources, facts, driver_factory=driver_factory)
     except PreflightError as exc:
@@ -201,6 +215,17 @@ def record_triton(target: str, metrics_url: str | None, http_url: str | None, sc
     except StoreError as exc:
         raise fail(str(exc)) from None
     report_recorded(store, result, grace)
+
+
+def seconds(value: str, option: str) -> float:
+    """`2s`, `1.5`, `500ms` -> seconds; a bad value is the usual one-line error."""
+    text = value.strip().lower()
+    scale = 0.001 if text.endswith("ms") else 1.0
+    text = text.removesuffix("ms").removesuffix("s")
+    try:
+        return float(text) * scale
+    except ValueError:
+        raise fail(f"{option} {value!r} is not a duration: write e.g. 2s, 1.5 or 500ms") from None
 
 
 def report_recorded(store: Path, result, grace: float) -> None:

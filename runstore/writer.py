@@ -79,11 +79,15 @@ def create_run(
 
 
 def finish_run(con: sqlite3.Connection, run_id: int, status: str, stats: dict, ended_wall_ns: int | None = None) -> None:
-    con.execute(
-        "UPDATE runs SET status = ?, ended_wall_ns = ?, stats = ? WHERE id = ?",
-        (status, ended_wall_ns or time.time_ns(), json.dumps(stats), run_id),
-    )
-    con.commit()
+    """The run's end status and stats. StoreError when the store refuses them (a full disk)."""
+    try:
+        con.execute(
+            "UPDATE runs SET status = ?, ended_wall_ns = ?, stats = ? WHERE id = ?",
+            (status, ended_wall_ns or time.time_ns(), json.dumps(stats), run_id),
+        )
+        con.commit()
+    except sqlite3.Error as exc:
+        raise StoreError(f"the run store at {store_path(con)} did not take the run's end status ({exc})") from exc
 
 
 def delete_runs(con: sqlite3.Connection, run_ids: Iterable[int]) -> None:

@@ -7,7 +7,7 @@ import sqlite3
 
 import pytest
 
-from collectors.credentials import CredentialError, api_key, auth_headers, split_userinfo
+from collectors.sources.credentials import CredentialError, api_key, auth_headers, split_userinfo
 from collectors.recording.session import PreflightError, parse_targets
 from collectors.sources.vllm import VllmMetricsSource
 from tests.conftest import FIXTURES, cli

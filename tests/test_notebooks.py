@@ -4,19 +4,30 @@ tests record, rendered to HTML without code cells and with plotly embedded."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import signal
+import subprocess
+import time
 from pathlib import Path
 
+import httpx
 import nbformat
+import papermill as pm
+import psutil
 import pytest
 
 from analysis import review
 from runstore.reader import StoreError
-from tests.conftest import cli
+from tests.conftest import cli, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "dashboard" / "sample" / "sample.db"
 NOTEBOOKS = ["capacity_review", "vram_plateau"]
+ALL_NOTEBOOKS = ["capacity_review", "explore", "resolution", "vram_plateau"]
+# the notebooks that need nothing but a run (resolution also needs an import from Prometheus)
+ON_A_RUN = ["capacity_review", "explore", "vram_plateau"]
 
 
 def render(tmp_path: Path, name: str, *args: str, timeout: float = 300):
@@ -52,7 +63,7 @@ def assert_offline_without_code(html: str, nb) -> None:
             assert f'"name":"{name}"' in html
 
 
-@pytest.mark.parametrize("name", NOTEBOOKS)
+@pytest.mark.parametrize("name", ALL_NOTEBOOKS)
 def test_committed_notebooks_are_stripped_and_parameterised(name):
     nb = nbformat.read(str(ROOT / "notebooks" / f"{name}.ipynb"), as_version=4)
     nbformat.validate(nb)
@@ -124,7 +135,7 @@ def test_a_bad_parameter_ends_in_one_readable_error_cell(tmp_path, args, says):
 
 def test_bad_command_lines_are_usage_errors(tmp_path):
     res = cli("notebook", "nope", "--html", str(tmp_path / "x.html"))
-    assert res.returncode == 2 and "capacity_review, resolution, vram_plateau" in res.stderr
+    assert res.returncode == 2 and "capacity_review, explore, resolution, vram_plateau" in res.stderr
     res = cli("notebook", "capacity_review", "-p", "colour=blue", "--html", str(tmp_path / "x.html"))
     assert res.returncode == 2 and "no such parameter" in res.stderr
     res = cli("notebook", "capacity_review", "-p", "context_len", "--html", str(tmp_path / "x.html"))
@@ -152,3 +163,106 @@ def test_review_helpers():
     with pytest.raises(StoreError):
         review.plateau_walkthrough(runs[0], "cw-not-there")
     assert json.loads(review.latency_histogram(runs).to_json())["data"][0]["name"] == runs[0].label
+
+
+def test_explore_on_the_sample_run(tmp_path):
+    """The ad-hoc notebook: the runs, a run's series, its verdicts and the timeline, rendered offline."""
+    res, html, nb = render(tmp_path, "explore", "--store", str(SAMPLE))
+    assert res.returncode == 0, res.stderr
+    assert not error_outputs(nb)
+    assert_offline_without_code(html, nb)
+    assert "SAMPLE RUN" in html  # the store named is the shipped sample
+    for key in ("81,174 samples", "KV-cache usage: ", "The first cancel", "released"):
+        assert key in html, key
+
+
+# ---------------------------------------------------------------------------------------------------------
+# JupyterLab: `make lab`, and the notebooks as it runs them (kernel in notebooks/, no parameters)
+
+def run_as_lab_does(name: str, out: Path) -> nbformat.NotebookNode:
+    """Execute notebooks/NAME.ipynb top to bottom as opened in JupyterLab: no parameters, the kernel in
+    notebooks/."""
+    pm.execute_notebook(str(ROOT / "notebooks" / f"{name}.ipynb"), str(out), cwd=str(ROOT / "notebooks"),
+                        kernel_name="python3", progress_bar=False, log_output=False, execution_timeout=300)
+    return nbformat.read(str(out), as_version=4)
+
+
+def output_text(nb) -> str:
+    parts = []
+    for c in nb.cells:
+        for o in c.get("outputs", []):
+            data = o.get("data", {})
+            parts.append(str(data.get("text/markdown") or data.get("text/html") or data.get("text/plain") or ""))
+    return "\n".join(parts)
+
+
+@pytest.mark.parametrize("name", ON_A_RUN)
+def test_with_no_store_yet_the_notebooks_open_on_the_sample_run(tmp_path, monkeypatch, name):
+    empty = tmp_path / "runs"
+    empty.mkdir()
+    monkeypatch.setenv("CANCELWATCH_STORE_DIR", str(empty))  # a fresh clone: no runs/cancelwatch.db
+    nb = run_as_lab_does(name, tmp_path / f"{name}.ipynb")
+    assert not error_outputs(nb)
+    text = output_text(nb)
+    assert "SAMPLE RUN" in text and "sample run shipped with cancelwatch" in text
+    assert "run 1 (sample)" in text or "**sample**" in text  # the sample's own run, named
+
+
+def test_a_store_in_the_store_folder_is_read_and_not_labelled_sample(tmp_path, monkeypatch):
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    shutil.copy(SAMPLE, folder / "cancelwatch.db")
+    monkeypatch.setenv("CANCELWATCH_STORE_DIR", str(folder))
+    nb = run_as_lab_does("explore", tmp_path / "explore.ipynb")
+    assert not error_outputs(nb)
+    assert "SAMPLE RUN" not in output_text(nb)
+
+
+def test_make_lab_serves_the_notebooks_on_loopback_behind_a_token(tmp_path):
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    port = free_port()
+    log = tmp_path / "lab.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(["make", "--no-print-directory", "lab", f"LAB_PORT={port}"], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")})
+    procs: list[psutil.Process] = [psutil.Process(proc.pid)]
+    base = f"http://127.0.0.1:{port}"
+    try:
+        token, deadline = None, time.monotonic() + 180
+        while token is None and time.monotonic() < deadline:
+            m = re.search(rf"{re.escape(base)}/lab\?token=([0-9a-f]+)", log.read_text(errors="replace"))
+            if m:
+                token = m.group(1)
+            elif proc.poll() is not None:
+                pytest.fail(f"make lab exited {proc.returncode}: {log.read_text()[-3000:]}")
+            else:
+                time.sleep(0.5)
+        assert token, f"no URL with a token printed: {log.read_text()[-3000:]}"
+        procs += psutil.Process(proc.pid).children(recursive=True)
+        # JupyterLab listens on loopback only
+        listening = {c.laddr.ip for p in procs if p.is_running() for c in p.net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN}
+        assert listening == {"127.0.0.1"}, listening
+        assert httpx.get(f"{base}/api/status", timeout=10).status_code == 403  # no token: refused
+        assert httpx.get(f"{base}/api/contents", params={"token": "wrong"}, timeout=10).status_code == 403
+        auth = {"Authorization": f"token {token}"}
+        status = httpx.get(f"{base}/api/status", headers=auth, timeout=10)
+        assert status.status_code == 200, status.text
+        listing = httpx.get(f"{base}/api/contents", headers=auth, timeout=10).json()
+        names = {c["name"] for c in listing["content"]}
+        # the server's root is notebooks/: the notebooks, not the project's files
+        assert {"capacity_review.ipynb", "vram_plateau.ipynb", "explore.ipynb"} <= names, names
+        assert "Makefile" not in names
+    finally:
+        # SIGTERM to make and the server it started (their own session): the server shuts down and make ends
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass  # already gone
+        _, alive = psutil.wait_procs(procs, timeout=30)
+        for p in alive:
+            p.kill()
+        proc.wait(10)
+    assert not alive, f"make lab left processes behind after SIGTERM: {[p.pid for p in alive]}"

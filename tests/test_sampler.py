@@ -127,3 +127,42 @@ def test_a_source_added_mid_run_has_no_gap_before_it_existed():
     assert 15 <= len(got) <= 22, len(got)  # about one second at 20 Hz
     # on the run's grid: its first tick is the grid point it was added at, not tick 0
     assert got[0].tick >= 25
+
+
+def test_a_burst_lifts_only_the_scheduler_source_for_its_window_and_keeps_the_baseline_grid():
+    sched, mem = TimedSource("vllm"), TimedSource("process")
+    records = []
+    sampler = Sampler([sched, mem], records.append, hz=20.0, burst_hz=100.0)
+    sampler.start()
+    time.sleep(1.0)
+    t_burst = time.monotonic_ns()
+    assert sampler.burst(0.5, target="x") == 1  # the vllm source only
+    time.sleep(1.5)
+    sampler.stop()
+    t0 = sampler.t0_mono_ns
+
+    def count(name, start_ns, end_ns):
+        return sum(1 for r in scrapes(records, name, ok=True) if start_ns <= r.mono_ns < end_ns)
+
+    before = count("vllm", t_burst - 900_000_000, t_burst)
+    during = count("vllm", t_burst + 20_000_000, t_burst + 500_000_000)
+    after = count("vllm", t_burst + 600_000_000, t_burst + 1_400_000_000)
+    assert 15 <= before <= 19, before  # 20 Hz
+    assert during >= 35, during  # ~100 Hz for 0.48 s: ~48
+    assert 13 <= after <= 17, after  # back to 20 Hz
+    assert count("process", t_burst + 20_000_000, t_burst + 500_000_000) <= 11  # not lifted
+    # the baseline keeps its phase: outside the burst every read starts on a 50 ms grid point
+    period = 50_000_000
+    for r in scrapes(records, "vllm", ok=True):
+        if r.mono_ns < t_burst or r.mono_ns > t_burst + 560_000_000:
+            assert r.tick % 5 == 0, r.tick
+            assert (r.mono_ns - t0) % period < 15_000_000 or (r.mono_ns - t0) % period > period - 1_000_000
+    assert not gaps(records, "vllm")  # the fine ticks skipped outside a burst are not missed ticks
+
+
+def test_a_burst_rate_that_is_not_a_multiple_of_the_rate_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="whole multiple"):
+        Sampler([TimedSource("vllm")], [].append, hz=20.0, burst_hz=70.0)
+    assert Sampler([TimedSource("vllm")], [].append, hz=20.0).burst(1.0) == 0  # no --burst-hz: nothing lifted

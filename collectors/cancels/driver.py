@@ -73,6 +73,8 @@ class Driver:
         self.relay_cleanup = relay_cleanup
         self.client: httpx.AsyncClient | None = None
         self.open: list[Request] = []  # sent in the scenario under way, their ledger rows not yet written
+        # called just before each stop (the recorder lifts the scheduler source to its burst rate)
+        self.stop_soon = None
 
     # ------------------------------------------------------------------ events
     def event(self, kind: str, request_id: str | None = None, at_ns: int | None = None, **data) -> None:
@@ -94,6 +96,18 @@ class Driver:
         req.task = asyncio.create_task(run_request(self.client, self.base_url, req))
         self.open.append(req)
         return req
+
+    def _stopping(self) -> None:
+        if self.stop_soon is not None:
+            self.stop_soon()
+
+    async def _stopping_before_deadline(self, chosen: list[Request], lead_s: float = 0.1) -> None:
+        """Client timeouts: the stop is each one's deadline, known in advance."""
+        await asyncio.sleep(0)  # the requests' tasks have started: their deadlines are known
+        deadlines = [t.deadline_ns for t in chosen if t.deadline_ns is not None]
+        if deadlines:
+            await asyncio.sleep(max(0.0, (min(deadlines) - now_ns()) / 1e9 - lead_s))
+        self._stopping()
 
     async def write_open_rows(self, why: str = "run interrupted") -> None:
         """The ledger rows of requests still open when the run ends early (Ctrl-C, the target lost, the
@@ -219,7 +233,9 @@ class Driver:
             for t in chosen:
                 t.cancel_requested = True
             t_stop = chosen[0].row.sent_mono_ns or now_ns()
+            burst = asyncio.create_task(self._stopping_before_deadline(chosen))
             await asyncio.gather(*(asyncio.shield(t.task) for t in chosen), return_exceptions=True)
+            burst.cancel()
             for t in chosen:
                 cid = uuid.uuid4().hex[:8]
                 # the stop is the client's deadline. Not the instant httpx raised: it closes the
@@ -235,6 +251,7 @@ class Driver:
                 self._trace_after_stop(t, cid)
         else:
             await self._wait_trigger(s, targets)
+            self._stopping()
             await asyncio.gather(*(self._cancel(s, t, uuid.uuid4().hex[:8]) for t in chosen))
         # the probe: must be admitted into the capacity the cancel freed. It is sent once the server's
         # count matches the client's in-flight requests (or the grace is over), so that while the

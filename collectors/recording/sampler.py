@@ -119,12 +119,25 @@ class Sampler:
         lost_after_s: float = 10.0,
         on_samples=None,
         boost_priority: bool = True,
+        burst_hz: float | None = None,
     ):
         if hz <= 0:
             raise ValueError("hz must be > 0")
         self.sources = sources
         self.sink = sink
         self.period_ns = int(1e9 / hz)
+        # burst sampling: ticks run on a grid `burst_factor` times finer; outside a burst only every
+        # burst_factor-th tick is read, so the baseline keeps its rate and phase and a burst only adds
+        # the ticks in between (the stored `tick` is on the fine grid)
+        self.burst_factor = 1
+        if burst_hz:
+            factor = burst_hz / hz
+            if factor < 1 or abs(factor - round(factor)) > 1e-9:
+                raise ValueError(f"burst_hz {burst_hz:g} must be a whole multiple of hz {hz:g}")
+            self.burst_factor = int(round(factor))
+        self.tick_ns = self.period_ns // self.burst_factor
+        self._burst_until: dict[int, int] = {}  # id(source) -> monotonic ns the burst ends
+        self._wake: dict[int, threading.Event] = {}  # id(source) -> wakes its ticker (burst, stop)
         self.lost_after_ns = int(lost_after_s * 1e9)
         self.on_samples = on_samples
         self.boost_priority = boost_priority
@@ -146,6 +159,7 @@ class Sampler:
 
     def _start_source(self, src: Source) -> None:
         self._source_stops[id(src)] = threading.Event()
+        self._wake[id(src)] = threading.Event()
         t = threading.Thread(target=self._tick_source, args=(src,), name=f"tick-{src.name}-{src.target}", daemon=True)
         t.start()
         self._threads[id(src)] = t
@@ -159,18 +173,41 @@ class Sampler:
     def remove_source(self, src: Source, timeout_s: float = 5.0) -> None:
         """Stop sampling one source before the run ends (its server is about to go away on purpose)."""
         self._source_stops[id(src)].set()
+        self._wake[id(src)].set()
         self._threads[id(src)].join(timeout_s)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
+        for ev in list(self._wake.values()):
+            ev.set()
         for t in self._threads.values():
             t.join(timeout_s)
 
-    def _wait_until(self, mono_ns: int, own_stop: threading.Event | None = None) -> bool:
-        """Sleep until the monotonic instant; False when stopped meanwhile."""
+    def burst(self, window_s: float, names: set[str] | frozenset[str] = frozenset({"vllm", "triton"}),
+              target: str | None = None) -> int:
+        """Read the scheduler sources (`names`, of `target` or all targets) at the burst rate from now
+        for `window_s`; a burst already under way is extended. Returns how many sources it lifted
+        (0 without --burst-hz)."""
+        if self.burst_factor == 1:
+            return 0
+        until = time.monotonic_ns() + int(window_s * 1e9)
+        lifted = 0
+        for src in list(self.sources):
+            if src.name in names and (target is None or src.target == target) and id(src) in self._wake:
+                self._burst_until[id(src)] = max(self._burst_until.get(id(src), 0), until)
+                self._wake[id(src)].set()
+                lifted += 1
+        return lifted
+
+    def _bursting(self, src: Source, at_ns: int) -> bool:
+        return self._burst_until.get(id(src), 0) > at_ns
+
+    def _wait_until(self, mono_ns: int, own_stop: threading.Event | None = None,
+                    wake: threading.Event | None = None) -> bool:
+        """Sleep until the monotonic instant (or until `wake` is set); False when stopped meanwhile."""
         delay = (mono_ns - time.monotonic_ns()) / 1e9
         if delay > 0:
-            self._stop.wait(delay)
+            (wake or self._stop).wait(delay)
         return not (self._stop.is_set() or (own_stop is not None and own_stop.is_set()))
 
     def _emit_gap(self, src: Source, gap: _Gap | None, end_mono_ns: int) -> None:
@@ -196,15 +233,29 @@ class Sampler:
         workers = max(1, int(src.max_in_flight))
         pool = ThreadPoolExecutor(workers, thread_name_prefix=f"read-{src.name}-{src.target}",
                                   initializer=raise_thread_priority if self.boost_priority else None)
-        period = self.period_ns
+        period, k = self.tick_ns, self.burst_factor  # the fine grid; every k-th tick is the baseline's
         # a source added during the run starts on the current grid point: the ticks before it
         # existed were never due, and must not show as a missed gap
         elapsed = time.monotonic_ns() - self.t0_mono_ns
-        tick = elapsed // period if elapsed > period else 0
+        tick = (elapsed // (period * k)) * k if elapsed > period * k else 0
         last_start = None
         own_stop = self._source_stops[id(src)]
-        while self._wait_until(self.t0_mono_ns + tick * period, own_stop):
+        wake = self._wake[id(src)]
+        while True:
             scheduled = self.t0_mono_ns + tick * period
+            if k > 1 and tick % k and not self._bursting(src, scheduled):
+                # a fine tick outside a burst: sleep to the next baseline tick, unless a burst starts first
+                wake.clear()
+                base = (tick // k + 1) * k
+                if self._bursting(src, time.monotonic_ns()):
+                    continue
+                if not self._wait_until(self.t0_mono_ns + base * period, own_stop, wake):
+                    break
+                now = time.monotonic_ns()
+                tick = base if now >= self.t0_mono_ns + base * period else max(tick + 1, -(-(now - self.t0_mono_ns) // period))
+                continue
+            if not self._wait_until(scheduled, own_stop):
+                break
             wall_ns, mono_ns = time.time_ns(), time.monotonic_ns()
             if mono_ns < state.backoff_until_ns:
                 self._skip(state, 1, wall_ns, mono_ns, "backing off")
@@ -225,7 +276,10 @@ class Sampler:
             now = time.monotonic_ns()
             next_tick = max(tick + 1, (now - self.t0_mono_ns) // period)
             if next_tick > tick + 1:
-                self._skip(state, next_tick - tick - 1, wall_ns, mono_ns, "sampler woke up late")
+                bursting = self._bursting(src, now)
+                missed = next_tick - tick - 1 if bursting else (next_tick - 1) // k - tick // k
+                if missed:
+                    self._skip(state, missed, wall_ns, mono_ns, "sampler woke up late")
             tick = next_tick
         pool.shutdown(wait=True)
         end = time.monotonic_ns()

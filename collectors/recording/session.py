@@ -6,14 +6,13 @@ The CLI and the tests both call `record`; nothing here prints.
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from collectors.credentials import split_userinfo, strip_userinfo
+from collectors.sources.credentials import split_userinfo, strip_userinfo
 from collectors.engines import vllm_server as engine_mod
 from collectors.recording.sampler import Sampler
 from collectors.sources.base import Source
@@ -26,6 +25,7 @@ from collectors.sources.vllm import (
     model_names,
     server_version,
 )
+from runstore.errors import StoreError
 from runstore.records import DriveSettings
 from runstore.writer import StoreWriter, create_run, finish_run, open_store
 
@@ -78,6 +78,8 @@ class RecordSettings:
     max_hz: float = 200.0
     drive: DriveSettings | None = None  # set when the run drives scripted cancels (record)
     engine_log: Path | None = None  # the log of an engine not started by cancelwatch (--engine-log)
+    burst_hz: float | None = None  # the scheduler source's rate around each stop (--burst-hz), else hz
+    burst_window_s: float = 2.0  # how long after a stop the burst lasts (--burst-window)
 
     def as_stored(self) -> dict:
         """The run's `settings` column; the drive settings keep the key `extra` that stores already hold."""
@@ -140,12 +142,27 @@ def embedded_engine_for(url: str, home: Path) -> engine_mod.EngineState | None:
     return state if state is not None and engine_mod.is_alive(state) else None
 
 
+def check_burst(settings: RecordSettings) -> None:
+    """--burst-hz must be a whole multiple of --hz (the baseline keeps its grid) within the rate limit."""
+    b = settings.burst_hz
+    if b is None:
+        return
+    factor = b / settings.hz
+    if not (settings.hz < b <= settings.max_hz) or abs(factor - round(factor)) > 1e-9:
+        raise PreflightError(f"--burst-hz {b:g} must be a whole multiple of --hz {settings.hz:g} and at most "
+                             f"{settings.max_hz:.0f}: e.g. --hz 20 --burst-hz 100")
+    if not (0 < settings.burst_window_s <= 60):
+        raise PreflightError(f"--burst-window {settings.burst_window_s:g} is out of range: use (0, 60] seconds, "
+                             "e.g. --burst-window 2s")
+
+
 def build_sources(settings: RecordSettings, nvml_module=None) -> tuple[list[Source], dict]:
     """The run's sources and the engine facts to store. Raises PreflightError before any run exists."""
     if not settings.targets:
         raise PreflightError("no --target given: pass the vLLM server's URL, e.g. --target http://127.0.0.1:8000")
     if not (0 < settings.hz <= settings.max_hz):
         raise PreflightError(f"--hz {settings.hz} is out of range: use a rate in (0, {settings.max_hz:.0f}]")
+    check_burst(settings)
     sources: list[Source] = []
     engine_facts: dict = {"targets": {}}
     pids = list(settings.pids)
@@ -257,7 +274,8 @@ def record(
             for event in src.take_events():
                 writer.put(event)
 
-    sampler = Sampler(sources, writer.put, hz=settings.hz, lost_after_s=settings.lost_after_s, on_samples=on_samples)
+    sampler = Sampler(sources, writer.put, hz=settings.hz, lost_after_s=settings.lost_after_s, on_samples=on_samples,
+                      burst_hz=settings.burst_hz)
     stop = stop or threading.Event()
     status = "completed"
     sampler.start(mono_ns)
@@ -301,8 +319,8 @@ def record(
         }
         try:
             finish_run(con, run_id, status, stats)
-        except sqlite3.Error as exc:  # a full disk may refuse the status too: the samples stay intact
-            stats["store_error"] = stats["store_error"] or f"the run store at {settings.store}: {exc}"
+        except StoreError as exc:  # a full disk may refuse the status too: the samples stay intact
+            stats["store_error"] = stats["store_error"] or str(exc)
         con.close()
     code = {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED, "target_lost": EXIT_TARGET_LOST}.get(status, EXIT_FAILED)
     return RunResult(run_id, status, stats, code)
