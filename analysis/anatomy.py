@@ -23,6 +23,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from analysis.facts import kv_pool, scheduler_targets
+from analysis.series import sample_period
 from analysis.timeline import GiB, Trace, memory_traces, metric_traces
 from runstore.reader import Run
 
@@ -59,12 +60,14 @@ class Anatomy:
         return out
 
 
-def _matched(t: np.ndarray, kv: Trace | None) -> np.ndarray:
-    """KV usage at each of `t`: the nearest KV sample within MATCH_PERIODS of its period, else NaN."""
+def _matched(t: np.ndarray, kv: Trace | None, period: float | None = None) -> np.ndarray:
+    """KV usage at each of `t`: the nearest KV sample within MATCH_PERIODS of the baseline period
+    (`period`, else the KV samples' median interval), else NaN."""
     out = np.full(len(t), np.nan)
     if kv is None or not len(kv.t) or not len(t):
         return out
-    period = float(np.median(np.diff(kv.t))) if len(kv.t) > 1 else 0.05
+    if period is None:
+        period = float(np.median(np.diff(kv.t))) if len(kv.t) > 1 else 0.05
     idx = np.clip(np.searchsorted(kv.t, t), 1, len(kv.t) - 1) if len(kv.t) > 1 else np.zeros(len(t), dtype=int)
     left = np.maximum(idx - 1, 0)
     nearest = np.where(np.abs(kv.t[left] - t) <= np.abs(kv.t[idx] - t), left, idx)
@@ -99,7 +102,7 @@ def memory_anatomy(run: Run) -> list[Anatomy]:
             a.notes.append("the weights' size is unknown (not the embedded engine, or not a Llama-shaped model): "
                            "they are inside 'other'")
         kv = next((k for k in metric_traces(run, "kv_cache_usage_ratio") if k.target == owner), None)
-        usage = _matched(tr.t, kv)
+        usage = _matched(tr.t, kv, sample_period(run, kv.t if kv is not None else None))
         known = (a.pool_bytes or 0.0) + (a.weights_bytes or 0.0)
         if a.pool_bytes is not None:
             used = np.round(usage * a.pool_bytes)

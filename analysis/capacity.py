@@ -9,7 +9,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from analysis.facts import kv_pool, scheduler_targets
-from analysis.series import series_frame
+from analysis.series import sample_period, series_frame, time_weights, weighted_quantile
 from runstore.reader import Run
 
 
@@ -20,9 +20,7 @@ def time_with_waiting(run: Run, target: str) -> tuple[float, float]:
     if len(df) < 2:
         return 0.0, 0.0
     t = df["t_s"].to_numpy(dtype=float)
-    dt = np.diff(t)
-    period = float(np.median(dt)) if len(dt) else 0.0
-    dt = np.minimum(dt, 2 * period)
+    dt = np.minimum(np.diff(t), 2 * sample_period(run, t))
     waiting = df["value"].to_numpy(dtype=float)[:-1] > 0
     return float(dt[waiting].sum()), float(dt.sum())
 
@@ -36,9 +34,12 @@ def capacity(run: Run, context_len: int = 2048, target: str | None = None) -> di
     target = target or (labels[0] if labels else None)
     pool = kv_pool(run, target)
     kv = series_frame(run, "kv_cache_usage_ratio", target)
-    vals = kv["value"].dropna().to_numpy(dtype=float) if not kv.empty else np.array([])
+    kv = kv.dropna(subset=["value"]) if not kv.empty else kv
+    vals = kv["value"].to_numpy(dtype=float) if not kv.empty else np.array([])
     peak = float(vals.max()) if len(vals) else None
-    p95 = float(np.quantile(vals, 0.95)) if len(vals) else None
+    # time-weighted: a burst's extra samples around the cancels are not extra time at that usage
+    t_kv = kv["t_s"].to_numpy(dtype=float) if not kv.empty else np.array([])
+    p95 = weighted_quantile(vals, time_weights(t_kv, sample_period(run, t_kv)), 0.95) if len(vals) else None
     pre = series_frame(run, "preemptions_total", target)["value"].dropna()
     waiting_s, observed_s = time_with_waiting(run, target)
     running = series_frame(run, "requests_running", target)["value"].dropna()

@@ -105,6 +105,8 @@ def run_facts(run: Run) -> dict:
         "served_model": ", ".join(served) if served else None,
         "kv_pools": [kv_pool(run, t) for t in scheduler_targets(run)],
         "hz": settings.get("hz"),
+        "burst_hz": settings.get("burst_hz"),
+        "burst_window_s": settings.get("burst_window_s"),
         "nvml": info.get("engine", {}).get("nvml"),
         "memory_source": memory_source(run),
         "sampling": stats.to_dict("records") if not stats.empty else [],

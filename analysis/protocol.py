@@ -431,6 +431,13 @@ def _delay_section(run: Run, doc: Mapping, facts: dict) -> list[str]:
         lines.append(f"- Sampling: {hz} Hz asked (one sample every {period:g} ms). A release shows at the first "
                      f"sample after it, so *engine abort → left scheduler* is an upper bound, late by up to one "
                      f"sampling period.")
+        burst = _num(facts.get("burst_hz"))
+        if burst:
+            lines.append(f"- Bursts: the scheduler source was read at {burst} Hz (one sample every "
+                         f"{1000.0 / float(burst):g} ms) from just before each stop for "
+                         f"{facts.get('burst_window_s'):g} s, so a release inside that window is late by up to "
+                         f"{1000.0 / float(burst):g} ms; statistics over time weight each sample by the time it "
+                         f"stands for, so the bursts' extra samples are not extra time.")
     else:
         lines.append(f"- Sampling rate: {NOT_RECORDED}.")
     rows = [[s.get("source"), s.get("target"), _num(s.get("effective_hz"), "{:.2f}"), s.get("scrapes_ok"),

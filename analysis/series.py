@@ -3,6 +3,7 @@ side by side. Times `t_s` are instants, seconds since the run started."""
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from runstore.reader import Run
@@ -40,3 +41,37 @@ def scheduler_frame(run: Run, target: str | None = None) -> pd.DataFrame:
         return pd.DataFrame(columns=SCHEDULER_COLUMNS)
     frame["count"] = frame["running"] + frame["waiting"]
     return frame
+
+
+def sample_period(run: Run, t: np.ndarray | None = None) -> float:
+    """The sampling period in seconds of a series sampled at instants `t`: its median interval, but
+    never less than the run's baseline, 1 / its --hz. Bursts (--burst-hz) add samples between the
+    baseline's, so the median interval of a run with bursts can be the burst's; silences and caps are
+    measured against the baseline. A source read more slowly keeps its own, longer period."""
+    own = float(np.median(np.diff(t))) if t is not None and len(t) > 1 else 0.0
+    hz = (run.info.get("settings") or {}).get("hz")
+    try:
+        base = 1.0 / float(hz) if hz and float(hz) > 0 else 0.0
+    except (TypeError, ValueError):
+        base = 0.0
+    return max(own, base) or 0.05
+
+
+def time_weights(t: np.ndarray, period: float) -> np.ndarray:
+    """How long each sample stands for: the time to the next one, capped at two periods (a gap is
+    not observed), so that statistics over a run with bursts do not count the bursts' extra samples
+    as extra time. The last sample stands for one period."""
+    if not len(t):
+        return np.array([])
+    dt = np.diff(t, append=t[-1] + period)
+    return np.clip(dt, 0.0, 2 * period)
+
+
+def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
+    """The q-quantile of `values` with each one counted for its weight (time, here)."""
+    order = np.argsort(values, kind="stable")
+    v, w = values[order], weights[order]
+    cum = np.cumsum(w)
+    if not len(v) or cum[-1] <= 0:
+        return float(np.quantile(values, q)) if len(values) else float("nan")
+    return float(v[min(len(v) - 1, int(np.searchsorted(cum, q * cum[-1])))])

@@ -20,7 +20,7 @@ from tsdownsample import MinMaxLTTBDownsampler
 
 from analysis.cancel_table import VERDICT_COLOURS
 from analysis.facts import memory_source, scheduler_targets
-from analysis.series import series_frame
+from analysis.series import sample_period, series_frame
 from analysis.verdicts import POINT_LABELS, TIMEPOINTS, CancelVerdict
 from runstore.reader import Run
 
@@ -74,7 +74,7 @@ def _breaks(run: Run, tr: Trace) -> np.ndarray:
         out.append(mine["t_s"].to_numpy(dtype=float))
     if len(tr.t) > 2:
         dt = np.diff(tr.t)
-        period = float(np.median(dt))
+        period = sample_period(run, tr.t)  # the baseline's: a burst's denser samples are no measure of silence
         if period > 0:
             big = np.nonzero(dt > 3 * period)[0]
             out.append(tr.t[big] + period)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -16,6 +17,12 @@ import pyarrow as pa
 from runstore.errors import StoreError
 
 
+def _one_line(text: str, limit: int = 200) -> str:
+    """An error's text for a one-line message: line breaks joined, cut short."""
+    text = " ".join(text.splitlines())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def connect_readonly(path: str | Path) -> sqlite3.Connection:
     p = Path(path)
     if not p.is_file():
@@ -25,12 +32,41 @@ def connect_readonly(path: str | Path) -> sqlite3.Connection:
         con.execute("SELECT 1 FROM runs LIMIT 1")
     except sqlite3.DatabaseError as exc:
         con.close()
-        raise StoreError(f"{p} is not a cancelwatch run store ({exc}): point --store at a .db written by cancelwatch") from exc
+        # sqlite quotes a damaged schema's text, line breaks and all (found by tests/test_fuzz.py)
+        raise StoreError(f"{p} is not a cancelwatch run store ({_one_line(str(exc))}): point --store at a .db "
+                         "written by cancelwatch") from exc
     return con
+
+
+# What a damaged store (cut short, pages overwritten, a JSON column edited by hand) raises past the first
+# query, found by tests/test_fuzz.py: "database disk image is malformed" or "no such table" from sqlite3,
+# from pandas (read_sql_query wraps sqlite3's) and from ADBC; json's decode errors; pandas' ValueError,
+# TypeError, OverflowError on values of the wrong type.
+_DAMAGE = (sqlite3.DatabaseError, pd.errors.DatabaseError, adbc_sqlite.Error, ValueError, TypeError, OverflowError,
+           KeyError, IndexError)
+_MAX_ID = 2**63 - 1  # SQLite's integers are 64-bit: a larger id names no run (and sqlite3 raises OverflowError)
+
+
+@contextmanager
+def _reading(path: str | Path):
+    """Turn what a damaged store raises into one StoreError line that names the store."""
+    try:
+        yield
+    except StoreError:
+        raise
+    except _DAMAGE as exc:
+        detail = _one_line(f"{type(exc).__name__}: {exc}")
+        raise StoreError(f"{path} cannot be read, the store is damaged ({detail}): record into a new file "
+                         "with --store") from exc
 
 
 def list_runs(path: str | Path) -> pd.DataFrame:
     """One row per run, newest last."""
+    with _reading(path):
+        return _list_runs(path)
+
+
+def _list_runs(path: str | Path) -> pd.DataFrame:
     with connect_readonly(path) as con:
         df = pd.read_sql_query(
             "SELECT id, name, status, started_wall_ns, ended_wall_ns, targets FROM runs ORDER BY id", con
@@ -42,7 +78,7 @@ def list_runs(path: str | Path) -> pd.DataFrame:
 
 def resolve_run_id(path: str | Path, run: str | int) -> int:
     """Turn 'latest' or an id into an existing run id."""
-    with connect_readonly(path) as con:
+    with _reading(path), connect_readonly(path) as con:
         if str(run) == "latest":
             row = con.execute("SELECT max(id) FROM runs").fetchone()
             if row is None or row[0] is None:
@@ -52,7 +88,7 @@ def resolve_run_id(path: str | Path, run: str | int) -> int:
             rid = int(run)
         except ValueError as exc:
             raise StoreError(f"run must be an integer id or 'latest', not {run!r}") from exc
-        if con.execute("SELECT 1 FROM runs WHERE id = ?", (rid,)).fetchone() is None:
+        if not -_MAX_ID <= rid <= _MAX_ID or con.execute("SELECT 1 FROM runs WHERE id = ?", (rid,)).fetchone() is None:
             raise StoreError(f"no run {rid} in {path}: list them with cancelwatch runs")
         return rid
 
@@ -131,6 +167,12 @@ def _load_samples(con: sqlite3.Connection, path: Path, rid: int, only: list[str]
     at = pd.Index(series["id"]).get_indexer(series_id)
     sc = scrapes.set_index("id")
     pos = sc.index.get_indexer(scrape_id)
+    # a run being recorded grows between the reads (scrapes, series, then samples, each its own
+    # snapshot): samples of scrapes or series written after those were read are left for the next read
+    # (an index of -1 would silently take the last row, or fail on an empty table)
+    known = (at >= 0) & (pos >= 0)
+    if not known.all():
+        series_id, scrape_id, value, at, pos = (a[known] for a in (series_id, scrape_id, value, at, pos))
 
     def column(name: str) -> pd.Categorical:
         # categorical: a handful of distinct strings over millions of rows
@@ -179,12 +221,21 @@ def load_run(path: str | Path, run: str | int = "latest", metrics: Iterable[str]
     of samples; a dashboard needs a handful of series)."""
     rid = resolve_run_id(path, run)
     only = sorted(set(metrics)) if metrics is not None else None
+    with _reading(path):
+        return _load_run(path, rid, only)
+
+
+def _load_run(path: str | Path, rid: int, only: list[str] | None) -> Run:
     with connect_readonly(path) as con:
         con.row_factory = sqlite3.Row
         info = dict(con.execute("SELECT * FROM runs WHERE id = ?", (rid,)).fetchone())
         con.row_factory = None
         for key in _JSON_COLUMNS:
             info[key] = json.loads(info[key] or "{}")
+            # valid JSON of another shape (a hand edit: '[1, 2]', '7') would fail later, far from here
+            if not isinstance(info[key], dict) and not (key == "targets" and isinstance(info[key], list)):
+                raise StoreError(f"{path} cannot be read, the store is damaged (run {rid}'s {key} is "
+                                 f"{type(info[key]).__name__} JSON): record into a new file with --store")
         t0 = info["started_mono_ns"]
         scrapes = _load_scrapes(con, path, rid)
         gaps = pd.read_sql_query(

@@ -107,3 +107,46 @@ def test_two_recorders_and_the_dashboard_share_one_store(tmp_path, monkeypatch):
     for run_id in (1, 2):
         run = load_run(store, run_id)
         assert (run.scrapes["ok"] == 1).sum() > 100  # each sampled its own server all along
+
+
+def test_a_run_read_while_it_grows_holds_only_samples_of_scrapes_it_read(tmp_path):
+    """The reader takes scrapes, series and samples in separate reads: rows written in between must
+    not come back attached to the wrong scrape (or fail on an empty table)."""
+    import runstore.reader as reader
+    from runstore.records import Sample, ScrapeRecord
+    from runstore.writer import StoreWriter, create_run, open_store
+
+    store = tmp_path / "cw.db"
+    con = open_store(store)
+    rid = create_run(con, name="growing", targets=[{"label": "t0", "url": "http://127.0.0.1:9"}], engine={},
+                     settings={"hz": 20}, wall_ns=time.time_ns(), mono_ns=time.monotonic_ns())
+    writer = StoreWriter(con, rid, flush_s=0.01)
+
+    def scrape(i: int) -> ScrapeRecord:
+        now = time.monotonic_ns()
+        return ScrapeRecord("vllm", "t0", i, time.time_ns(), now, 1000, True,
+                            [Sample("vllm", "requests_running", float(i), (), time.time_ns(), now)])
+
+    real = reader._load_scrapes
+    written_between = []
+
+    def scrapes_then_more(con_, path, rid_):
+        out = real(con_, path, rid_)
+        for i in range(len(out), len(out) + 3):  # the recorder writes on while the reader is between reads
+            writer.put(scrape(i))
+        time.sleep(0.3)
+        written_between.append(3)
+        return out
+
+    writer.put(scrape(0))
+    time.sleep(0.3)
+    reader._load_scrapes = scrapes_then_more
+    try:
+        run = load_run(store, "latest")
+    finally:
+        reader._load_scrapes = real
+        writer.close()
+        con.close()
+    assert written_between and len(run.scrapes) == 1
+    assert run.samples["value"].tolist() == [0.0]  # not the later scrapes' values under scrape 0's time
+    assert len(load_run(store, "latest").samples) == 4  # the next read has them all
