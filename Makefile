@@ -10,7 +10,7 @@ PORT ?= 8000
 STORE ?= runs/cancelwatch.db
 DASHBOARD_PORT ?= 8501
 
-.PHONY: venv engine-venv triton-venv demo-triton browser prometheus test test-fast demo bench clean engine-down sample-run dashboard
+.PHONY: venv engine-venv triton-venv demo-triton browser prometheus test test-fast demo bench clean engine-down sample-run dashboard lab fuzz
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -57,6 +57,11 @@ test: venv engine-venv triton-venv browser prometheus
 test-fast: venv
 	$(VENV)/bin/python -m pytest -q -rs -m "not engine and not browser and not triton and not prometheus" tests
 
+# The fuzz tests (tests/test_fuzz.py, hypothesis) with thousands of random examples each instead of the
+# bounded, derandomized ones of the everyday run: a few minutes here.
+fuzz: venv
+	CANCELWATCH_FUZZ=1 $(VENV)/bin/python -m pytest -q -rs tests/test_fuzz.py
+
 # Engine up, a 30 s sampling run under a small load with its summary, then the scripted cancels of the
 # default suite with their report; the engine is stopped, and the dashboard serves the runs just
 # recorded on 127.0.0.1 until Ctrl-C. (`record` exits 1 when a cancel was not released: still shown.)
@@ -100,6 +105,14 @@ sample-run: venv engine-venv
 
 dashboard: venv
 	$(VENV)/bin/streamlit run dashboard/app.py
+
+# JupyterLab on notebooks/, on 127.0.0.1 only, behind Jupyter's random token: open the URL it prints
+# (token included). With no run store yet the notebooks open on the sample run. Ctrl-C stops it.
+# (Jupyter refuses root unless told: containers often run as root.)
+LAB_PORT ?= 8888
+lab: venv
+	$(VENV)/bin/jupyter lab --ip 127.0.0.1 --port $(LAB_PORT) --no-browser --ServerApp.root_dir=notebooks \
+	  $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 engine-down:
 	-$(CW) engine down

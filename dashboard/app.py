@@ -19,6 +19,7 @@ from analysis.html_report import facts_frame, report_html
 from analysis.timeline import timeline_figure
 from analysis.verdicts import judge_run
 from dashboard import recording
+from dashboard.params import read_url_params
 from runstore.paths import DEFAULT_STORE, store_dir, store_in_dir, stores_in_dir
 from runstore.reader import StoreError, list_runs, load_run, resolve_run_id
 
@@ -64,11 +65,10 @@ def cancel_label(i: int, v) -> str:
 
 def choose_store() -> tuple[Path | None, bool]:
     """(store path, is the shipped sample). Shows why when neither the chosen store nor a sample is there."""
-    params = st.query_params
     st.sidebar.header("Run store")
     root = store_dir()
     found = stores_in_dir(root)
-    default = params.get("store", DEFAULT_STORE)
+    default = read_url_params(st.query_params).store
     # a value set by the record form's callback wins over the URL's (no second default for the widget)
     initial = {} if "store_text" in st.session_state else {"value": default}
     text = st.sidebar.text_input("Store file (inside the store folder)", key="store_text", **initial,
@@ -103,7 +103,10 @@ def choose_run(path: Path, sample: bool):
         return None, None
     labels = {int(r.id): f"{r.id} · {r.name or ''} · {r.status} · {r.started:%Y-%m-%d %H:%M}" for r in runs.itertuples()}
     ids = list(labels)[::-1]
-    wanted = st.query_params.get("run", "latest") if not sample else "latest"
+    url = read_url_params(st.query_params)
+    if url.message and not sample:
+        st.warning(url.message)
+    wanted = url.run if not sample else "latest"
     try:
         want_id = resolve_run_id(path, wanted)
     except StoreError as exc:

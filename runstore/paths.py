@@ -26,15 +26,23 @@ def store_in_dir(name: str, root: Path | None = None) -> Path:
     text = (name or "").strip()
     if not text or "\x00" in text:
         raise StoreError("give a store file inside the store folder, e.g. runs/cancelwatch.db")
-    p = Path(text).expanduser()
-    candidates = [p] if p.is_absolute() else [Path.cwd() / p, root / p]
-    for c in candidates:
-        resolved = c.resolve()
-        if resolved.is_relative_to(root):
-            if resolved.suffix != ".db":
-                raise StoreError(f"{text} is not a .db run store: pick one of the .db files in {root}")
-            return resolved
-    raise StoreError(f"{text} is outside the store folder {root}: pick a store inside it "
+    # the text comes from a URL: shown escaped when it holds a line break, so the refusal stays one line
+    shown = text if text.isprintable() else repr(text)
+    try:
+        p = Path(text).expanduser()  # RuntimeError for '~nosuchuser/...'
+        candidates = [p] if p.is_absolute() else [Path.cwd() / p, root / p]
+        for c in candidates:
+            resolved = c.resolve()
+            if resolved.is_relative_to(root):
+                if resolved.suffix != ".db":
+                    raise StoreError(f"{shown} is not a .db run store: pick one of the .db files in {root}")
+                resolved.is_file()  # OSError for a name too long: the page asks this next
+                return resolved
+    except (OSError, RuntimeError) as exc:  # both found by tests/test_fuzz.py, from a URL's ?store=
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).rstrip(".")
+        raise StoreError(f"{shown[:200]} cannot be a store file ({reason}): pick one of the .db files in {root}") \
+            from None
+    raise StoreError(f"{shown} is outside the store folder {root}: pick a store inside it "
                      "(or start the dashboard with CANCELWATCH_STORE_DIR set to another folder)")
 
 

@@ -15,6 +15,8 @@ A bad file is rejected before any request is sent, with the key named.
 
 from __future__ import annotations
 
+import math
+import re
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -89,6 +91,9 @@ SUITES = {"default": list(BUILTIN)}
 
 _TYPES = {f.name: f.type for f in fields(Scenario)}
 _PY_TYPES = {"str": str, "float": (int, float), "int": int, "bool": bool}
+_INT_KEYS = [name for name, t in _TYPES.items() if t == "int"]
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+MAX_INT = 1_000_000  # tokens, requests: far beyond any context, well within SQLite's integers
 
 
 def _check(s: Scenario, where: str) -> Scenario:
@@ -119,6 +124,22 @@ def _check(s: Scenario, where: str) -> Scenario:
         raise bad("trigger", f"{s.trigger!r} needs stream = true")
     if s.repeats > 20 or s.concurrency > 16 or s.fillers > 16:
         raise bad("repeats", "/ concurrency / fillers are bounded (20 / 16 / 16) to keep a run short")
+    # what tests/test_fuzz.py found a file could still carry past the checks above:
+    # a name goes into every request's X-Request-Id header and the ledger ("a\nb" broke the header mid-run)
+    if not _NAME.fullmatch(s.name):
+        raise bad("name", f"is {s.name!r}; use 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit")
+    # NaN passed every comparison above; inf never fires
+    if not math.isfinite(s.trigger_value):
+        raise bad("trigger_value", "must be a finite number")
+    if not (math.isfinite(s.timeout_s) and s.timeout_s > 0):
+        raise bad("timeout_s", "must be a finite number of seconds > 0")
+    for key in ("filler_max_tokens", "neighbour_max_tokens", "probe_max_tokens"):
+        if getattr(s, key) < 1:
+            raise bad(key, "must be >= 1")
+    # the ledger stores these in SQLite (64-bit integers) and the driver builds prompts this long
+    for key in _INT_KEYS:
+        if getattr(s, key) > MAX_INT:
+            raise bad(key, f"must be <= {MAX_INT}")
     return s
 
 
@@ -128,27 +149,39 @@ def load_file(path: str | Path) -> list[Scenario]:
         doc = tomllib.loads(p.read_text())
     except OSError as exc:
         raise ScenarioError(f"cannot read scenario file {p}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:  # a ValueError, not an OSError (found by tests/test_fuzz.py)
+        raise ScenarioError(f"{p}: not UTF-8 text (byte {exc.start}); save the file as UTF-8") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ScenarioError(f"{p}: not valid TOML ({exc})") from exc
+    except RecursionError as exc:  # tomllib recurses once per nested array (found by tests/test_fuzz.py)
+        raise ScenarioError(f"{p}: not valid TOML (nested too deeply)") from exc
     entries = doc.get("scenario")
     extra = set(doc) - {"scenario"}
     if extra:
-        raise ScenarioError(f"{p}: key '{sorted(extra)[0]}' is unknown; put scenarios under [[scenario]]")
+        raise ScenarioError(f"{p}: key {_key(sorted(extra)[0])} is unknown; put scenarios under [[scenario]]")
     if not isinstance(entries, list) or not entries:
         raise ScenarioError(f"{p}: key 'scenario' is missing; add at least one [[scenario]] table")
     out = []
     for i, entry in enumerate(entries):
         where = f"{p} scenario #{i + 1}"
+        if not isinstance(entry, dict):  # `scenario = [1, "x"]` (found by tests/test_fuzz.py)
+            raise ScenarioError(f"{where}: key 'scenario' must hold tables ([[scenario]]), not {type(entry).__name__}")
         if "name" not in entry:
             raise ScenarioError(f"{where}: key 'name' is missing")
         for key, value in entry.items():
             if key not in _TYPES:
-                raise ScenarioError(f"{where}: key '{key}' is unknown; known keys: {', '.join(_TYPES)}")
+                raise ScenarioError(f"{where}: key {_key(key)} is unknown; known keys: {', '.join(_TYPES)}")
             want = _PY_TYPES[_TYPES[key]]
             if not isinstance(value, want) or (want is int and isinstance(value, bool)):
                 raise ScenarioError(f"{where}: key '{key}' must be {_TYPES[key]}, not {type(value).__name__}")
-        out.append(_check(Scenario(**entry), f"{p} scenario '{entry['name']}'"))
+        # repr: a name may hold a line break until _check refuses it, and the message must stay one line
+        out.append(_check(Scenario(**entry), f"{p} scenario {entry['name']!r}"))
     return out
+
+
+def _key(key: str) -> str:
+    """A key as a one-line message shows it: 'name', or escaped when TOML's quoted key held a line break."""
+    return f"'{key}'" if key.isprintable() else repr(key)
 
 
 def resolve(spec: str) -> list[Scenario]:

@@ -17,7 +17,7 @@ from urllib.parse import urlencode, urlparse
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from collectors.credentials import split_userinfo
+from collectors.sources.credentials import split_userinfo
 from collectors.sources.base import ParseError, Source, SourceError
 from runstore.records import Labels, Sample, freeze_labels
 
@@ -37,13 +37,16 @@ def sample_name(line: str) -> str:
 
 
 def _split_value(line: str) -> tuple[str, str] | None:
-    """(series part, value token) of a sample line without a timestamp; None for anything else."""
+    """(series part, value token) of a sample line `series value` (one space, no timestamp); None for
+    anything else. Split at spaces only, as prometheus_client does: str.split() also split at a \\v or
+    U+2028, so a line the parser refuses ('name\\v1') was read through the memo (found by tests/test_fuzz.py)."""
+    series, sep, value = line.rpartition(" ")
+    if not sep or not value:
+        return None
     brace = line.rfind("}")
     if brace >= 0:
-        series, rest = line[: brace + 1], line[brace + 1 :].split()
-        return (series, rest[0]) if len(rest) == 1 else None
-    parts = line.split()
-    return (parts[0], parts[1]) if len(parts) == 2 else None
+        return (series, value) if len(series) == brace + 1 else None
+    return (series, value) if series.split() == [series] else None
 
 
 # The memo's fast path reads a value only when it is written the plain way (ASCII digits, Inf, NaN); any

@@ -1,0 +1,138 @@
+"""Soak: many cancels with neighbours over a long run, against the embedded engine.
+
+One `cancelwatch record` run drives a soak suite (decode cancels three at a time and client
+disconnects two at a time, each with a streaming neighbour and a probe) until at least --cancels
+cancels are made, while this script watches the recorder's RSS. Prints:
+- harmed neighbours (a neighbour that did not complete; must be 0);
+- samples taken vs written (must be equal);
+- the recorder's RSS after its first minute and at the end (growth must stay < 10 %);
+- store bytes per hour of recording;
+- verdict counts.
+
+Usage: python bench/soak.py [--target URL] [--cancels 500] [--minutes 25]
+Without --target it starts an embedded engine in a temp home and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from collectors.engines import vllm_server as engine_mod  # noqa: E402
+from runstore.reader import load_run  # noqa: E402
+
+SUITE = """
+[[scenario]]
+name = "soak_decode"
+trigger = "after_tokens"
+trigger_value = 20
+prompt_tokens = 300
+max_tokens = 1200
+concurrency = 3
+cancel_count = 3
+neighbour_max_tokens = 150
+repeats = {decode}
+
+[[scenario]]
+name = "soak_disconnect"
+mode = "disconnect"
+trigger = "after_tokens"
+trigger_value = 10
+prompt_tokens = 300
+max_tokens = 1200
+concurrency = 2
+cancel_count = 2
+neighbour_max_tokens = 150
+repeats = {disconnect}
+"""
+
+
+def tree_rss(pid: int) -> int:
+    try:
+        return psutil.Process(pid).memory_info().rss
+    except psutil.Error:
+        return 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target")
+    ap.add_argument("--cancels", type=int, default=500)
+    ap.add_argument("--minutes", type=float, default=25.0, help="upper bound: the run is interrupted then")
+    ap.add_argument("--hz", default="20")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="cw-soak-"))
+    home = tmp / "home"
+    # 3 + 2 cancels per pair of scenarios: repeats so that the total reaches --cancels
+    pairs = -(-args.cancels // 5)
+    scen = tmp / "soak.toml"
+    scen.write_text(SUITE.format(decode=pairs, disconnect=pairs))
+    store = tmp / "soak.db"
+    state, url = None, args.target
+    if url is None:
+        state = engine_mod.start(home, port=engine_mod.free_port())
+        url = state.url
+    try:
+        env = {**os.environ, "CANCELWATCH_HOME": str(home)}
+        # the soak suite interleaves: decode, disconnect, decode, ... is what `repeats` gives per scenario;
+        # the driver runs a scenario's repeats back to back, which is as much of a soak
+        t0 = time.monotonic()
+        proc = subprocess.Popen([sys.executable, "-m", "cancelwatch", "record", "--target", url, "--scenario",
+                                 str(scen), "--store", str(store), "--nvml", "off", "--hz", args.hz,
+                                 "--name", "soak"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        rss_samples: list[tuple[float, int]] = []
+        deadline = t0 + args.minutes * 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            rss_samples.append((time.monotonic() - t0, tree_rss(proc.pid)))
+            time.sleep(5)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # bounded: the partial run is kept and judged
+        out, err = proc.communicate(timeout=120)
+        wall = time.monotonic() - t0
+        rep = subprocess.run([sys.executable, "-m", "cancelwatch", "report", "latest", "--json", "--store", str(store)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=600)
+        doc = json.loads(rep.stdout)
+        run = load_run(store, "latest")
+        stats = run.info["stats"]
+        ledger = run.ledger
+        neighbours = ledger[ledger["role"] == "neighbour"]
+        harmed = neighbours[neighbours["terminal_state"] != "completed"]
+        verdicts = Counter(c["verdict"] for c in doc["cancels"])
+        run_s = (run.info["ended_wall_ns"] - run.info["started_wall_ns"]) / 1e9
+        size = sum(p.stat().st_size for p in tmp.glob("soak.db*"))
+        warm = [r for t, r in rss_samples if t >= 60] or [r for _, r in rss_samples]
+        rss_start, rss_end = warm[0], warm[-1]
+        print(f"soak: {len(doc['cancels'])} cancels in {run_s / 60:.1f} min ({wall / 60:.1f} min wall), record exit "
+              f"{proc.returncode}, run {run.info['status']}")
+        print(f"  harmed neighbours:   {len(harmed)} of {len(neighbours)}"
+              + (f"  ({', '.join(sorted(set(harmed['terminal_state'].astype(str))))})" if len(harmed) else ""))
+        print(f"  samples taken:       {stats.get('samples_taken')}")
+        print(f"  samples written:     {stats.get('samples_written')}"
+              f"  ({'equal' if stats.get('samples_taken') == stats.get('samples_written') else 'NOT equal'})")
+        print(f"  recorder RSS:        {rss_start / 2**20:.1f} MiB at 1 min -> {rss_end / 2**20:.1f} MiB at the end "
+              f"({100 * (rss_end - rss_start) / rss_start:+.1f} %), peak {max(r for _, r in rss_samples) / 2**20:.1f} MiB")
+        print(f"  store:               {size / 2**20:.1f} MiB, {size / 2**20 / (run_s / 3600):.1f} MiB per hour")
+        print(f"  verdicts:            {dict(verdicts)}")
+        if err.strip():
+            print(f"  record stderr: {err.strip()[-500:]}")
+    finally:
+        if state is not None:
+            engine_mod.stop(home, state.port)
+
+
+if __name__ == "__main__":
+    main()
