@@ -50,7 +50,7 @@ class CanaryMetrics:
 
 
 def one_round(target: str, scenarios, store: Path, hz: float, grace: float, name: str,
-              metrics_url: str | None = None, engine_log: Path | None = None):
+              metrics_url: str | None = None, engine_log: Path | None = None, auth: dict | None = None):
     """Record the scenarios once against `target`; (run id, verdicts, exit status of the recording)."""
     from analysis.verdicts import judge_run
     from collectors.cancels.driver import Driver
@@ -60,7 +60,7 @@ def one_round(target: str, scenarios, store: Path, hz: float, grace: float, name
     from runstore.records import DriveSettings
 
     targets = parse_targets([metrics_url or target])
-    model = served_model(target)
+    model = served_model(target, auth=auth)
     settings = RecordSettings(targets=targets, store=store, hz=hz, duration_s=None, nvml="auto", name=name,
                               home=home_dir(), engine_log=engine_log, drive=DriveSettings(driven_target=target,
                                                                    scenarios=[s.name for s in scenarios],
@@ -68,7 +68,7 @@ def one_round(target: str, scenarios, store: Path, hz: float, grace: float, name
     sources, facts = build_sources(settings)
     result = record(settings, sources, facts, driver_factory=lambda writer, sampler: Driver(
         target, model, writer.put, scheduler_reader(sampler, targets[0].label), grace_s=grace,
-        metrics_target=targets[0].label).run(scenarios))
+        metrics_target=targets[0].label, auth=auth).run(scenarios))
     run = load_run(store, result.run_id)
     return result.run_id, judge_run(run, grace), run, result.status
 
@@ -85,9 +85,19 @@ def canary(
     rounds: int = typer.Option(0, help="Stop after this many rounds; 0 runs until Ctrl-C or SIGTERM."),
     hz: float = typer.Option(20.0),
     grace: float = typer.Option(2.0),
+    api_key_env: Optional[str] = typer.Option(None, help="Environment variable holding the endpoint's API key "
+                                              "(default: VLLM_API_KEY, then OPENAI_API_KEY); never stored."),
 ):
     """Run a scenario set every --every, store each round as a run, serve the verdicts on /metrics."""
     from prometheus_client import start_http_server
+
+    from collectors.sources.credentials import CredentialError, api_key, auth_headers, split_userinfo
+
+    target, basic = split_userinfo(target)  # user:password@ is sent, never stored
+    try:
+        auth = auth_headers(api_key(api_key_env)[0], basic)
+    except CredentialError as exc:
+        raise fail(str(exc)) from None
 
     from collectors.cancels.scenarios import ScenarioError, resolve
     from collectors.recording.session import PreflightError, parse_targets
@@ -133,7 +143,7 @@ def canary(
             metrics.rounds.inc()
             try:
                 rid, verdicts, run, status = one_round(target, scenarios, store, hz, grace, f"canary round {done + 1}",
-                                                       metrics_url, engine_log)
+                                                       metrics_url, engine_log, auth)
                 mine.append(rid)
                 metrics.observe(verdicts, run)
                 if status != "completed":
