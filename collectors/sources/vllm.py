@@ -105,3 +105,12 @@ class VllmMetricsSource(PromTextSource):
 
     def unreadable(self, exc: SourceError) -> str:
         return f"cannot read {self.metrics_url} ({exc}); start the engine (cancelwatch engine up) or fix --target"
+
+    def fast_names(self, names: list[str]) -> list[str]:
+        """Between full bodies, only the series the analysis reads (ALIASES: scheduler, KV, prefix cache,
+        preemptions, token and request counters). Measured on the embedded engine (bench/observer.py),
+        the API server spends 2.1 ms of CPU on a scrape of all 55 kept names (histograms' _sum/_count
+        among them) and 0.5 ms on these 9: at 20 Hz, 4 % of its core against 1 %, taken from serving
+        tokens. The full body every `full_every_s` still records every series."""
+        fast = [n for n in names if n in ALIASES]
+        return fast or names
