@@ -93,8 +93,9 @@ def canary(
 
     from collectors.sources.credentials import CredentialError, api_key, auth_headers, split_userinfo
 
-    target, basic = split_userinfo(target)  # user:password@ is sent, never stored
     try:
+        given_target = target
+        target, basic = split_userinfo(target)  # user:password@ is sent, never stored
         auth = auth_headers(api_key(api_key_env)[0], basic)
     except CredentialError as exc:
         raise fail(str(exc)) from None
@@ -143,7 +144,7 @@ def canary(
             metrics.rounds.inc()
             try:
                 rid, verdicts, run, status = one_round(target, scenarios, store, hz, grace, f"canary round {done + 1}",
-                                                       metrics_url, engine_log, auth)
+                                                       metrics_url or given_target, engine_log, auth)
                 mine.append(rid)
                 metrics.observe(verdicts, run)
                 if status != "completed":

@@ -62,15 +62,20 @@ def record_cmd(
     """Run scripted cancels while sampling; one run holds samples, ledger and events. Prints the report."""
     import httpx
 
+    from collectors.recording.triton_session import is_triton_target
     from collectors.sources.credentials import (
         CredentialError,
         api_key,
         auth_headers,
         split_userinfo,
+        strip_userinfo,
     )
-    from collectors.recording.triton_session import is_triton_target
 
-    target, basic = split_userinfo(target)  # user:password@ is sent, never stored
+    given_target = target
+    try:
+        target, basic = split_userinfo(target)  # user:password@ is sent, never stored
+    except CredentialError as exc:
+        raise fail(f"--target: {exc}") from None
     window_s = seconds(burst_window, "--burst-window")
     try:  # before anything is sent to the target
         check_burst(RecordSettings(targets=[], hz=hz, burst_hz=burst_hz, burst_window_s=window_s))
@@ -101,7 +106,8 @@ def record_cmd(
     found: list[str] = []
     try:
         found = discover_targets(prometheus, job) if prometheus else []
-        targets = parse_targets(found or [metrics_url or target])
+        # the target as given: its user:password reach its /metrics too (Target keeps them out of the run)
+        targets = parse_targets(found or [metrics_url or given_target])
         parse_targets([target])
         model = served_model(target, auth=auth)
     except PreflightError as exc:
@@ -122,10 +128,11 @@ def record_cmd(
                                   pids=list(pid or []), lost_after_s=lost_after, home=home_dir(),
                                   engine_log=engine_log, burst_hz=burst_hz, burst_window_s=window_s,
                                   drive=DriveSettings(driven_target=target, scenarios=[s.name for s in scenarios],
-                                                      grace_s=grace, model=model, relay_url=relay_url))
+                                                      grace_s=grace, model=model,
+                                                      relay_url=strip_userinfo(relay_url) if relay_url else None))
         sources, facts = build_sources(settings)
         if prometheus:
-            facts["discovery"] = {"prometheus": prometheus, "job": job, "found": found}
+            facts["discovery"] = {"prometheus": strip_userinfo(prometheus), "job": job, "found": found}
         # where the credentials came from, never what they are
         facts["auth"] = {"api_key_env": key_var} if key else ({"url_credentials": True} if basic else None)
 
@@ -144,7 +151,8 @@ def record_cmd(
                 src = VllmMetricsSource(url, "relay", critical=False)
                 sampler.add_source(src)
                 relay_state.setdefault("sources", []).append(src)
-                all_targets = [*({"label": t.label, "url": t.url} for t in targets), {"label": "relay", "url": url}]
+                all_targets = [*({"label": t.label, "url": t.url} for t in targets),
+                               {"label": "relay", "url": strip_userinfo(url)}]
                 writer.set_run_json("targets", all_targets)
                 relay_driver = Driver(url, await asyncio.to_thread(served_model, url), writer.put,
                                       scheduler_reader(sampler, "relay"), grace_s=grace, metrics_target="relay")

@@ -12,7 +12,15 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from cancelwatch.console import DEFAULT_STORE, ENGINE_LOG_HELP, err, fail, home_dir, out, print_store_error
+from cancelwatch.console import (
+    DEFAULT_STORE,
+    ENGINE_LOG_HELP,
+    err,
+    fail,
+    home_dir,
+    out,
+    print_store_error,
+)
 from collectors.recording.session import (
     EXIT_FAILED,
     PreflightError,
@@ -21,6 +29,7 @@ from collectors.recording.session import (
     parse_targets,
     record,
 )
+from collectors.sources.credentials import strip_userinfo
 from runstore.errors import StoreError
 
 
@@ -74,7 +83,7 @@ def sample(
                                   engine_log=engine_log)
         sources, facts = build_sources(settings)
         if prometheus:
-            facts["discovery"] = {"prometheus": prometheus, "job": job, "found": found}
+            facts["discovery"] = {"prometheus": strip_userinfo(prometheus), "job": job, "found": found}
     except PreflightError as exc:
         raise fail(str(exc)) from None
     started = time.monotonic()

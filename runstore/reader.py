@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
+from urllib.parse import quote
 
 import adbc_driver_sqlite.dbapi as adbc_sqlite
 import numpy as np
@@ -23,11 +24,17 @@ def _one_line(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def _ro_uri(p: Path) -> str:
+    """A read-only SQLite URI for the file: its path percent-encoded, so a '#' or '?' in a folder name
+    is part of the path (unencoded, SQLite cut the path there and opened another file)."""
+    return f"file:{quote(str(p.resolve()))}?mode=ro"
+
+
 def connect_readonly(path: str | Path) -> sqlite3.Connection:
     p = Path(path)
     if not p.is_file():
         raise StoreError(f"no run store at {p}: record a run first (cancelwatch sample --target URL)")
-    con = sqlite3.connect(f"file:{p.resolve()}?mode=ro", uri=True, timeout=5.0)
+    con = sqlite3.connect(_ro_uri(p), uri=True, timeout=5.0)
     try:
         con.execute("SELECT 1 FROM runs LIMIT 1")
     except sqlite3.DatabaseError as exc:
@@ -132,7 +139,7 @@ SAMPLE_COLUMNS = ["source", "target", "metric", "labels", "value", "wall_ns", "m
 def _arrow(path: Path, sql: str, params: tuple) -> pa.Table:
     """A query read straight into Arrow (ADBC): an hour at 20 Hz is about a million rows, which
     sqlite3 would hand over as Python tuples, one second per million."""
-    con = adbc_sqlite.connect(f"file:{Path(path).resolve()}?mode=ro")
+    con = adbc_sqlite.connect(_ro_uri(Path(path)))
     try:
         cur = con.cursor()
         try:
@@ -228,7 +235,11 @@ def load_run(path: str | Path, run: str | int = "latest", metrics: Iterable[str]
 def _load_run(path: str | Path, rid: int, only: list[str] | None) -> Run:
     with connect_readonly(path) as con:
         con.row_factory = sqlite3.Row
-        info = dict(con.execute("SELECT * FROM runs WHERE id = ?", (rid,)).fetchone())
+        row = con.execute("SELECT * FROM runs WHERE id = ?", (rid,)).fetchone()
+        if row is None:  # deleted since it was looked up (a canary's retention): not damage
+            raise StoreError(f"no run {rid} in {path} (it was deleted while being read): list them with "
+                             "`cancelwatch runs`")
+        info = dict(row)
         con.row_factory = None
         for key in _JSON_COLUMNS:
             info[key] = json.loads(info[key] or "{}")

@@ -93,3 +93,14 @@ def test_what_the_run_stores_of_a_target_has_no_credentials():
 
     (t,) = parse_targets([f"http://ops:{PASSWORD}@127.0.0.1:8000"])
     assert asdict(t) == {"label": "t0", "url": "http://127.0.0.1:8000"}
+
+
+def test_encoded_credentials_are_decoded_and_an_unsplittable_url_is_refused_without_showing_it():
+    assert split_userinfo("http://ops:p%40ss%2Fw@127.0.0.1:8000") == ("http://127.0.0.1:8000", basic("ops", "p@ss/w"))
+    with pytest.raises(CredentialError):
+        split_userinfo(f"http://ops:{PASSWORD}/x@127.0.0.1:8000")  # a '/' in the password, unencoded
+    with pytest.raises(PreflightError) as err:
+        parse_targets([f"http://ops:{PASSWORD}/x@127.0.0.1:8000"])
+    assert PASSWORD not in str(err.value) and "\n" not in str(err.value)
+    (t,) = parse_targets([f"a=http://ops:{PASSWORD}=x@127.0.0.1:8000"])  # '=' in the password: label is 'a'
+    assert t.label == "a" and t.url == "http://127.0.0.1:8000"

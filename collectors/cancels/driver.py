@@ -119,7 +119,8 @@ class Driver:
                 r.task.cancel()
         await asyncio.gather(*(r.task for r in reqs if r.task is not None), return_exceptions=True)
         for r in reqs:
-            if not r.cancel_requested and r.row.terminal_state != "completed":
+            # not stopped by the scenario yet (a timeout still before its deadline counts too)
+            if r.row.cancel_mono_ns is None and r.row.terminal_state != "completed":
                 r.row.terminal_state, r.row.reason = "interrupted", why
             self.emit(r.row)
 

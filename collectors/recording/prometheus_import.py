@@ -22,7 +22,14 @@ from collectors.recording.session import PreflightError
 from collectors.sources.prometheus_api import PrometheusError, PrometheusHistory
 from collectors.sources.vllm import ALIASES, CACHE_CONFIG_METRIC
 from runstore.records import GapRecord
-from runstore.writer import create_run, finish_run, open_store, set_run_json, write_gaps, write_scrape_block
+from runstore.writer import (
+    create_run,
+    finish_run,
+    open_store,
+    set_run_json,
+    write_gaps,
+    write_scrape_block,
+)
 
 # server name -> (our name, scale to the stored unit)
 GPU_NAMES = {
@@ -98,7 +105,7 @@ def import_prometheus(s: ImportSettings, on_chunk=None) -> tuple[int, dict]:
         raise PreflightError(str(exc)) from None
     replicas = sorted(t for src, t in blocks if src == "vllm")
     if not replicas:
-        raise PreflightError(f"no vLLM series in Prometheus at {s.url} match {s.match or '{}'} between the start and "
+        raise PreflightError(f"no vLLM series in Prometheus at {prom.url} match {s.match or '{}'} between the start and "
                              "the end: check --match and the window (--start, --end)")
     s.queries = asked
     return _write(s, prom, grid, blocks, replicas)
@@ -143,8 +150,8 @@ def _write(s: ImportSettings, prom: PrometheusHistory, grid: np.ndarray, blocks:
             labels = {k: v for k, v in item.get("metric", {}).items() if k not in DROP_LABELS | {"engine", "model_name"}}
             cache[r] = labels
     gpu_hosts = sorted({t for src, t in blocks if src != "vllm"})
-    targets = [{"label": r, "url": f"{s.url} instance={r}"} for r in replicas]
-    imported = {"url": s.url, "prometheus_version": prom.version(), "queries": s.queries, "step_s": s.step_s,
+    targets = [{"label": r, "url": f"{prom.url} instance={r}"} for r in replicas]  # prom.url: no user:password
+    imported = {"url": prom.url, "prometheus_version": prom.version(), "queries": s.queries, "step_s": s.step_s,
                 "start_wall_ns": start_ns, "end_wall_ns": int(grid[-1] * 1e9), "match": s.match,
                 "gpu_match": s.gpu_match, "gpu_hosts": gpu_hosts}
     engine = {"imported": imported, "targets": {r: {"imported": True} for r in replicas},
@@ -153,7 +160,7 @@ def _write(s: ImportSettings, prom: PrometheusHistory, grid: np.ndarray, blocks:
     settings = {"hz": 1.0 / s.step_s, "name": s.name, "kind": KIND, "extra": {}}
     con = open_store(s.store)
     try:
-        rid = create_run(con, name=s.name or f"import {s.url}", targets=targets, engine=engine, settings=settings,
+        rid = create_run(con, name=s.name or f"import {prom.url}", targets=targets, engine=engine, settings=settings,
                          wall_ns=start_ns, mono_ns=start_ns)
         if cache:
             set_run_json(con, rid, "cache", cache)

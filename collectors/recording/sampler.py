@@ -247,7 +247,7 @@ class Sampler:
                 # a fine tick outside a burst: sleep to the next baseline tick, unless a burst starts first
                 wake.clear()
                 base = (tick // k + 1) * k
-                if self._bursting(src, time.monotonic_ns()):
+                if self._bursting(src, scheduled):  # a burst began since the check above
                     continue
                 if not self._wait_until(self.t0_mono_ns + base * period, own_stop, wake):
                     break

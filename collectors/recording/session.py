@@ -12,10 +12,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from collectors.sources.credentials import split_userinfo, strip_userinfo
 from collectors.engines import vllm_server as engine_mod
 from collectors.recording.sampler import Sampler
 from collectors.sources.base import Source
+from collectors.sources.credentials import CredentialError, split_userinfo, strip_userinfo
 from collectors.sources.engine_log import EngineLogSource
 from collectors.sources.nvml import NvmlSource
 from collectors.sources.process_memory import ProcessMemorySource
@@ -101,13 +101,17 @@ def parse_targets(values: list[str]) -> list[Target]:
     """`URL` or `LABEL=URL`; unlabelled targets are t0, t1, ..."""
     out: list[Target] = []
     for i, value in enumerate(values):
-        label, _, url = value.rpartition("=") if "=" in value.split("://", 1)[0] else ("", "", value)
+        # LABEL=URL: the label ends at the first "=" (a URL's query or password may hold more)
+        label, _, url = value.partition("=") if "=" in value.split("://", 1)[0] else ("", "", value)
         url = url.rstrip("/")
         parsed = urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise PreflightError(f"--target {strip_userinfo(value)!r} is not an http(s) URL: use e.g. "
                                  "--target http://127.0.0.1:8000")
-        clean, basic = split_userinfo(url)
+        try:
+            clean, basic = split_userinfo(url)
+        except CredentialError as exc:
+            raise PreflightError(f"--target {label or 't' + str(i)}: {exc}") from None
         out.append(Target(label or f"t{i}", clean).with_credentials(url if basic else None))
     labels = [t.label for t in out]
     if len(set(labels)) != len(labels):
@@ -330,8 +334,8 @@ async def _drive(coro, sampler: Sampler, store_failed: threading.Event | None = 
     """Run the driver, but give up when the target is lost or the store takes no more writes."""
     task = asyncio.ensure_future(coro)
     while not task.done():
-        if sampler.lost.is_set() or (store_failed is not None and store_failed.is_set()):
-            task.cancel()
+        if (sampler.lost.is_set() or (store_failed is not None and store_failed.is_set())) and not task.cancelling():
+            task.cancel()  # once: a second cancel would cut the driver's own clean-up short
         await asyncio.wait([task], timeout=0.2)
     if not task.cancelled():
         task.result()

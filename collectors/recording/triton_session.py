@@ -14,6 +14,7 @@ import httpx
 from collectors.engines import vllm_server as engine_mod
 from collectors.recording.session import PreflightError, RecordSettings, memory_sources
 from collectors.sources.base import Source
+from collectors.sources.credentials import strip_userinfo
 from collectors.sources.triton import TritonMetricsSource, server_version
 from collectors.sources.triton_log import TritonLogSource
 
@@ -98,8 +99,8 @@ def build_triton_sources(settings: RecordSettings, ep: TritonEndpoints, models: 
         client_version = None
     server = server_version(ep.http)
     facts: dict = {"engine": "triton", "targets": {label: {
-        "version": f"Triton {server}" if server else None, "kind": "triton", "grpc": ep.grpc, "http": ep.http,
-        "metrics": ep.metrics, "client": f"tritonclient {client_version}", "protocols": ["grpc", "http"],
+        "version": f"Triton {server}" if server else None, "kind": "triton", "grpc": strip_userinfo(ep.grpc), "http": strip_userinfo(ep.http),
+        "metrics": strip_userinfo(ep.metrics), "client": f"tritonclient {client_version}", "protocols": ["grpc", "http"],
         "backend": "python", "models": model_facts(ep.http, models)}}}
     log_path = str(settings.engine_log) if settings.engine_log else (ep.state.log_path if ep.state else None)
     facts["engine_log"] = {label: {"off": NO_TRITON_LOG}}

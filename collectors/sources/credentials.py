@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 import os
 from collections.abc import Mapping
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 # looked up in this order when no --api-key-env is given
 DEFAULT_KEY_VARS = ("VLLM_API_KEY", "OPENAI_API_KEY")
@@ -26,18 +26,30 @@ def split_userinfo(url: str) -> tuple[str, str | None]:
     """(the URL without user:password@, the Authorization header value those credentials make, or None)."""
     parts = urlsplit(url)
     if parts.username is None and parts.password is None:
+        if "@" in url.split("://", 1)[-1]:
+            # an "@" after the host: a password holding "/", "?" or "#" unencoded cut the URL short, so
+            # what looks like a path may hold it. Refuse rather than send or store it
+            raise CredentialError("a URL with user:password must percent-encode '/', '?', '#' and '@' in them "
+                                  "(e.g. %2F for /): the URL given cannot be split safely")
         return url, None
     host = parts.hostname or ""
     if ":" in host:  # IPv6 literal
         host = f"[{host}]"
     netloc = host + (f":{parts.port}" if parts.port is not None else "")
     clean = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
-    token = base64.b64encode(f"{parts.username or ''}:{parts.password or ''}".encode()).decode()
+    user, password = unquote(parts.username or ""), unquote(parts.password or "")
+    token = base64.b64encode(f"{user}:{password}".encode()).decode()
     return clean, f"Basic {token}"
 
 
 def strip_userinfo(url: str) -> str:
-    return split_userinfo(url)[0]
+    """The URL without credentials, for a message or the run; never raises (an unsplittable URL loses
+    everything from its scheme to its last '@')."""
+    try:
+        return split_userinfo(url)[0]
+    except CredentialError:
+        i, j = url.find("://"), url.rfind("@")
+        return url[:i + 3] + url[j + 1:] if i >= 0 else url[j + 1:]
 
 
 def api_key(env_var: str | None, environ: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:

@@ -9,6 +9,7 @@ import re
 from datetime import datetime, timezone
 
 from collectors.sources.base import SourceError
+from collectors.sources.credentials import strip_userinfo
 
 MAX_POINTS = 10_000  # per series and query: Prometheus refuses more than 11,000
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d|w)$")
@@ -53,16 +54,18 @@ class PrometheusHistory:
     def __init__(self, url: str, timeout_s: float = 30.0):
         from prometheus_api_client import PrometheusConnect
 
-        self.url = url.rstrip("/")
+        # user:password@ goes to Prometheus (requests sends it as Basic auth), never into messages or runs
+        self.given = url.rstrip("/")
+        self.url = strip_userinfo(self.given)
         self.timeout_s = timeout_s
-        self._prom = PrometheusConnect(url=self.url, disable_ssl=True, timeout=timeout_s)
+        self._prom = PrometheusConnect(url=self.given, disable_ssl=True, timeout=timeout_s)
 
     def check(self) -> str | None:
         """None when the server answers its API, else one line naming the fix."""
         import requests
 
         try:
-            resp = requests.get(self.url + "/api/v1/status/buildinfo", timeout=min(self.timeout_s, 5.0))
+            resp = requests.get(self.given + "/api/v1/status/buildinfo", timeout=min(self.timeout_s, 5.0))
         except requests.RequestException as exc:
             return f"cannot reach Prometheus at {self.url} ({type(exc).__name__}): check --url"
         if resp.status_code != 200:
@@ -73,7 +76,7 @@ class PrometheusHistory:
         import requests
 
         try:
-            return requests.get(self.url + "/api/v1/status/buildinfo", timeout=5.0).json()["data"]["version"]
+            return requests.get(self.given + "/api/v1/status/buildinfo", timeout=5.0).json()["data"]["version"]
         except (requests.RequestException, ValueError, KeyError):
             return None
 
@@ -88,8 +91,8 @@ class PrometheusHistory:
 
     def query_range(self, query: str, start: float, end: float, step_s: float) -> list[dict]:
         """[{"metric": labels, "values": [[t, "value"], ...]}] of one range query over one chunk."""
-        from prometheus_api_client.exceptions import PrometheusApiClientException
         import requests
+        from prometheus_api_client.exceptions import PrometheusApiClientException
 
         try:
             return self._prom.custom_query_range(
@@ -105,11 +108,12 @@ class PrometheusHistory:
     def active_targets(self, job: str) -> list[tuple[str, str]]:
         """(instance, base URL) of every target of `job` Prometheus scrapes now (its active targets, healthy
         or not), in instance order; the base URL is the scrape URL without its /metrics path."""
-        import requests
         from urllib.parse import urlsplit
 
+        import requests
+
         try:
-            resp = requests.get(self.url + "/api/v1/targets", params={"state": "active"}, timeout=self.timeout_s)
+            resp = requests.get(self.given + "/api/v1/targets", params={"state": "active"}, timeout=self.timeout_s)
             active = resp.json()["data"]["activeTargets"]
         except (requests.RequestException, ValueError, KeyError) as exc:
             raise PrometheusError(f"cannot read the active targets of Prometheus at {self.url} "
@@ -129,7 +133,7 @@ class PrometheusHistory:
         import requests
 
         try:
-            resp = requests.get(self.url + "/api/v1/query", params={"query": query, "time": f"{at:.3f}"},
+            resp = requests.get(self.given + "/api/v1/query", params={"query": query, "time": f"{at:.3f}"},
                                 timeout=self.timeout_s)
             return resp.json()["data"]["result"] if resp.status_code == 200 else []
         except (requests.RequestException, ValueError, KeyError):
