@@ -115,7 +115,7 @@ def report(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFAU
     raise typer.Exit(report_exit(doc))
 
 
-def notebook(name: str = typer.Argument(..., help="capacity_review or vram_plateau (notebooks/NAME.ipynb)."),
+def notebook(name: str = typer.Argument(..., help="capacity_review, vram_plateau, resolution or explore (notebooks/NAME.ipynb)."),
              run: list[str] = typer.Option(["latest"], "--run", help="Run id or 'latest'; repeat for several runs."),
              store: Path = typer.Option(DEFAULT_STORE, help="Run store (SQLite)."),
              param: list[str] = typer.Option([], "-p", "--param", help="Another notebook parameter as KEY=VALUE: "
