@@ -36,7 +36,7 @@ from runstore.reader import load_run  # noqa: E402
 
 SUITE = """
 [[scenario]]
-name = "soak_decode"
+name = "soak_decode_{i}"
 trigger = "after_tokens"
 trigger_value = 20
 prompt_tokens = 300
@@ -44,10 +44,10 @@ max_tokens = 1200
 concurrency = 3
 cancel_count = 3
 neighbour_max_tokens = 150
-repeats = {decode}
+repeats = {repeats}
 
 [[scenario]]
-name = "soak_disconnect"
+name = "soak_disconnect_{i}"
 mode = "disconnect"
 trigger = "after_tokens"
 trigger_value = 10
@@ -56,7 +56,7 @@ max_tokens = 1200
 concurrency = 2
 cancel_count = 2
 neighbour_max_tokens = 150
-repeats = {disconnect}
+repeats = {repeats}
 """
 
 
@@ -76,10 +76,15 @@ def main() -> None:
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="cw-soak-"))
     home = tmp / "home"
-    # 3 + 2 cancels per pair of scenarios: repeats so that the total reaches --cancels
+    # 3 + 2 cancels per pair of scenarios; a scenario repeats at most 20 times, so the suite holds as
+    # many numbered pairs as the total needs (they alternate: decode, disconnect, decode, ...)
     pairs = -(-args.cancels // 5)
+    blocks, left = [], pairs
+    for i in range(-(-pairs // 20)):
+        blocks.append(SUITE.format(i=i, repeats=min(20, left)))
+        left -= 20
     scen = tmp / "soak.toml"
-    scen.write_text(SUITE.format(decode=pairs, disconnect=pairs))
+    scen.write_text("".join(blocks))
     store = tmp / "soak.db"
     state, url = None, args.target
     if url is None:
@@ -90,19 +95,24 @@ def main() -> None:
         # the soak suite interleaves: decode, disconnect, decode, ... is what `repeats` gives per scenario;
         # the driver runs a scenario's repeats back to back, which is as much of a soak
         t0 = time.monotonic()
+        # record's report (500 rows) goes to a file: a pipe nobody reads while it runs would fill and block it
+        report_out = (tmp / "record-stdout.txt").open("w")
         proc = subprocess.Popen([sys.executable, "-m", "cancelwatch", "record", "--target", url, "--scenario",
                                  str(scen), "--store", str(store), "--nvml", "off", "--hz", args.hz,
-                                 "--name", "soak"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                 "--name", "soak"], cwd=ROOT, env=env, stdout=report_out,
                                 stderr=subprocess.PIPE, text=True)
-        rss_samples: list[tuple[float, int]] = []
+        rss_samples: list[tuple[float, int, int]] = []  # (s since start, wall ns, RSS bytes)
         deadline = t0 + args.minutes * 60
         while proc.poll() is None and time.monotonic() < deadline:
-            rss_samples.append((time.monotonic() - t0, tree_rss(proc.pid)))
+            rss_samples.append((time.monotonic() - t0, time.time_ns(), tree_rss(proc.pid)))
             time.sleep(5)
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)  # bounded: the partial run is kept and judged
-        out, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=600)
+        report_out.close()
         wall = time.monotonic() - t0
+        if not store.exists():
+            raise SystemExit(f"record recorded nothing (exit {proc.returncode}): {err.strip()[-800:]}")
         rep = subprocess.run([sys.executable, "-m", "cancelwatch", "report", "latest", "--json", "--store", str(store)],
                              cwd=ROOT, capture_output=True, text=True, timeout=600)
         doc = json.loads(rep.stdout)
@@ -114,8 +124,12 @@ def main() -> None:
         verdicts = Counter(c["verdict"] for c in doc["cancels"])
         run_s = (run.info["ended_wall_ns"] - run.info["started_wall_ns"]) / 1e9
         size = sum(p.stat().st_size for p in tmp.glob("soak.db*"))
-        warm = [r for t, r in rss_samples if t >= 60] or [r for _, r in rss_samples]
+        # the recorder while it records: from its first minute to the run's end (after it, `record` loads
+        # the whole run to judge and print the report, which is not the recorder's growth)
+        recording = [(t, r) for t, w, r in rss_samples if w <= run.info["ended_wall_ns"]]
+        warm = [r for t, r in recording if t >= 60] or [r for _, r in recording]
         rss_start, rss_end = warm[0], warm[-1]
+        report_peak = max((r for _, w, r in rss_samples if w > run.info["ended_wall_ns"]), default=None)
         print(f"soak: {len(doc['cancels'])} cancels in {run_s / 60:.1f} min ({wall / 60:.1f} min wall), record exit "
               f"{proc.returncode}, run {run.info['status']}")
         print(f"  harmed neighbours:   {len(harmed)} of {len(neighbours)}"
@@ -124,7 +138,10 @@ def main() -> None:
         print(f"  samples written:     {stats.get('samples_written')}"
               f"  ({'equal' if stats.get('samples_taken') == stats.get('samples_written') else 'NOT equal'})")
         print(f"  recorder RSS:        {rss_start / 2**20:.1f} MiB at 1 min -> {rss_end / 2**20:.1f} MiB at the end "
-              f"({100 * (rss_end - rss_start) / rss_start:+.1f} %), peak {max(r for _, r in rss_samples) / 2**20:.1f} MiB")
+              f"({100 * (rss_end - rss_start) / rss_start:+.1f} %) of the recording; while judging the whole run "
+              f"for its report: " + (f"{report_peak / 2**20:.1f} MiB" if report_peak else "not sampled"))
+        trend = [f"{t / 60:.0f} min {r / 2**20:.0f}" for t, r in recording[12::24]]
+        print(f"  recorder RSS (MiB):  {', '.join(trend)}")
         print(f"  store:               {size / 2**20:.1f} MiB, {size / 2**20 / (run_s / 3600):.1f} MiB per hour")
         print(f"  verdicts:            {dict(verdicts)}")
         if err.strip():

@@ -166,3 +166,12 @@ def test_a_burst_rate_that_is_not_a_multiple_of_the_rate_is_refused():
     with pytest.raises(ValueError, match="whole multiple"):
         Sampler([TimedSource("vllm")], [].append, hz=20.0, burst_hz=70.0)
     assert Sampler([TimedSource("vllm")], [].append, hz=20.0).burst(1.0) == 0  # no --burst-hz: nothing lifted
+
+
+def test_timing_statistics_are_bounded():
+    from collectors.recording.sampler import RecentValues
+
+    r = RecentValues(cap=10)
+    for i in range(1000):
+        r.append(i)
+    assert 5 <= len(r) <= 10 and list(r)[-1] == 999 and list(r) == sorted(r)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from array import array
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +50,31 @@ def raise_thread_priority(nice: int = TICK_NICE) -> bool:
         return False
 
 
+class RecentValues:
+    """The latest values (up to `cap`) as 8-byte integers, for timing statistics. A Python list of ints
+    costs ~36 bytes an entry and grows with the run: three of them a source came to ~8 MB of the
+    recorder's growth over a 12-minute soak (bench/soak.py), and would keep growing for a day-long
+    `sample`. When full, the older half goes (amortised O(1))."""
+
+    def __init__(self, cap: int = 72_000):  # an hour at 20 Hz
+        self.cap = cap
+        self._a = array("q")
+
+    def append(self, value: int) -> None:
+        self._a.append(value)
+        if len(self._a) > self.cap:
+            del self._a[: len(self._a) - self.cap // 2]
+
+    def __len__(self) -> int:
+        return len(self._a)
+
+    def __iter__(self):
+        return iter(self._a)
+
+    def __getitem__(self, i):
+        return self._a[i]
+
+
 @dataclass
 class SourceStats:
     """Counters of one source over a run. `taken` counts samples handed to the writer."""
@@ -62,9 +88,9 @@ class SourceStats:
     taken: int = 0
     first_ok_mono_ns: int | None = None
     last_ok_mono_ns: int | None = None
-    intervals_ns: list[int] = field(default_factory=list)  # between consecutive scrape starts
-    lateness_ns: list[int] = field(default_factory=list)  # scrape start minus its scheduled tick
-    durations_ns: list[int] = field(default_factory=list)
+    intervals_ns: RecentValues = field(default_factory=lambda: RecentValues())  # between scrape starts
+    lateness_ns: RecentValues = field(default_factory=lambda: RecentValues())  # start minus its scheduled tick
+    durations_ns: RecentValues = field(default_factory=lambda: RecentValues())
     lost: bool = False
     last_error: str = ""
 
