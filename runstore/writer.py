@@ -80,14 +80,23 @@ def create_run(
 
 def finish_run(con: sqlite3.Connection, run_id: int, status: str, stats: dict, ended_wall_ns: int | None = None) -> None:
     """The run's end status and stats. StoreError when the store refuses them (a full disk)."""
+    row = (status, ended_wall_ns or time.time_ns(), json.dumps(stats), run_id)
     try:
-        con.execute(
-            "UPDATE runs SET status = ?, ended_wall_ns = ?, stats = ? WHERE id = ?",
-            (status, ended_wall_ns or time.time_ns(), json.dumps(stats), run_id),
-        )
+        con.execute("UPDATE runs SET status = ?, ended_wall_ns = ?, stats = ? WHERE id = ?", row)
+        con.commit()
+        return
+    except sqlite3.Error:
+        pass
+    # a full disk (or file-size limit) that stopped the writer stops this write too when the WAL is at the
+    # limit: move the WAL into the database and truncate it, which frees its room, then try once more
+    try:
+        con.rollback()
+        con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        con.execute("UPDATE runs SET status = ?, ended_wall_ns = ?, stats = ? WHERE id = ?", row)
         con.commit()
     except sqlite3.Error as exc:
-        raise StoreError(f"the run store at {store_path(con)} did not take the run's end status ({exc})") from exc
+        raise StoreError(f"the run store at {store_path(con)} did not take the run's end status ({exc}): the run "
+                         "shows as 'running'") from exc
 
 
 def delete_runs(con: sqlite3.Connection, run_ids: Iterable[int]) -> None:

@@ -261,17 +261,22 @@ def test_engine_killed_mid_run_ends_target_lost_then_engine_down_cleans_up(priva
     assert json.loads(json.dumps(engine_mod.all_states(home), default=str)) == []
 
 
-def test_filtered_scrapes_give_the_same_series_as_full_bodies(engine):
-    """After one full body the source asks /metrics/ for just the sample names it keeps."""
-    from collectors.sources.vllm import VllmMetricsSource
+def test_filtered_scrapes_give_the_analysis_series_of_full_bodies(engine):
+    """After one full body the source asks /metrics/ for just the series the analysis reads (ALIASES):
+    the same series, with the same labels, as in the full body; every other series waits for the next
+    full body."""
+    from collectors.sources.vllm import ALIASES, VllmMetricsSource
 
     src = VllmMetricsSource(engine.url, "t0")
     full = src.sample(1, 2)
     assert src.endpoint._filtered_path is not None and "name%5B%5D=vllm%3Anum_requests_running" in src.endpoint._filtered_path
     filtered_body = src.endpoint.fetch(src.endpoint._filtered_path)
-    assert len(filtered_body) < len(src.endpoint.fetch()) / 2
+    assert len(filtered_body) < len(src.endpoint.fetch()) / 4
     again = src.sample(3, 4)
-    assert sorted((s.metric, s.labels) for s in again) == sorted((s.metric, s.labels) for s in full)
+    ours = {name for name, _ in ALIASES.values()}
+    want = sorted((s.metric, s.labels) for s in full if s.metric in ours)
+    assert {"requests_running", "requests_waiting", "kv_cache_usage_ratio"} <= {m for m, _ in want}
+    assert sorted((s.metric, s.labels) for s in again) == want
     src.close()
 
 
