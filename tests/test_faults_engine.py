@@ -16,20 +16,11 @@ import signal
 import time
 
 import psutil
-import pytest
 
 from collectors.engines import vllm_server as engine_mod
 from runstore.reader import load_run
 from tests.conftest import SHORT, cli, cli_popen
-from tests.test_verdict_rules_engine import LONG, _wait_for_line, dump, engine_lines, run_clock, scenario
-
-
-def abort_line_or_fail(state, offset, proc, needle="-target-", timeout_s=120):
-    if not _wait_for_line(state.log_path, offset, "Aborted request(s)", needle, proc, timeout_s):
-        ended = proc.poll() is not None
-        out, err = proc.communicate(timeout=30) if ended else ("", "")
-        pytest.fail(f"no abort line for {needle} in the engine's log; record "
-                    f"{'exited ' + str(proc.returncode) if ended else 'still running'}\n{out[-4000:]}\n{err[-2000:]}")
+from tests.test_verdict_rules_engine import LONG, abort_line_or_fail, dump, engine_lines, run_clock, scenario
 
 
 def finish(proc, timeout_s=300):

@@ -255,6 +255,16 @@ def _wait_for_line(path: str, offset: int, needle: str, also: str, proc, timeout
     return False
 
 
+def abort_line_or_fail(state, offset: int, proc, needle: str = "-target-", timeout_s: float = 120) -> None:
+    """Wait for the engine to log the abort of a request whose id holds `needle`; else fail with what
+    `record` printed (its report, when it already ended)."""
+    if not _wait_for_line(state.log_path, offset, "Aborted request(s)", needle, proc, timeout_s):
+        ended = proc.poll() is not None
+        out, err = proc.communicate(timeout=30) if ended else ("", "")
+        pytest.fail(f"no abort line for {needle} in the engine's log; record "
+                    f"{'exited ' + str(proc.returncode) if ended else 'still running'}\n{out[-4000:]}\n{err[-2000:]}")
+
+
 def test_an_engine_killed_and_restarted_during_a_cancel_is_inconclusive(private_engine, tmp_path):
     home, state = private_engine
     toml = scenario(tmp_path, name="restart_window", trigger="after_tokens", trigger_value=20, prompt_tokens=600,
@@ -270,11 +280,7 @@ def test_an_engine_killed_and_restarted_during_a_cancel_is_inconclusive(private_
     new_state = None
     try:
         # the engine logs the target's abort: the cancel reached it. Kill it there, all of it at once.
-        if not _wait_for_line(state.log_path, offset, "Aborted request(s)", "-target-", proc, 120):
-            ended = proc.poll() is not None
-            out, err = proc.communicate(timeout=30) if ended else ("", "")
-            pytest.fail(f"no abort line for the target in the engine's log; record "
-                        f"{'exited ' + str(proc.returncode) if ended else 'still running'}\n{out[-4000:]}\n{err[-2000:]}")
+        abort_line_or_fail(state, offset, proc)
         tree = [psutil.Process(p) for p in engine_mod.engine_pids(state)]
         os.killpg(state.pid, signal.SIGKILL)  # started in a session of its own: the group is the engine
         killed_at = time.monotonic()
