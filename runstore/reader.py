@@ -30,6 +30,13 @@ def _ro_uri(p: Path) -> str:
     return f"file:{quote(str(p.resolve()))}?mode=ro"
 
 
+def _has_no_tables(con: sqlite3.Connection) -> bool:
+    try:
+        return con.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
+    except sqlite3.DatabaseError:  # not a database at all
+        return False
+
+
 def connect_readonly(path: str | Path) -> sqlite3.Connection:
     p = Path(path)
     if not p.is_file():
@@ -38,7 +45,10 @@ def connect_readonly(path: str | Path) -> sqlite3.Connection:
     try:
         con.execute("SELECT 1 FROM runs LIMIT 1")
     except sqlite3.DatabaseError as exc:
+        empty = _has_no_tables(con)
         con.close()
+        if empty:  # a store a recorder is creating this instant (its schema is one transaction), or an empty file
+            raise StoreError(f"{p} holds no runs yet: record one with cancelwatch sample --target URL") from exc
         # sqlite quotes a damaged schema's text, line breaks and all (found by tests/test_fuzz.py)
         raise StoreError(f"{p} is not a cancelwatch run store ({_one_line(str(exc))}): point --store at a .db "
                          "written by cancelwatch") from exc

@@ -36,6 +36,19 @@ _INSERT_LEDGER = (f"INSERT OR REPLACE INTO ledger(run_id, {', '.join(LEDGER_COLU
                   f"VALUES (?, {', '.join('?' for _ in LEDGER_COLUMNS)})")
 
 
+def _statements(script: str) -> list[str]:
+    """A DDL script cut into its statements (executescript would commit each one on its own)."""
+    out, current = [], ""
+    for line in script.splitlines(keepends=True):
+        current += line
+        if sqlite3.complete_statement(current):
+            out.append(current.strip())
+            current = ""
+    if current.strip():
+        out.append(current.strip())
+    return out
+
+
 def open_store(path: str | Path) -> sqlite3.Connection:
     """Open (creating if needed) a run store for writing. StoreError names the path on failure."""
     p = Path(path)
@@ -44,16 +57,23 @@ def open_store(path: str | Path) -> sqlite3.Connection:
         con = sqlite3.connect(str(p), timeout=10.0, check_same_thread=False)
         con.execute("PRAGMA journal_mode=WAL")
         con.execute("PRAGMA synchronous=NORMAL")
+        # the whole schema in one transaction: a reader opening the store meanwhile sees no table or all of
+        # them, never `meta` without `runs` (CI saw a dashboard read land between two CREATEs)
+        con.isolation_level = None
+        con.execute("BEGIN IMMEDIATE")
         con.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
         row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
         if row is not None and row[0] != str(SCHEMA_VERSION):
+            con.execute("ROLLBACK")
             con.close()
             # checked before any DDL: a store of another version is left exactly as it was
             raise StoreError(f"the run store at {p} has schema {row[0]}, this cancelwatch writes {SCHEMA_VERSION}: "
                              "record into a new file with --store")
-        con.executescript(DDL)
+        for statement in _statements(DDL):
+            con.execute(statement)
         con.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-        con.commit()
+        con.execute("COMMIT")
+        con.isolation_level = ""  # back to implicit transactions, which the rest of the writer relies on
     except (OSError, sqlite3.Error) as exc:
         raise StoreError(f"cannot write the run store at {p} ({exc}): choose a writable path with --store") from exc
     return con

@@ -135,6 +135,49 @@ def test_a_store_of_another_schema_is_left_as_it_was(tmp_path):
     assert store.read_bytes() == before
 
 
+def test_a_reader_never_sees_half_a_schema_while_a_store_is_created(tmp_path, monkeypatch):
+    """CI saw a dashboard read land between the writer's CREATE of `meta` and of `runs` ('not a cancelwatch
+    run store'). Before each statement the writer runs, a second connection looks: no table, or all."""
+    import sqlite3
+
+    import runstore.writer as writer
+
+    store = tmp_path / "cw.db"
+    seen: list[frozenset] = []
+    real_connect = sqlite3.connect
+
+    def look(_statement):
+        with real_connect(f"file:{store}?mode=ro", uri=True) as peek:
+            seen.append(frozenset(r[0] for r in peek.execute("SELECT name FROM sqlite_master WHERE type='table'")))
+
+    def traced(*args, **kwargs):
+        con = real_connect(*args, **kwargs)
+        con.set_trace_callback(look)
+        return con
+
+    monkeypatch.setattr(writer.sqlite3, "connect", traced)
+    con = open_store(store)
+    con.set_trace_callback(None)
+    con.close()
+    with real_connect(store) as db:
+        every = frozenset(r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'"))
+    assert {"meta", "runs", "samples"} <= every
+    assert len(seen) > 5 and set(seen) <= {frozenset(), every}, [sorted(s) for s in set(seen)]
+
+
+def test_a_store_with_no_tables_yet_holds_no_runs(tmp_path):
+    import sqlite3
+
+    store = tmp_path / "cw.db"
+    sqlite3.connect(store).execute("PRAGMA journal_mode=WAL").close()  # what a recorder has made before its schema
+    assert store.is_file()
+    with pytest.raises(StoreError, match="holds no runs yet"):
+        load_run(store, "latest")
+    (tmp_path / "junk.db").write_bytes(b"not sqlite at all" * 100)
+    with pytest.raises(StoreError, match="not a cancelwatch run store"):
+        load_run(tmp_path / "junk.db", "latest")
+
+
 def test_deleting_runs_leaves_the_others_whole(tmp_path):
     from bench.synthetic import write_synthetic_run
     from runstore.writer import delete_runs, open_store
