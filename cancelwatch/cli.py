@@ -7,6 +7,7 @@ import_commands (import prometheus), canary_commands (canary).
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import typer
@@ -29,6 +30,10 @@ app.command()(report_commands.notebook)
 
 
 def main() -> None:
+    # a command started by `&` in a script (or under a parent that ignores it) inherits SIGINT ignored,
+    # and Python then never raises KeyboardInterrupt: the dashboard's Stop and `kill -INT` would be lost,
+    # and a run meant to end as interrupted went on (seen when the test suite ran as a background job)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         app()
     except KeyboardInterrupt:

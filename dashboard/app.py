@@ -21,6 +21,7 @@ from analysis.verdicts import judge_run
 from dashboard import recording
 from dashboard.params import read_url_params
 from runstore.paths import DEFAULT_STORE, store_dir, store_in_dir, stores_in_dir
+from runstore.errors import NoRunsYet
 from runstore.reader import StoreError, list_runs, load_run, resolve_run_id
 
 SAMPLE_STORE = Path(__file__).resolve().parent / "sample" / "sample.db"
@@ -95,10 +96,12 @@ def choose_store() -> tuple[Path | None, bool]:
 def choose_run(path: Path, sample: bool):
     try:
         runs = runs_table(str(path), store_version(path))
+    except NoRunsYet:  # a store with no tables yet: a recorder is creating it this instant
+        runs = None
     except StoreError as exc:
         st.error(str(exc))
         return None, None
-    if runs.empty:
+    if runs is None or runs.empty:
         st.info(f"{path.name} holds no runs yet. Record one with `make demo` or `cancelwatch record --target URL`.")
         return None, None
     labels = {int(r.id): f"{r.id} · {r.name or ''} · {r.status} · {r.started:%Y-%m-%d %H:%M}" for r in runs.itertuples()}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -15,7 +15,10 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from runstore.errors import StoreError
+from runstore.errors import NoRunsYet, StoreError
+
+
+BUSY_TIMEOUT_MS = 5000  # how long a read waits out a writer's lock before it reports the store locked
 
 
 def _one_line(text: str, limit: int = 200) -> str:
@@ -30,6 +33,11 @@ def _ro_uri(p: Path) -> str:
     return f"file:{quote(str(p.resolve()))}?mode=ro"
 
 
+def _locked(path: str | Path) -> str:
+    return (f"{path} stayed locked by another process for over {BUSY_TIMEOUT_MS / 1000:g} s: try again once "
+            "it is done (a delete or compact of that store, or a process holding it open exclusively)")
+
+
 def _has_no_tables(con: sqlite3.Connection) -> bool:
     try:
         return con.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
@@ -41,14 +49,17 @@ def connect_readonly(path: str | Path) -> sqlite3.Connection:
     p = Path(path)
     if not p.is_file():
         raise StoreError(f"no run store at {p}: record a run first (cancelwatch sample --target URL)")
-    con = sqlite3.connect(_ro_uri(p), uri=True, timeout=5.0)
+    con = sqlite3.connect(_ro_uri(p), uri=True, timeout=BUSY_TIMEOUT_MS / 1000)
     try:
         con.execute("SELECT 1 FROM runs LIMIT 1")
     except sqlite3.DatabaseError as exc:
+        if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_BUSY:
+            con.close()
+            raise StoreError(_locked(p)) from exc
         empty = _has_no_tables(con)
         con.close()
         if empty:  # a store a recorder is creating this instant (its schema is one transaction), or an empty file
-            raise StoreError(f"{p} holds no runs yet: record one with cancelwatch sample --target URL") from exc
+            raise NoRunsYet(f"{p} holds no runs yet: record one with cancelwatch sample --target URL") from exc
         # sqlite quotes a damaged schema's text, line breaks and all (found by tests/test_fuzz.py)
         raise StoreError(f"{p} is not a cancelwatch run store ({_one_line(str(exc))}): point --store at a .db "
                          "written by cancelwatch") from exc
@@ -73,6 +84,8 @@ def _reading(path: str | Path):
         raise
     except _DAMAGE as exc:
         detail = _one_line(f"{type(exc).__name__}: {exc}")
+        if "database is locked" in str(exc):  # sqlite3's and ADBC's words for SQLITE_BUSY: not damage
+            raise StoreError(_locked(path)) from exc
         raise StoreError(f"{path} cannot be read, the store is damaged ({detail}): record into a new file "
                          "with --store") from exc
 
@@ -84,7 +97,7 @@ def list_runs(path: str | Path) -> pd.DataFrame:
 
 
 def _list_runs(path: str | Path) -> pd.DataFrame:
-    with connect_readonly(path) as con:
+    with closing(connect_readonly(path)) as con:
         df = pd.read_sql_query(
             "SELECT id, name, status, started_wall_ns, ended_wall_ns, targets FROM runs ORDER BY id", con
         )
@@ -95,11 +108,11 @@ def _list_runs(path: str | Path) -> pd.DataFrame:
 
 def resolve_run_id(path: str | Path, run: str | int) -> int:
     """Turn 'latest' or an id into an existing run id."""
-    with _reading(path), connect_readonly(path) as con:
+    with _reading(path), closing(connect_readonly(path)) as con:
         if str(run) == "latest":
             row = con.execute("SELECT max(id) FROM runs").fetchone()
             if row is None or row[0] is None:
-                raise StoreError(f"{path} holds no runs yet: record one with cancelwatch sample --target URL")
+                raise NoRunsYet(f"{path} holds no runs yet: record one with cancelwatch sample --target URL")
             return int(row[0])
         try:
             rid = int(run)
@@ -153,6 +166,11 @@ def _arrow(path: Path, sql: str, params: tuple) -> pa.Table:
     try:
         cur = con.cursor()
         try:
+            # ADBC sets no busy handler: a read that meets a writer's brief lock (a recorder checkpointing
+            # or closing the WAL) failed at once with "database is locked" (CI, two recorders and a reader).
+            # The same 5 s the sqlite3 connections wait
+            cur.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            cur.fetchall()
             cur.execute(sql, parameters=params)
             return cur.fetch_arrow_table()
         finally:
@@ -243,7 +261,7 @@ def load_run(path: str | Path, run: str | int = "latest", metrics: Iterable[str]
 
 
 def _load_run(path: str | Path, rid: int, only: list[str] | None) -> Run:
-    with connect_readonly(path) as con:
+    with closing(connect_readonly(path)) as con:
         con.row_factory = sqlite3.Row
         row = con.execute("SELECT * FROM runs WHERE id = ?", (rid,)).fetchone()
         if row is None:  # deleted since it was looked up (a canary's retention): not damage

@@ -173,13 +173,13 @@ def test_a_live_run_is_followed_until_it_completes(served, browser, engine, engi
     folder = tmp_path / "runs"
     folder.mkdir()
     store = folder / "live.db"
-    proc = cli_popen("sample", "--target", engine.url, "--duration", "12", "--store", str(store), "--name", "live",
+    url = served(folder)  # before the recording starts: a slow start of the page must not outlast the run
+    proc = cli_popen("sample", "--target", engine.url, "--duration", "30", "--store", str(store), "--name", "live",
                      home=engine_home)
     try:
         deadline = time.monotonic() + 30
         while not store.exists() and time.monotonic() < deadline:
             time.sleep(0.2)
-        url = served(folder)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(f"{url}/?store=live.db", timeout=60_000)
         page.wait_for_selector(".js-plotly-plot .main-svg", timeout=90_000)

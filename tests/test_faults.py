@@ -61,6 +61,37 @@ def test_a_full_disk_ends_the_run_with_one_line_and_keeps_what_was_written(tmp_p
     assert len(run.scrapes) > 0 and (run.scrapes["ok"] == 1).all()
 
 
+def test_ctrl_c_ends_the_run_even_when_the_recorder_was_started_with_sigint_ignored(tmp_path):
+    """`cmd &` in a script starts a command with SIGINT ignored (a test suite run that way did); Python then never
+    raises KeyboardInterrupt, and `kill -INT` or the dashboard's Stop was lost: the run went on."""
+    store = tmp_path / "cw.db"
+
+    def ignore_sigint():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    with MetricsFixtureServer(LOADED) as server:
+        proc = subprocess.Popen(sample_cmd(server.url, store, duration=0), cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, preexec_fn=ignore_sigint)
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    if len(load_run(store, "latest").scrapes) >= 10:
+                        break
+                except Exception:  # noqa: BLE001 - no store or no run yet
+                    pass
+                time.sleep(0.1)
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=30)
+    assert proc.returncode == 130, out[-2000:] + err[-2000:]
+    run = load_run(store, "latest")
+    assert run.info["status"] == "interrupted" and len(run.scrapes) >= 10
+
+
 def test_two_recorders_and_the_dashboard_share_one_store(tmp_path, monkeypatch):
     store = tmp_path / "cw.db"
     with MetricsFixtureServer(LOADED) as a, MetricsFixtureServer(LOADED) as b:

@@ -62,10 +62,17 @@ def test_an_engine_stopped_during_a_cancel_gives_gaps_and_inconclusive_and_the_r
     assert ((g["t_s"] <= t_frozen + 1.5) & (g["end_t_s"] >= t_back - 0.5)).any(), g
     sc = run.scrapes[run.scrapes["source"] == "vllm"]
     assert ((sc["ok"] == 1) & (sc["t_s"] > t_back)).any()
-    # the engine had aborted it, but nothing sampled across the grace says it left: not called released
+    # the engine had aborted it, but nothing sampled across the grace says it left: not called released.
+    # Unless a scrape between the abort line and the freeze already showed it gone (the engine's step beat
+    # the test's signal on a busy machine): then released is the truth, and it must rest on that sample
     assert c["request_id"] in engine_lines(run, "engine_aborted")
-    assert c["verdict"] == "inconclusive", dump(doc)
-    assert "no samples" in c["evidence"]["why"], dump(doc)
+    if c["verdict"] == "released":
+        left = c["timepoints"].get("left_scheduler")
+        assert left is not None and t_stop < left < t_frozen, dump(doc)
+        print(f"the release was sampled {t_frozen - left:.3f} s before the freeze: released, on that sample")
+    else:
+        assert c["verdict"] == "inconclusive", dump(doc)
+        assert "no samples" in c["evidence"]["why"], dump(doc)
     # the run went on: the probe and the neighbour were served once the engine resumed
     ledger = run.ledger.set_index("role")
     assert ledger.loc["probe", "terminal_state"] == "completed", run.ledger

@@ -30,6 +30,23 @@ def stored_sample_count(store, run_id) -> int:
         return con.execute("SELECT count(*) FROM samples WHERE run_id = ?", (run_id,)).fetchone()[0]
 
 
+def wait_recording(store, ok_scrapes: int, timeout_s: float = 60.0) -> None:
+    """Until the run being recorded holds `ok_scrapes` good scrapes of the engine: a fixed sleep after starting
+    `sample` may end before a slow machine has even imported the command line."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            run = load_run(store, "latest")
+        except Exception:  # noqa: BLE001 - no store or no run yet
+            run = None
+        if run is not None and run.info["status"] == "running" and len(run.scrapes):
+            vllm = run.scrapes[run.scrapes["source"] == "vllm"]
+            if (vllm["ok"] == 1).sum() >= ok_scrapes:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"sample did not record {ok_scrapes} good scrapes into {store} within {timeout_s:.0f} s")
+
+
 def assert_taken_equals_written(store, run):
     stats = run.info["stats"]
     assert stats["samples_taken"] > 0
@@ -39,16 +56,17 @@ def assert_taken_equals_written(store, run):
 def test_sample_under_load_sees_queueing_kv_and_memory(engine, engine_home, tmp_path):
     store = tmp_path / "cw.db"
     proc = cli_popen("sample", "--target", engine.url, "--duration", "10", "--store", str(store), home=engine_home)
-    time.sleep(0.5)
-    t_load = time.monotonic()
+    wait_recording(store, ok_scrapes=1)
+    t_load_ns = time.monotonic_ns()
     results = asyncio.run(run_streams(engine.url, engine.served_model_name, streams=6, prompt_tokens=1450, max_tokens=50))
-    load_s = time.monotonic() - t_load
+    load_s = (time.monotonic_ns() - t_load_ns) / 1e9
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
     assert all(r.error is None and r.chunks == 50 for r in results), results
-    assert load_s < 9.0, f"the load took {load_s:.1f} s: the run would not see the streams end"
-
     run = load_run(store, "latest")
+    load_at_s = (t_load_ns - run.info["started_mono_ns"]) / 1e9
+    assert load_at_s + load_s < 9.0, f"the load ended {load_at_s + load_s:.1f} s in: the run would not see it end"
+
     assert run.info["status"] == "completed"
     assert run.info["cache"]["t0"]["num_gpu_blocks"] == "64"
     running = series_frame(run, "requests_running")
@@ -61,7 +79,7 @@ def test_sample_under_load_sees_queueing_kv_and_memory(engine, engine_home, tmp_
     assert kv["value"].max() > 0.5
     assert running["value"].max() == 4
     # the streams end well before the run does: the tail of the run shows the engine empty again
-    tail = running[running["t_s"] > 0.5 + load_s + 0.5]
+    tail = running[running["t_s"] > load_at_s + load_s + 0.5]
     assert len(tail) >= 5 and (tail["value"] == 0).all()
     assert rss["value"].min() > 256 * 2**20  # at least the KV pool
     assert_taken_equals_written(store, run)
@@ -95,7 +113,7 @@ def test_run_store_can_be_read_while_being_written(engine, engine_home, tmp_path
 def test_ctrl_c_keeps_everything_and_marks_interrupted(engine, engine_home, tmp_path):
     store = tmp_path / "cw.db"
     proc = cli_popen("sample", "--target", engine.url, "--duration", "0", "--store", str(store), home=engine_home)
-    time.sleep(3.0)
+    wait_recording(store, ok_scrapes=25)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 130, stderr
@@ -141,7 +159,7 @@ def test_a_target_that_goes_away_is_picked_up_again(engine, engine_home, tmp_pat
     proc = cli_popen("sample", "--target", proxy.url, "--duration", "6", "--store", str(store), "--nvml", "off",
                      home=engine_home)
     try:
-        time.sleep(2.0)
+        wait_recording(store, ok_scrapes=20)
         down_ns = time.time_ns()
         proxy.down()
         gone_ns = time.time_ns()  # down() returns once the server has stopped serving
@@ -242,7 +260,7 @@ def test_engine_killed_mid_run_ends_target_lost_then_engine_down_cleans_up(priva
     store = tmp_path / "cw.db"
     proc = cli_popen("sample", "--target", state.url, "--duration", "60", "--lost-after", "3", "--store", str(store),
                      home=home)
-    time.sleep(2.0)
+    wait_recording(store, ok_scrapes=30)
     tree = engine_mod.engine_pids(state)
     assert len(tree) >= 2  # API server + engine core (+ workers)
     os.kill(state.pid, signal.SIGKILL)  # the API server dies; what it leaves is for engine down

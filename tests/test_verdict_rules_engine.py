@@ -245,13 +245,18 @@ def test_metrics_down_across_the_stop_is_inconclusive_no_samples(engine, engine_
 
 
 def _wait_for_line(path: str, offset: int, needle: str, also: str, proc, timeout_s: float) -> bool:
+    """Tail the log from `offset`, reading only what was appended, every few ms: the tests that act on the
+    line (freeze or kill the engine) race the engine's next step, so they must hear of it at once."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        with open(path, errors="replace") as f:
-            f.seek(offset)
-            if any(needle in line and also in line for line in f.read().splitlines()):
+    pending = ""
+    with open(path, errors="replace") as f:
+        f.seek(offset)
+        while time.monotonic() < deadline and proc.poll() is None:
+            pending += f.read()
+            *lines, pending = pending.split("\n")
+            if any(needle in line and also in line for line in lines):
                 return True
-        time.sleep(0.02)
+            time.sleep(0.003)
     return False
 
 

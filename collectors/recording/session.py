@@ -268,12 +268,17 @@ def record(
     )
     writer = StoreWriter(con, run_id)
     caches: dict[str, dict] = {}
+    caches_lock = threading.Lock()
 
     def on_samples(src, samples):
-        # the first scrape of each vLLM target carries its cache config: keep it as run metadata
+        # the first scrape of each vLLM target carries its cache config: keep it as run metadata. Targets
+        # are read on worker threads at once: under the lock, the last snapshot queued holds every target
+        # (without it, a snapshot of one target could be queued after the one of both, and win)
         if src.name == "vllm" and src.target not in caches:
-            caches[src.target] = {**cache_config(samples), "model_names": model_names(samples)}
-            writer.set_run_json("cache", dict(caches))
+            with caches_lock:
+                if src.target not in caches:
+                    caches[src.target] = {**cache_config(samples), "model_names": model_names(samples)}
+                    writer.set_run_json("cache", dict(caches))
         if isinstance(src, EngineLogSource):
             for event in src.take_events():
                 writer.put(event)
