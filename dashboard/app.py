@@ -21,7 +21,6 @@ from analysis.verdicts import judge_run
 from dashboard import recording
 from dashboard.params import read_url_params
 from runstore.paths import DEFAULT_STORE, store_dir, store_in_dir, stores_in_dir
-from runstore.errors import NoRunsYet
 from runstore.reader import StoreError, list_runs, load_run, resolve_run_id
 
 SAMPLE_STORE = Path(__file__).resolve().parent / "sample" / "sample.db"
@@ -96,12 +95,10 @@ def choose_store() -> tuple[Path | None, bool]:
 def choose_run(path: Path, sample: bool):
     try:
         runs = runs_table(str(path), store_version(path))
-    except NoRunsYet:  # a store with no tables yet: a recorder is creating it this instant
-        runs = None
     except StoreError as exc:
         st.error(str(exc))
         return None, None
-    if runs is None or runs.empty:
+    if runs.empty:  # a new store, or one a recorder is creating this instant
         st.info(f"{path.name} holds no runs yet. Record one with `make demo` or `cancelwatch record --target URL`.")
         return None, None
     labels = {int(r.id): f"{r.id} · {r.name or ''} · {r.status} · {r.started:%Y-%m-%d %H:%M}" for r in runs.itertuples()}

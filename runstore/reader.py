@@ -39,8 +39,11 @@ def _locked(path: str | Path) -> str:
 
 
 def _has_no_tables(con: sqlite3.Connection) -> bool:
+    """A store as a recorder leaves it for a moment before its schema commits: no table, and at most the one
+    page the WAL pragma wrote. A bigger file with an empty schema is damage (page 1 overwritten), not new."""
     try:
-        return con.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
+        return (con.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
+                and con.execute("PRAGMA page_count").fetchone()[0] <= 1)
     except sqlite3.DatabaseError:  # not a database at all
         return False
 
@@ -53,7 +56,8 @@ def connect_readonly(path: str | Path) -> sqlite3.Connection:
     try:
         con.execute("SELECT 1 FROM runs LIMIT 1")
     except sqlite3.DatabaseError as exc:
-        if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_BUSY:
+        # the extended codes too (SQLITE_BUSY_RECOVERY, _SNAPSHOT): their low byte is SQLITE_BUSY
+        if (getattr(exc, "sqlite_errorcode", 0) or 0) & 0xFF == sqlite3.SQLITE_BUSY:
             con.close()
             raise StoreError(_locked(p)) from exc
         empty = _has_no_tables(con)
@@ -91,9 +95,16 @@ def _reading(path: str | Path):
 
 
 def list_runs(path: str | Path) -> pd.DataFrame:
-    """One row per run, newest last."""
+    """One row per run, newest last (none for a store whose schema is still being created)."""
     with _reading(path):
-        return _list_runs(path)
+        try:
+            return _list_runs(path)
+        except NoRunsYet:
+            return pd.DataFrame({"id": pd.Series(dtype="int64"), "name": pd.Series(dtype=object),
+                                 "status": pd.Series(dtype=object), "started_wall_ns": pd.Series(dtype="int64"),
+                                 "ended_wall_ns": pd.Series(dtype="float64"), "targets": pd.Series(dtype=object),
+                                 "started": pd.Series(dtype="datetime64[ns, UTC]"),
+                                 "duration_s": pd.Series(dtype="float64")})
 
 
 def _list_runs(path: str | Path) -> pd.DataFrame:

@@ -52,6 +52,7 @@ def _statements(script: str) -> list[str]:
 def open_store(path: str | Path) -> sqlite3.Connection:
     """Open (creating if needed) a run store for writing. StoreError names the path on failure."""
     p = Path(path)
+    con = None
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
         con = sqlite3.connect(str(p), timeout=10.0, check_same_thread=False)
@@ -74,8 +75,13 @@ def open_store(path: str | Path) -> sqlite3.Connection:
         con.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         con.execute("COMMIT")
         con.isolation_level = ""  # back to implicit transactions, which the rest of the writer relies on
-    except (OSError, sqlite3.Error) as exc:
-        raise StoreError(f"cannot write the run store at {p} ({exc}): choose a writable path with --store") from exc
+    except BaseException as exc:
+        if con is not None:
+            con.close()  # rolls the schema transaction back: no lock outlives the failure (or a Ctrl-C in it)
+        if isinstance(exc, (OSError, sqlite3.Error)):
+            raise StoreError(f"cannot write the run store at {p} ({exc}): choose a writable path with --store") \
+                from exc
+        raise
     return con
 
 

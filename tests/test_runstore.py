@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import closing
 import math
 
 import numpy as np
@@ -173,9 +174,38 @@ def test_a_store_with_no_tables_yet_holds_no_runs(tmp_path):
     assert store.is_file()
     with pytest.raises(StoreError, match="holds no runs yet"):
         load_run(store, "latest")
+    assert list_runs(store).empty  # `cancelwatch runs` and the dashboard: an empty list, as for a new store
     (tmp_path / "junk.db").write_bytes(b"not sqlite at all" * 100)
     with pytest.raises(StoreError, match="not a cancelwatch run store"):
         load_run(tmp_path / "junk.db", "latest")
+    # a recorded store whose first page was overwritten shows no tables too, but is damage, not a new store
+    damaged = tmp_path / "damaged.db"
+    recorded_run(damaged)
+    raw = bytearray(damaged.read_bytes())
+    raw[100], raw[103], raw[104] = 13, 0, 0  # page 1 becomes an empty leaf: sqlite_master holds nothing
+    damaged.write_bytes(bytes(raw))
+    with pytest.raises(StoreError) as raised:
+        load_run(damaged, "latest")
+    assert "no runs yet" not in str(raised.value), raised.value
+
+
+def test_a_store_that_refuses_the_schema_is_left_unlocked(tmp_path):
+    """A file open_store cannot put its schema in (another program's table of the same name) fails in one line,
+    and the failed schema transaction leaves no lock behind while the error is still held."""
+    import sqlite3
+
+    foreign = tmp_path / "other.db"
+    with closing(sqlite3.connect(foreign)) as db:
+        db.execute("CREATE TABLE series (x)")  # no run_id: the schema's index on it fails
+        db.commit()
+    with pytest.raises(StoreError, match="choose a writable path") as raised:
+        open_store(foreign)
+    assert raised.value is not None  # the error (and what its traceback holds) is still alive here
+    with closing(sqlite3.connect(foreign, timeout=0, isolation_level=None)) as other:
+        other.execute("BEGIN IMMEDIATE")  # "database is locked" while the failed connection kept its transaction
+        other.execute("ROLLBACK")
+    with closing(sqlite3.connect(foreign)) as db:  # and nothing of the schema was left half made
+        assert [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")] == ["series"]
 
 
 _LOCKER = """
