@@ -13,6 +13,7 @@ from cancelwatch.console import (
     ENGINE_LOG_HELP,
     fail,
     home_dir,
+    model_listing_error,
     out,
     print_store_error,
 )
@@ -112,16 +113,8 @@ def record_cmd(
         model = served_model(target, auth=auth)
     except PreflightError as exc:
         raise fail(str(exc)) from None
-    except httpx.HTTPStatusError as exc:
-        if exc.response.status_code in (401, 403):
-            said = f"the key in {key_var} was refused" if key_var else "it wants an API key"
-            raise fail(f"{target}/v1/models answered HTTP {exc.response.status_code}: {said}; export VLLM_API_KEY "
-                       "(or name the variable that holds the key with --api-key-env VAR)") from None
-        raise fail(f"cannot list models at {target}/v1/models (HTTP {exc.response.status_code}): start the engine "
-                   "(cancelwatch engine up) or fix --target") from None
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-        raise fail(f"cannot list models at {target}/v1/models ({type(exc).__name__}): start the engine "
-                   "(cancelwatch engine up) or fix --target") from None
+        raise fail(model_listing_error(target, exc, key_var)) from None
     relay_state: dict = {}
     try:
         settings = RecordSettings(targets=targets, store=store, hz=hz, duration_s=None, nvml=nvml, name=name,

@@ -29,6 +29,22 @@ def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
     return typer.Exit(code)
 
 
+def model_listing_error(target: str, exc: Exception, key_var: str | None) -> str:
+    """The one line for a target whose /v1/models could not be listed: a key it wants or refused, or no engine."""
+    import httpx
+
+    if isinstance(exc, httpx.HTTPStatusError):
+        code = exc.response.status_code
+        if code in (401, 403):
+            said = f"the key in {key_var} was refused" if key_var else "it wants an API key"
+            return (f"{target}/v1/models answered HTTP {code}: {said}; export VLLM_API_KEY "
+                    "(or name the variable that holds the key with --api-key-env VAR)")
+        return (f"cannot list models at {target}/v1/models (HTTP {code}): start the engine "
+                "(cancelwatch engine up) or fix --target")
+    return (f"cannot list models at {target}/v1/models ({type(exc).__name__}): start the engine "
+            "(cancelwatch engine up) or fix --target")
+
+
 def print_store_error(stats: dict) -> None:
     if stats.get("store_error"):
         err.print(f"[bold red]error:[/] {stats['store_error']}", highlight=False)

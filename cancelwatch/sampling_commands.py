@@ -18,6 +18,7 @@ from cancelwatch.console import (
     err,
     fail,
     home_dir,
+    model_listing_error,
     out,
     print_store_error,
 )
@@ -179,6 +180,8 @@ def load(
     max_tokens: int = typer.Option(50, min=1),
     delay: float = typer.Option(0.0, help="Seconds to wait before sending."),
     timeout: float = typer.Option(120.0),
+    api_key_env: Optional[str] = typer.Option(None, help="Environment variable holding the API key of an engine "
+                                              "started with --api-key (default: VLLM_API_KEY, then OPENAI_API_KEY)."),
 ):
     """Send a bounded burst of concurrent streaming completions (for demos and tests)."""
     import time
@@ -186,13 +189,23 @@ def load(
     import httpx
 
     from collectors.cancels.load import run_streams, served_model
+    from collectors.sources.credentials import CredentialError, api_key, auth_headers, split_userinfo
 
+    try:
+        target, basic = split_userinfo(target)  # user:password@ is sent as Basic, never printed
+    except CredentialError as exc:
+        raise fail(f"--target: {exc}") from None
+    try:
+        key, key_var = api_key(api_key_env)
+    except CredentialError as exc:
+        raise fail(str(exc)) from None
+    auth = auth_headers(key, basic)
     time.sleep(delay)
     try:
-        model = served_model(target)
-    except (httpx.HTTPError, KeyError, IndexError) as exc:
-        raise fail(f"cannot list models at {target}/v1/models ({exc}): is the engine up?") from None
-    results = asyncio.run(run_streams(target, model, streams, prompt_tokens, max_tokens, timeout))
+        model = served_model(target, auth=auth)
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        raise fail(model_listing_error(target, exc, key_var)) from None
+    results = asyncio.run(run_streams(target, model, streams, prompt_tokens, max_tokens, timeout, headers=auth))
     for r in results:
         status = r.error or "ok"
         out.print(f"stream {r.index}: {r.chunks} chunks, first after {r.first_chunk_s or float('nan'):.2f} s, "

@@ -90,6 +90,18 @@ def test_a_missing_or_refused_key_is_one_line_naming_the_fix(keyed_engine, tmp_p
     assert not store.exists() or "cw-" not in store.read_bytes().decode("latin-1")  # nothing was driven
 
 
+def test_load_sends_the_key_and_says_in_one_line_when_it_has_none(keyed_engine):
+    home, state = keyed_engine
+    args = ("load", "--target", state.url, "--streams", "2", "--prompt-tokens", "20", "--max-tokens", "4")
+    none = run_cli(*args, env={}, home=home, timeout=120)
+    assert none.returncode == 2 and "\n" not in none.stderr.strip(), none.stdout + none.stderr
+    assert "401" in none.stderr and "--api-key-env" in none.stderr, none.stderr
+    keyed = run_cli(*args, "--api-key-env", "CW_TEST_KEY", env={"CW_TEST_KEY": KEY}, home=home, timeout=120)
+    assert keyed.returncode == 0, keyed.stdout + keyed.stderr
+    assert keyed.stdout.count("4 chunks") == 2 and "ok" in keyed.stdout, keyed.stdout  # both streams served
+    assert KEY not in keyed.stdout + keyed.stderr
+
+
 def test_the_key_gets_the_cancels_through_and_is_stored_nowhere(keyed_engine, tmp_path):
     home, state = keyed_engine
     folder = tmp_path / "run"

@@ -56,10 +56,12 @@ async def run_streams(
     prompt_tokens: int = 1450,
     max_tokens: int = 50,
     timeout_s: float = 120.0,
+    headers: dict[str, str] | None = None,
 ) -> list[StreamResult]:
-    """Run `streams` concurrent streams; every stream is bounded by `timeout_s`."""
+    """Run `streams` concurrent streams; every stream is bounded by `timeout_s`. `headers`: the engine's
+    Authorization, when it wants one."""
     limits = httpx.Limits(max_connections=streams + 2)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, headers=headers or {}) as client:
         return list(
             await asyncio.wait_for(
                 asyncio.gather(*(_one(client, url, model, i, prompt_tokens, max_tokens) for i in range(streams))),
