@@ -33,6 +33,12 @@ def _ro_uri(p: Path) -> str:
     return f"file:{quote(str(p.resolve()))}?mode=ro"
 
 
+def _busy(exc: BaseException) -> bool:
+    """SQLITE_BUSY, from sqlite3 (its code, extended ones too: their low byte) or from ADBC (its text only)."""
+    return ((getattr(exc, "sqlite_errorcode", 0) or 0) & 0xFF == sqlite3.SQLITE_BUSY
+            or "database is locked" in str(exc))
+
+
 def _locked(path: str | Path) -> str:
     return (f"{path} stayed locked by another process for over {BUSY_TIMEOUT_MS / 1000:g} s: try again once "
             "it is done (a delete or compact of that store, or a process holding it open exclusively)")
@@ -56,8 +62,7 @@ def connect_readonly(path: str | Path) -> sqlite3.Connection:
     try:
         con.execute("SELECT 1 FROM runs LIMIT 1")
     except sqlite3.DatabaseError as exc:
-        # the extended codes too (SQLITE_BUSY_RECOVERY, _SNAPSHOT): their low byte is SQLITE_BUSY
-        if (getattr(exc, "sqlite_errorcode", 0) or 0) & 0xFF == sqlite3.SQLITE_BUSY:
+        if _busy(exc):
             con.close()
             raise StoreError(_locked(p)) from exc
         empty = _has_no_tables(con)
@@ -88,32 +93,25 @@ def _reading(path: str | Path):
         raise
     except _DAMAGE as exc:
         detail = _one_line(f"{type(exc).__name__}: {exc}")
-        if "database is locked" in str(exc):  # sqlite3's and ADBC's words for SQLITE_BUSY: not damage
+        if _busy(exc):  # a lock held past the wait: not damage
             raise StoreError(_locked(path)) from exc
         raise StoreError(f"{path} cannot be read, the store is damaged ({detail}): record into a new file "
                          "with --store") from exc
+
+
+_RUN_LIST_COLUMNS = ["id", "name", "status", "started_wall_ns", "ended_wall_ns", "targets"]
 
 
 def list_runs(path: str | Path) -> pd.DataFrame:
     """One row per run, newest last (none for a store whose schema is still being created)."""
     with _reading(path):
         try:
-            return _list_runs(path)
+            with closing(connect_readonly(path)) as con:
+                df = pd.read_sql_query(f"SELECT {', '.join(_RUN_LIST_COLUMNS)} FROM runs ORDER BY id", con)
         except NoRunsYet:
-            return pd.DataFrame({"id": pd.Series(dtype="int64"), "name": pd.Series(dtype=object),
-                                 "status": pd.Series(dtype=object), "started_wall_ns": pd.Series(dtype="int64"),
-                                 "ended_wall_ns": pd.Series(dtype="float64"), "targets": pd.Series(dtype=object),
-                                 "started": pd.Series(dtype="datetime64[ns, UTC]"),
-                                 "duration_s": pd.Series(dtype="float64")})
-
-
-def _list_runs(path: str | Path) -> pd.DataFrame:
-    with closing(connect_readonly(path)) as con:
-        df = pd.read_sql_query(
-            "SELECT id, name, status, started_wall_ns, ended_wall_ns, targets FROM runs ORDER BY id", con
-        )
-    df["started"] = pd.to_datetime(df["started_wall_ns"], unit="ns", utc=True)
-    df["duration_s"] = (df["ended_wall_ns"] - df["started_wall_ns"]) / 1e9
+            df = pd.DataFrame(columns=_RUN_LIST_COLUMNS)
+        df["started"] = pd.to_datetime(df["started_wall_ns"], unit="ns", utc=True)
+        df["duration_s"] = (df["ended_wall_ns"] - df["started_wall_ns"]) / 1e9
     return df
 
 

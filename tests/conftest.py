@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -12,6 +13,7 @@ import pytest
 
 from collectors.engines import vllm_server as engine_mod
 from collectors.engines.vllm_server import free_port
+from runstore.reader import load_run
 from tests.fixture_server import MetricsFixtureServer
 from tests.leaky_proxy import LeakyProxy
 
@@ -159,6 +161,23 @@ def cli_popen(*args: str, home: Path | None = None, **kw) -> subprocess.Popen:
         env["CANCELWATCH_HOME"] = str(home)
     return subprocess.Popen([sys.executable, "-m", "cancelwatch", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, **kw)
+
+
+def wait_recording(store, ok_scrapes: int, timeout_s: float = 60.0) -> None:
+    """Until the run being recorded holds `ok_scrapes` good scrapes of the engine: a fixed sleep after starting
+    `sample` may end before a slow machine has even imported the command line."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            run = load_run(store, "latest")
+        except Exception:  # noqa: BLE001 - no store or no run yet
+            run = None
+        if run is not None and run.info["status"] == "running" and len(run.scrapes):
+            vllm = run.scrapes[run.scrapes["source"] == "vllm"]
+            if (vllm["ok"] == 1).sum() >= ok_scrapes:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"sample did not record {ok_scrapes} good scrapes into {store} within {timeout_s:.0f} s")
 
 
 # max_tokens well beyond what the engine can generate while the client reads its first 20 tokens: on a

@@ -18,7 +18,7 @@ import threading
 import time
 
 from runstore.reader import load_run
-from tests.conftest import FIXTURES, ROOT
+from tests.conftest import FIXTURES, ROOT, wait_recording
 from tests.fixture_server import MetricsFixtureServer
 from tests.test_dashboard import app
 
@@ -73,14 +73,7 @@ def test_ctrl_c_ends_the_run_even_when_the_recorder_was_started_with_sigint_igno
         proc = subprocess.Popen(sample_cmd(server.url, store, duration=0), cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, preexec_fn=ignore_sigint)
         try:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and proc.poll() is None:
-                try:
-                    if len(load_run(store, "latest").scrapes) >= 10:
-                        break
-                except Exception:  # noqa: BLE001 - no store or no run yet
-                    pass
-                time.sleep(0.1)
+            wait_recording(store, ok_scrapes=10)
             proc.send_signal(signal.SIGINT)
             out, err = proc.communicate(timeout=30)
         finally:

@@ -16,7 +16,7 @@ from analysis.series import series_frame
 from collectors.cancels.load import run_streams
 from collectors.engines import vllm_server as engine_mod
 from runstore.reader import load_run
-from tests.conftest import cli, cli_popen, free_port
+from tests.conftest import cli, cli_popen, free_port, wait_recording
 from tests.metrics_proxy import MetricsProxy
 
 
@@ -28,23 +28,6 @@ def rate(df: pd.DataFrame) -> float:
 def stored_sample_count(store, run_id) -> int:
     with sqlite3.connect(store) as con:
         return con.execute("SELECT count(*) FROM samples WHERE run_id = ?", (run_id,)).fetchone()[0]
-
-
-def wait_recording(store, ok_scrapes: int, timeout_s: float = 60.0) -> None:
-    """Until the run being recorded holds `ok_scrapes` good scrapes of the engine: a fixed sleep after starting
-    `sample` may end before a slow machine has even imported the command line."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            run = load_run(store, "latest")
-        except Exception:  # noqa: BLE001 - no store or no run yet
-            run = None
-        if run is not None and run.info["status"] == "running" and len(run.scrapes):
-            vllm = run.scrapes[run.scrapes["source"] == "vllm"]
-            if (vllm["ok"] == 1).sum() >= ok_scrapes:
-                return
-        time.sleep(0.1)
-    raise AssertionError(f"sample did not record {ok_scrapes} good scrapes into {store} within {timeout_s:.0f} s")
 
 
 def assert_taken_equals_written(store, run):

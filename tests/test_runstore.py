@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
-from contextlib import closing
 import math
+import sqlite3
+import subprocess
+import sys
+import time
+from contextlib import closing
 
 import numpy as np
 import pytest
@@ -139,8 +143,6 @@ def test_a_store_of_another_schema_is_left_as_it_was(tmp_path):
 def test_a_reader_never_sees_half_a_schema_while_a_store_is_created(tmp_path, monkeypatch):
     """CI saw a dashboard read land between the writer's CREATE of `meta` and of `runs` ('not a cancelwatch
     run store'). Before each statement the writer runs, a second connection looks: no table, or all."""
-    import sqlite3
-
     import runstore.writer as writer
 
     store = tmp_path / "cw.db"
@@ -148,7 +150,7 @@ def test_a_reader_never_sees_half_a_schema_while_a_store_is_created(tmp_path, mo
     real_connect = sqlite3.connect
 
     def look(_statement):
-        with real_connect(f"file:{store}?mode=ro", uri=True) as peek:
+        with closing(real_connect(f"file:{store}?mode=ro", uri=True)) as peek:
             seen.append(frozenset(r[0] for r in peek.execute("SELECT name FROM sqlite_master WHERE type='table'")))
 
     def traced(*args, **kwargs):
@@ -160,15 +162,13 @@ def test_a_reader_never_sees_half_a_schema_while_a_store_is_created(tmp_path, mo
     con = open_store(store)
     con.set_trace_callback(None)
     con.close()
-    with real_connect(store) as db:
+    with closing(real_connect(store)) as db:
         every = frozenset(r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'"))
     assert {"meta", "runs", "samples"} <= every
     assert len(seen) > 5 and set(seen) <= {frozenset(), every}, [sorted(s) for s in set(seen)]
 
 
 def test_a_store_with_no_tables_yet_holds_no_runs(tmp_path):
-    import sqlite3
-
     store = tmp_path / "cw.db"
     sqlite3.connect(store).execute("PRAGMA journal_mode=WAL").close()  # what a recorder has made before its schema
     assert store.is_file()
@@ -192,8 +192,6 @@ def test_a_store_with_no_tables_yet_holds_no_runs(tmp_path):
 def test_a_store_that_refuses_the_schema_is_left_unlocked(tmp_path):
     """A file open_store cannot put its schema in (another program's table of the same name) fails in one line,
     and the failed schema transaction leaves no lock behind while the error is still held."""
-    import sqlite3
-
     foreign = tmp_path / "other.db"
     with closing(sqlite3.connect(foreign)) as db:
         db.execute("CREATE TABLE series (x)")  # no run_id: the schema's index on it fails
@@ -221,9 +219,6 @@ time.sleep(float(sys.argv[2]))
 def _hold_lock(store, for_s: float):
     """Lock the store from another process (POSIX locks do not part two SQLite copies in one process: the
     sqlite3 module's and ADBC's), as a writer closing or checkpointing its WAL does, for `for_s`."""
-    import subprocess
-    import sys
-
     proc = subprocess.Popen([sys.executable, "-c", _LOCKER, str(store), str(for_s)], stdout=subprocess.PIPE,
                             text=True)
     assert proc.stdout.readline().strip() == "locked"
@@ -233,8 +228,6 @@ def _hold_lock(store, for_s: float):
 def test_a_read_waits_out_a_writers_brief_lock(tmp_path):
     """A writer holding the store's lock for a moment delays a read, it does not fail it: CI saw the Arrow
     read (ADBC, which sets no busy handler of its own) fail at once with "database is locked"."""
-    import time
-
     import runstore.reader as reader
 
     store = tmp_path / "cw.db"
