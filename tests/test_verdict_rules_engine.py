@@ -4,7 +4,8 @@ ledger, the scrapes) and in the proxy's counts that the misbehaviour really happ
 reads the verdict. A proxy that did not misbehave fails the test; it never passes it.
 
   a  the engine finished the target before the stop          -> inconclusive, "already finished"
-  c  the cancel never reached the engine (no abort line)       -> leaked, "no abort", kept_running_ms > 0
+  c  the cancel never reached the engine (no abort line) and the -> leaked, "no abort", 0 < kept_running_ms <= grace
+     request ended on its own inside the grace
   d  a request the ledger does not know in the cancel's window -> inconclusive, "other traffic"
   e  the engine killed and restarted during the cancel         -> inconclusive, "engine restarted"
   f  a burst where the proxy leaks one of the two cancels      -> that one leaked, the other released
@@ -70,6 +71,12 @@ def engine_lines(run, kind: str) -> dict[str, list[float]]:
 def the_cancel(doc, request_id: str) -> dict:
     (c,) = [c for c in doc["cancels"] if c["request_id"] == request_id]
     return c
+
+
+def ended_on_its_own(c: dict) -> bool:
+    """The verdict says the engine ended the request itself before or as the stop came."""
+    why = c["evidence"]["why"]
+    return any(w in why for w in ("already finished", "finished on its own", "won the race"))
 
 
 def run_clock(run, mono_s: float | None) -> float | None:
@@ -143,28 +150,54 @@ def test_a_cancel_of_a_request_the_engine_had_finished_is_inconclusive(engine, e
 
 def test_a_cancel_that_never_reached_the_engine_is_leaked_even_when_it_ends_inside_the_grace(
         engine, engine_home, tmp_path):
-    # 120 tokens, the stop after 20: the 100 left take the engine about 1.5 s (inside the grace), and are
-    # far more than the API server ever runs ahead of the client, so there is always something to leak.
+    # The engine must still hold the target at the client's stop and end it on its own inside the grace.
+    # How far the engine is ahead of the client at the stop is the machine's: a loaded machine was seen
+    # running the API server 5 s behind the engine core, and a 120-token target then finished before the
+    # stop (half the runs here with the CPUs busy). So one recording holds two lengths under a 6 s grace,
+    # a short one for a client close behind the engine and a long one for a client far behind; every one
+    # is judged, and at least one of them must land where the rule is shown.
     # Recorded once: the verdict must be right on whatever this recording shows.
-    toml = scenario(tmp_path, name="leak_short", trigger="after_tokens", trigger_value=20, prompt_tokens=600,
-                    max_tokens=120)
-    proxy = ProxyBehaviour(engine.url, free_port(), leak_only="target").start()
+    grace_s = 6.0
+    toml = tmp_path / "scenario.toml"
+    toml.write_text("".join(
+        f'[[scenario]]\nname = "leak_{n}"\ntrigger = "after_tokens"\ntrigger_value = 20\nprompt_tokens = 600\n'
+        f'max_tokens = {n}\n' for n in (200, 400)))
+    proxy = ProxyBehaviour(engine.url, free_port(), leak=True).start()  # every target whose client goes
     try:
-        _, doc, run = record(proxy.url, toml, tmp_path / "cw.db", engine_home, metrics_url=engine.url)
+        _, doc, run = record(proxy.url, toml, tmp_path / "cw.db", engine_home, metrics_url=engine.url,
+                             extra=("--grace", str(grace_s)))
     finally:
         proxy.stop()
-    (c,) = doc["cancels"]
-    seen = proxy.requests[c["request_id"]]
-    rid = c["request_id"]
-    # the misbehaviour happened: the target's client went, the proxy kept reading the engine's stream to
-    # its end, and the engine never logged an abort for it
-    assert proxy.leaked == [rid], dump(doc, proxy, run)
-    assert seen.upstream_done_at is not None and seen.upstream_done_at > seen.client_gone_at, dump(doc, proxy, run)
-    assert rid in engine_lines(run, "engine_added") and rid not in engine_lines(run, "engine_aborted")
-    print(f"the engine ran the target {seen.upstream_done_at - seen.client_gone_at:.2f} s past the stop")
-    assert c["verdict"] == "leaked", dump(doc, proxy, run)
-    assert "no abort" in c["evidence"]["why"], dump(doc, proxy, run)
-    assert (c["evidence"].get("kept_running_ms") or 0) > 0, dump(doc, proxy, run)
+    assert len(doc["cancels"]) == 2, dump(doc, proxy, run)
+    added, aborted = engine_lines(run, "engine_added"), engine_lines(run, "engine_aborted")
+    inside = []
+    for c in doc["cancels"]:
+        rid = c["request_id"]
+        seen = proxy.requests[rid]
+        if rid not in proxy.leaked:
+            # the proxy had handed the client the whole answer by its stop (the client was that far behind):
+            # the engine had ended the request on its own, as the verdict must say
+            assert seen.delivered_done and seen.client_gone_at is None, dump(doc, proxy, run)
+            assert c["verdict"] == "inconclusive" and ended_on_its_own(c), dump(doc, proxy, run)
+            continue
+        # the misbehaviour happened: the target's client went before its end, the proxy kept reading the
+        # engine's stream to its end, and the engine never logged an abort for it
+        assert seen.upstream_done_at is not None and seen.upstream_done_at > seen.client_gone_at, dump(doc, proxy, run)
+        assert rid in added and rid not in aborted, dump(doc, proxy, run)
+        print(f"{c['scenario']}: the engine's stream ran {seen.upstream_done_at - seen.client_gone_at:.2f} s past "
+              f"the stop; {c['verdict']}: {c['evidence']['why']}")
+        # a lost cancel is never released; inconclusive only where the engine had ended it before the stop
+        assert c["verdict"] in ("leaked", "inconclusive"), dump(doc, proxy, run)
+        if c["verdict"] == "inconclusive":
+            assert ended_on_its_own(c), dump(doc, proxy, run)
+            continue
+        assert "no abort" in c["evidence"]["why"], dump(doc, proxy, run)
+        kept = c["evidence"].get("kept_running_ms")
+        if kept is not None:
+            assert 0 < kept <= grace_s * 1000, dump(doc, proxy, run)
+            inside.append(c)
+    # the rule shown: a request with no abort that ended on its own inside the grace is leaked, not released
+    assert inside, dump(doc, proxy, run)
 
 
 # --------------------------------------------------------------------------- d: foreign traffic
@@ -220,7 +253,15 @@ def test_in_a_burst_only_the_cancel_the_proxy_leaked_is_leaked(engine, engine_ho
     assert leaked in added and leaked not in aborted
     assert other in aborted
     assert the_cancel(doc, leaked)["verdict"] == "leaked", dump(doc, proxy, run)
-    assert the_cancel(doc, other)["verdict"] == "released", dump(doc, proxy, run)
+    # the other one is judged on its own abort: released when the engine logged it inside the grace; a
+    # machine loaded enough has let the API server pass the disconnect on seconds late, and an abort past
+    # the grace is a cancel that left the request running for nobody
+    late_by = aborted[other][0] - the_cancel(doc, other)["timepoints"]["user_stop"]
+    if late_by <= GRACE_S:
+        assert the_cancel(doc, other)["verdict"] == "released", dump(doc, proxy, run)
+    else:
+        assert the_cancel(doc, other)["verdict"] == "leaked", dump(doc, proxy, run)
+        assert "reached the engine only" in the_cancel(doc, other)["evidence"]["why"], dump(doc, proxy, run)
 
 
 # --------------------------------------------------------------------------- g: /metrics down
