@@ -9,7 +9,7 @@ connection, and watches each client: the client went when its socket reads EOF o
   with `leak_only="target"` (a role, matched as "-target-" in X-Request-Id, or a predicate on the
   id) only the FIRST such request whose client goes leaks; every other one is passed on;
 - `late_s`: upstream is read at full speed into a queue and each chunk is handed to the client only
-  `late_s` after it arrived (and `LATE_PACE_S` after the one before), so a short request is finished
+  `late_s` after it arrived, each SSE event `LATE_PACE_S` after the one before, so a short request is finished
   in the engine long before the client sees its tokens;
 - `foreign_after_stop_s`: that long after the first target's client went, ONE unrelated streamed
   completion (X-Request-Id `foreign-<hex>`) goes straight to the engine and is read to its end;
@@ -45,6 +45,13 @@ REQUEST_DEADLINE_S = 180.0  # no proxied exchange lives longer, whatever the eng
 FOREIGN_DEADLINE_S = 90.0
 LATE_PACE_S = 0.02  # with late_s, chunks reach the client at least this far apart
 FOREIGN_PROMPT = " ".join(f"w{i}" for i in range(300))
+
+
+def _events(raw: bytes) -> list[bytes]:
+    """A body read cut after each blank line (the end of an SSE event); the bytes are unchanged."""
+    parts = [p + b"\n\n" for p in raw.split(b"\n\n")]
+    parts[-1] = parts[-1][:-2]
+    return [p for p in parts if p]
 
 
 @dataclass
@@ -281,23 +288,24 @@ class ProxyBehaviour:
             await writer.drain()
             handed = 0.0
             while (item := await queue.get()) is not None:
-                arrived, chunk = item
-                wait = arrived + self.late_s - time.monotonic()
-                if self.late_s:
-                    # paced: an engine whose API server ran behind sends a stream's chunks in one burst, and
-                    # handed over in one burst the client would read them all before any trigger could fire
-                    wait = max(wait, handed + LATE_PACE_S - time.monotonic())
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                if writer.is_closing() or reader.at_eof():
-                    raise ConnectionResetError("client went")
-                writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                await writer.drain()
-                handed = time.monotonic()
-                seen.chunks_down += 1
-                seen.events_down += chunk.count(b"data: ")
-                self._maybe_metrics_down(seen)
-                seen.delivered_done = seen.delivered_done or b"data: [DONE]" in chunk
+                arrived, raw = item
+                # paced per SSE event: an API server that ran behind sends many events in one read, and
+                # handed over at once the client would read them all before any trigger could fire
+                for chunk in (_events(raw) if self.late_s else [raw]):
+                    wait = arrived + self.late_s - time.monotonic()
+                    if self.late_s:
+                        wait = max(wait, handed + LATE_PACE_S - time.monotonic())
+                    if wait > 0:
+                        await asyncio.sleep(wait)
+                    if writer.is_closing() or reader.at_eof():
+                        raise ConnectionResetError("client went")
+                    writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    await writer.drain()
+                    handed = time.monotonic()
+                    seen.chunks_down += 1
+                    seen.events_down += chunk.count(b"data: ")
+                    self._maybe_metrics_down(seen)
+                    seen.delivered_done = seen.delivered_done or b"data: [DONE]" in chunk
             writer.write(b"0\r\n\r\n")
             await writer.drain()
 

@@ -74,9 +74,15 @@ def the_cancel(doc, request_id: str) -> dict:
 
 
 def ended_on_its_own(c: dict) -> bool:
-    """The verdict says the engine ended the request itself before or as the stop came."""
+    """The verdict says the engine ended the request itself before or as the stop came (a client far
+    behind its stream can read the end before its trigger: then the ledger says completed)."""
     why = c["evidence"]["why"]
-    return any(w in why for w in ("already finished", "finished on its own", "won the race"))
+    if "was never reached" in why:
+        return c["terminal_state"] == "completed"
+    if "already finished" in why:
+        # the server's own count before the stop was below the client's
+        return c["evidence"]["count_before"] < c["evidence"]["ledger_before"]
+    return any(w in why for w in ("finished on its own", "won the race"))
 
 
 def run_clock(run, mono_s: float | None) -> float | None:
@@ -175,9 +181,10 @@ def test_a_cancel_that_never_reached_the_engine_is_leaked_even_when_it_ends_insi
         rid = c["request_id"]
         seen = proxy.requests[rid]
         if rid not in proxy.leaked:
-            # the proxy had handed the client the whole answer by its stop (the client was that far behind):
+            # the engine's stream had ended by the time the client went (the client was that far behind):
             # the engine had ended the request on its own, as the verdict must say
-            assert seen.delivered_done and seen.client_gone_at is None, dump(doc, proxy, run)
+            assert seen.upstream_done_at is not None, dump(doc, proxy, run)
+            assert seen.client_gone_at is None or seen.upstream_done_at <= seen.client_gone_at, dump(doc, proxy, run)
             assert c["verdict"] == "inconclusive" and ended_on_its_own(c), dump(doc, proxy, run)
             continue
         # the misbehaviour happened: the target's client went before its end, the proxy kept reading the
@@ -194,8 +201,9 @@ def test_a_cancel_that_never_reached_the_engine_is_leaked_even_when_it_ends_insi
         assert "no abort" in c["evidence"]["why"], dump(doc, proxy, run)
         kept = c["evidence"].get("kept_running_ms")
         if kept is not None:
-            assert 0 < kept <= grace_s * 1000, dump(doc, proxy, run)
-            inside.append(c)
+            assert kept > 0, dump(doc, proxy, run)
+            if kept <= grace_s * 1000:
+                inside.append(c)
     # the rule shown: a request with no abort that ended on its own inside the grace is leaked, not released
     assert inside, dump(doc, proxy, run)
 
@@ -235,9 +243,11 @@ def test_in_a_burst_only_the_cancel_the_proxy_leaked_is_leaked(engine, engine_ho
     # streams late on a loaded machine), by when all three 300-token targets had finished in the engine
     toml = scenario(tmp_path, name="burst_one_leaks", trigger="after_tokens", trigger_value=15, prompt_tokens=600,
                     max_tokens=LONG, concurrency=3, cancel_count=2)
+    grace_s = 6.0  # wide, so that an API server passing the disconnect on late still lands inside it
     proxy = ProxyBehaviour(engine.url, free_port(), leak_only="target").start()
     try:
-        _, doc, run = record(proxy.url, toml, tmp_path / "cw.db", engine_home, metrics_url=engine.url)
+        _, doc, run = record(proxy.url, toml, tmp_path / "cw.db", engine_home, metrics_url=engine.url,
+                             extra=("--grace", str(grace_s)))
     finally:
         proxy.stop()
     assert len(doc["cancels"]) == 2, dump(doc, proxy, run)
@@ -257,7 +267,7 @@ def test_in_a_burst_only_the_cancel_the_proxy_leaked_is_leaked(engine, engine_ho
     # machine loaded enough has let the API server pass the disconnect on seconds late, and an abort past
     # the grace is a cancel that left the request running for nobody
     late_by = aborted[other][0] - the_cancel(doc, other)["timepoints"]["user_stop"]
-    if late_by <= GRACE_S:
+    if late_by <= grace_s:
         assert the_cancel(doc, other)["verdict"] == "released", dump(doc, proxy, run)
     else:
         assert the_cancel(doc, other)["verdict"] == "leaked", dump(doc, proxy, run)
@@ -291,7 +301,13 @@ def test_metrics_down_across_the_stop_is_inconclusive_no_samples(engine, engine_
     assert ok_in_outage.empty, ok_in_outage
     assert (sc[(sc["source"] == "vllm") & (sc["t_s"] < t_stop)]["ok"] == 1).sum() >= 5  # it sampled before
     assert c["verdict"] == "inconclusive", dump(doc, proxy, run)
-    assert "no samples" in c["evidence"]["why"], dump(doc, proxy, run)
+    # none after the stop, and before it only those the sampler took ahead of the outage (the client's 15th
+    # and 20th tokens came anywhere from 0.1 to 1 s apart): too few to judge by, and said so
+    ev = c["evidence"]
+    assert "no samples" in ev["why"] or "too few samples" in ev["why"], dump(doc, proxy, run)
+    ok_window = sc[(sc["source"] == "vllm") & (sc["ok"] == 1) & (sc["t_s"] >= t_stop - 1.0)
+                   & (sc["t_s"] <= t_stop + GRACE_S)]
+    assert (ok_window["t_s"] <= down + 0.1).all(), ok_window
 
 
 # --------------------------------------------------------------------------- e: engine restarted
