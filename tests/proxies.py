@@ -43,7 +43,7 @@ HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "acc
 HEAD_TIMEOUT_S = 10.0
 REQUEST_DEADLINE_S = 180.0  # no proxied exchange lives longer, whatever the engine does
 FOREIGN_DEADLINE_S = 90.0
-LATE_PACE_S = 0.02  # with late_s, chunks reach the client at least this far apart
+LATE_PACE_S = 0.02  # with late_s, SSE events reach the client at least this far apart
 FOREIGN_PROMPT = " ".join(f"w{i}" for i in range(300))
 
 
