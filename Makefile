@@ -104,7 +104,7 @@ sample-run: venv engine-venv
 	rm -f runs/sample-new.db runs/sample-new.db-wal runs/sample-new.db-shm
 
 dashboard: venv
-	$(VENV)/bin/streamlit run dashboard/app.py
+	$(VENV)/bin/streamlit run dashboard/app.py --server.port $(DASHBOARD_PORT)
 
 # JupyterLab on notebooks/, on 127.0.0.1 only, behind Jupyter's random token: open the URL it prints
 # (token included). With no run store yet the notebooks open on the sample run. Ctrl-C stops it.

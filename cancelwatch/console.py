@@ -23,6 +23,21 @@ def home_dir() -> Path:
     return Path(os.environ.get("CANCELWATCH_HOME", ".cancelwatch"))
 
 
+# a CPU-time quota for the embedded vLLM, in cores (e.g. 0.4): a slow engine on demand, for tests and demos
+ENGINE_CPUS_ENV = "CANCELWATCH_ENGINE_CPUS"
+
+
+def engine_cpu_cores() -> float | None:
+    """$CANCELWATCH_ENGINE_CPUS in cores, else None (the engine runs at the machine's speed)."""
+    from collectors.engines.cpu_limit import CpuLimitError, parse_cores
+
+    text = os.environ.get(ENGINE_CPUS_ENV, "").strip()
+    try:
+        return parse_cores(text) if text else None
+    except CpuLimitError as exc:
+        raise fail(f"{ENGINE_CPUS_ENV}={exc}") from None
+
+
 def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
     """One red line on stderr naming the fix; raise what it returns."""
     err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from cancelwatch.console import fail, home_dir, out
+from cancelwatch.console import ENGINE_CPUS_ENV, engine_cpu_cores, err, fail, home_dir, out
 from collectors.engines import vllm_server as engine_mod
 from collectors.recording.session import EXIT_FAILED, EXIT_USAGE
 
@@ -29,6 +29,8 @@ def engine_up(
 ):
     """Start the engine on 127.0.0.1 and wait until /health answers."""
     if engine == "triton":
+        if engine_cpu_cores():  # the models pace themselves (50 ms steps): a quota would slow nothing they judge
+            err.print(f"note: {ENGINE_CPUS_ENV} slows the embedded vLLM only; Triton runs unlimited", highlight=False)
         return _triton_up(port or 8100, timeout)
     if engine != "vllm":
         raise fail(f"--engine {engine!r}: use vllm or triton", EXIT_USAGE)
@@ -38,12 +40,14 @@ def engine_up(
         shape.dtype, shape.gpu_memory_utilization, shape.max_num_batched_tokens = "auto", 0.9, None
     try:
         state = engine_mod.start(home_dir(), port=port, model=model, shape=shape, engine_python=engine_python,
-                                 gpu=gpu, extra_args=extra, timeout_s=timeout, relay=relay)
+                                 gpu=gpu, extra_args=extra, timeout_s=timeout, relay=relay,
+                                 cpu_cores=engine_cpu_cores())
     except engine_mod.PortBusy as exc:
         raise fail(str(exc), EXIT_USAGE) from None
     except engine_mod.EngineError as exc:
         raise fail(str(exc), EXIT_FAILED) from None
-    out.print(f"engine up: {state.url} pid {state.pid} model {state.served_model_name} log {state.log_path}")
+    limited = f" limited to {state.shape['cpu_cores']:g} CPU" if state.shape.get("cpu_cores") else ""
+    out.print(f"engine up: {state.url} pid {state.pid} model {state.served_model_name}{limited} log {state.log_path}")
 
 
 def _triton_up(port: int, timeout: float) -> None:

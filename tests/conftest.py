@@ -12,6 +12,8 @@ import psutil
 import pytest
 
 from collectors.engines import vllm_server as engine_mod
+from cancelwatch.console import ENGINE_CPUS_ENV
+from collectors.engines.cpu_limit import CpuLimitError, parse_cores
 from collectors.engines.vllm_server import free_port
 from runstore.reader import load_run
 from tests.fixture_server import MetricsFixtureServer
@@ -82,17 +84,49 @@ def engine_home(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cancelwatch-home")
 
 
-def _start_engine(home: Path) -> engine_mod.EngineState:
+def engine_cpu_cores() -> float | None:
+    """$CANCELWATCH_ENGINE_CPUS, the slow-engine knob `cancelwatch engine up` reads too: the engines the
+    tests start get this much CPU time (e.g. 0.4 cores), to show that the suite holds on a slower machine."""
+    text = os.environ.get(ENGINE_CPUS_ENV, "").strip()
+    try:
+        return parse_cores(text) if text else None
+    except CpuLimitError as exc:
+        pytest.fail(f"{ENGINE_CPUS_ENV}={exc}")
+
+
+def _start_engine(home: Path, **kw) -> engine_mod.EngineState:
     python = engine_mod.default_engine_python()
     if python == sys.executable:
         pytest.fail("no .venv-engine: run `make engine-venv` (make test does) to install the embedded vLLM")
-    return engine_mod.start(home, port=free_port(), timeout_s=600)
+    return engine_mod.start(home, port=free_port(), timeout_s=600, cpu_cores=engine_cpu_cores(), **kw)
+
+
+def _alive(pids: list[int]) -> list[int]:
+    def alive(p: int) -> bool:
+        try:
+            return psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    return [p for p in pids if alive(p)]
+
+
+def wait_gone(pids: list[int], timeout_s: float = 30.0) -> list[int]:
+    """Those of `pids` still alive (zombies count as gone) once they are all gone or `timeout_s` has passed:
+    a process killed a moment ago (SIGKILL to an engine's group) may take the kernel a while to end,
+    longer for an engine whose CPU time is capped."""
+    deadline = time.monotonic() + timeout_s
+    left = _alive(pids)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = _alive(left)
+    return left
 
 
 def _stop_engine(home: Path, state: engine_mod.EngineState) -> list[int]:
     pids = engine_mod.engine_pids(state)
     engine_mod.stop(home, state.port)
-    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    return wait_gone(pids)
 
 
 @pytest.fixture(scope="session")
@@ -167,17 +201,21 @@ def wait_recording(store, ok_scrapes: int, timeout_s: float = 60.0) -> None:
     """Until the run being recorded holds `ok_scrapes` good scrapes of the engine: a fixed sleep after starting
     `sample` may end before a slow machine has even imported the command line."""
     deadline = time.monotonic() + timeout_s
+    seen = "no store" if not Path(store).exists() else "no run"
     while time.monotonic() < deadline:
         try:
             run = load_run(store, "latest")
         except Exception:  # noqa: BLE001 - no store or no run yet
             run = None
-        if run is not None and run.info["status"] == "running" and len(run.scrapes):
-            vllm = run.scrapes[run.scrapes["source"] == "vllm"]
-            if (vllm["ok"] == 1).sum() >= ok_scrapes:
+        if run is not None:
+            vllm = run.scrapes[run.scrapes["source"] == "vllm"] if len(run.scrapes) else run.scrapes
+            good = int((vllm["ok"] == 1).sum()) if len(vllm) else 0
+            seen = f"run {run.id} {run.info['status']}, {good} good of {len(vllm)} vLLM scrapes"
+            if run.info["status"] == "running" and good >= ok_scrapes:
                 return
         time.sleep(0.1)
-    raise AssertionError(f"sample did not record {ok_scrapes} good scrapes into {store} within {timeout_s:.0f} s")
+    raise AssertionError(f"sample did not record {ok_scrapes} good scrapes into {store} within {timeout_s:.0f} s; "
+                         f"last seen: {seen}")
 
 
 # max_tokens well beyond what the engine can generate while the client reads its first 20 tokens: on a
@@ -210,13 +248,15 @@ def proxy_and_direct_runs(engine, engine_home, tmp_path_factory):
     scen = folder / "short.toml"
     scen.write_text(SHORT)
     store = folder / "cw.db"
-    # recorded once: the verdict must be right on whatever this recording shows
+    # recorded once: the verdict must be right on whatever this recording shows. The leaky run waits out each
+    # leaked request before the next scenario (up to the driver's idle wait, 90 s): 243 s under a 0.3-core
+    # quota, so the deadlines are twice that
     proxy = LeakyProxy(engine.url, free_port()).start()
     try:
         proxy_res = cli("record", "--target", proxy.url, "--metrics-url", engine.url, "--scenario", str(scen),
-                        "--store", str(store), "--name", "through-leaky-proxy", home=engine_home, timeout=300)
+                        "--store", str(store), "--name", "through-leaky-proxy", home=engine_home, timeout=540)
     finally:
         proxy.stop()
     direct_res = cli("record", "--target", engine.url, "--scenario", str(scen), "--store", str(store),
-                     "--name", "direct", home=engine_home, timeout=300)
+                     "--name", "direct", home=engine_home, timeout=540)
     return store, proxy_res, direct_res

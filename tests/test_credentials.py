@@ -104,3 +104,41 @@ def test_encoded_credentials_are_decoded_and_an_unsplittable_url_is_refused_with
     assert PASSWORD not in str(err.value) and "\n" not in str(err.value)
     (t,) = parse_targets([f"a=http://ops:{PASSWORD}=x@127.0.0.1:8000"])  # '=' in the password: label is 'a'
     assert t.label == "a" and t.url == "http://127.0.0.1:8000"
+
+
+# --- an engine's command line as it is kept (collectors/engines/command_line.py) ---
+
+def test_an_engine_command_line_is_kept_with_every_credential_redacted():
+    from collectors.engines.command_line import REDACTED, redact_command, scrub
+
+    argv = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m", "--port", "8000",
+            "--api-key", "k1-secret", "k2-secret", "--max-num-batched-tokens", "512", "--hf-token=hf_abcdef",
+            "--tokenizer", "/tok", "--long-prefill-token-threshold", "4",
+            "--kv-transfer-config", '{"url": "http://u:pw9x@10.0.0.1:1234/x", "kv_role": "kv_both"}',
+            "--watermark-config", '{"key": 123456789, "gamma": 0.25}', "--watermark-config.key", "98765",
+            "--hf-overrides", '{"token": "hf_tok123", "gamma": 0.25}',
+            "--otlp-traces-endpoint", "https://collector:4318/v1?accessToken=tq12&x=1",
+            "--speculative-config", "https://a:p/w@host/m", "--client-secret", "-12345",
+            "--compilation-config.pass_config.fuse_norm_quant", "true", "--enable-log-requests"]
+    kept, secrets = redact_command(argv)
+    assert secrets == {"k1-secret", "k2-secret", "hf_abcdef", "u:pw9x", '{"key": 123456789, "gamma": 0.25}',
+                       "98765", "hf_tok123", "tq12", "a:p/w", "-12345"}
+    # vLLM's own sensitive fields lose their whole value, as in vLLM's log; other JSON its secret keys
+    assert kept[kept.index("--watermark-config") + 1] == REDACTED
+    text = " ".join(kept)
+    assert not any(s in text for s in secrets), text
+    assert len(kept) == len(argv)  # argument for argument: the kept line still reads as the one run
+    assert kept[kept.index("--api-key") + 1: kept.index("--api-key") + 3] == [REDACTED, REDACTED]
+    # what only looks like a secret is kept: a word inside a flag's name is not its last word
+    for flag, value in (("--max-num-batched-tokens", "512"), ("--tokenizer", "/tok"),
+                        ("--long-prefill-token-threshold", "4"),
+                        ("--compilation-config.pass_config.fuse_norm_quant", "true")):
+        assert kept[kept.index(flag) + 1] == value, flag
+    assert f"--hf-token={REDACTED}" in kept and "--enable-log-requests" in kept
+    assert f"http://{REDACTED}@10.0.0.1:1234/x" in text and '"kv_role": "kv_both"' in text
+    assert '"gamma": 0.25' in text and f"?accessToken={REDACTED}&x=1" in text
+    assert scrub("error: unrecognized arguments: --api-keyy k1-secret (u:pw9x) 4 true", secrets) == \
+        f"error: unrecognized arguments: --api-keyy {REDACTED} ({REDACTED}) 4 true"
+    # nothing to redact: the same line back, JSON spelled as given
+    plain = ["python", "-m", "x", "--port", "1", "--served-model-name", "tiny", "--hf-overrides", '{"a":1}']
+    assert redact_command(plain) == (plain, set())

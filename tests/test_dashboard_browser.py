@@ -22,7 +22,7 @@ from analysis.verdicts import judge_run
 from dashboard import recording
 from collectors.engines.vllm_server import free_port
 from runstore.reader import load_run
-from tests.conftest import cli_popen
+from tests.conftest import cli_popen, wait_recording
 
 ROOT = Path(__file__).resolve().parents[1]
 # every test here drives Chromium; the ones that record from the engine are marked `engine` as well
@@ -43,8 +43,11 @@ def served(tmp_path):
     def start(store_dir: Path, **extra_env: str) -> str:
         port = free_port()
         env = {**os.environ, "CANCELWATCH_STORE_DIR": str(store_dir), **extra_env}
-        proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "dashboard/app.py", "--server.port",
-                                 str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        # the README's way: the venv's `streamlit` console script, from the root (not `python -m streamlit`,
+        # which puts the working directory on sys.path and hid a page that could not import itself)
+        proc = subprocess.Popen([str(Path(sys.executable).with_name("streamlit")), "run", "dashboard/app.py",
+                                 "--server.port", str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
         procs.append(proc)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
@@ -57,7 +60,7 @@ def served(tmp_path):
         else:
             proc.kill()
             pytest.fail(f"streamlit did not come up: {proc.stdout.read().decode(errors='replace')[-2000:]}")
-        # .streamlit/config.toml binds the server to loopback only
+        # dashboard/.streamlit/config.toml binds the server to loopback only
         listening = [c.laddr.ip for c in psutil.Process(proc.pid).net_connections(kind="inet")
                      if c.status == psutil.CONN_LISTEN]
         assert listening and set(listening) <= {"127.0.0.1"}, listening
@@ -174,22 +177,32 @@ def test_a_live_run_is_followed_until_it_completes(served, browser, engine, engi
     folder.mkdir()
     store = folder / "live.db"
     url = served(folder)  # before the recording starts: a slow start of the page must not outlast the run
-    proc = cli_popen("sample", "--target", engine.url, "--duration", "30", "--store", str(store), "--name", "live",
-                     home=engine_home)
+    # the page at the live store's address before there is one (it shows the sample run, drawn): how long this
+    # machine takes to draw it is what the run must outlast, with room, once the live page is opened
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    t0 = time.monotonic()
+    page.goto(f"{url}/?store=live.db", timeout=60_000)
+    page.wait_for_selector(".js-plotly-plot .main-svg", timeout=90_000)
+    page_s = time.monotonic() - t0
+    duration_s = max(30.0, 10.0 + 3 * page_s)
+    proc = cli_popen("sample", "--target", engine.url, "--duration", f"{duration_s:.0f}", "--store", str(store),
+                     "--name", "live", home=engine_home)
     try:
-        deadline = time.monotonic() + 30
-        while not store.exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        wait_recording(store, ok_scrapes=1)
+        t1 = time.monotonic()
         page.goto(f"{url}/?store=live.db", timeout=60_000)
         page.wait_for_selector(".js-plotly-plot .main-svg", timeout=90_000)
-        assert "still being recorded" in page.inner_text("body")
+        text = page.inner_text("body")
+        assert "still being recorded" in text, (f"the live page drew in {time.monotonic() - t1:.1f} s (the page "
+                                                f"before it in {page_s:.1f} s), the run lasts {duration_s:.0f} s",
+                                                text[:2000])
         # the fragment reloads every 2 s; when the recorder finishes, the page shows it without a reload
         page.wait_for_function("() => document.body.innerText.includes('completed') && "
-                               "!document.body.innerText.includes('still being recorded')", timeout=60_000)
+                               "!document.body.innerText.includes('still being recorded')",
+                               timeout=(duration_s + 60) * 1000)
         page.screenshot(path=str(tmp_path / "live.png"), full_page=True)
     finally:
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=duration_s + 60)
     assert proc.returncode == 0, err
 
 
@@ -247,4 +260,5 @@ def test_a_recording_started_from_the_form_ends_in_its_verdict_table(served, bro
     deadline = time.monotonic() + 60
     while recording.current(folder) is not None and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert recording.current(folder) is None
+    assert recording.current(folder) is None, f"still recording 60 s after the page showed the run's end: " \
+                                              f"{recording.current(folder)}"

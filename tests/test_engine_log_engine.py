@@ -19,14 +19,16 @@ SCENARIOS = "decode,n2,chat"
 def send_foreign_request(engine_url: str, store, deadline_s: float = 60.0) -> str:
     """Once the run exists, one short completion straight to the engine, with an id of its own."""
     rid = f"foreign-{uuid.uuid4().hex[:8]}"
-    deadline = time.monotonic() + deadline_s
+    deadline, status = time.monotonic() + deadline_s, "no run"
     while time.monotonic() < deadline:
         try:
-            if load_run(store, "latest", metrics=[]).info["status"] == "running":
-                break
+            status = load_run(store, "latest", metrics=[]).info["status"]
         except Exception:  # noqa: BLE001 - the store or its run row may not exist yet
             pass
+        if status == "running":
+            break
         time.sleep(0.2)
+    assert status == "running", f"no run recording into {store} within {deadline_s:.0f} s: {status}"
     model = httpx.get(engine_url + "/v1/models", timeout=10).json()["data"][0]["id"]
     resp = httpx.post(engine_url + "/v1/completions", timeout=60, headers={"X-Request-Id": rid},
                       json={"model": model, "prompt": "w1 w2 w3", "max_tokens": 4, "ignore_eos": True})

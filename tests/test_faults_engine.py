@@ -92,7 +92,7 @@ def test_an_engine_killed_during_a_cancel_ends_the_run_as_target_lost_keeping_th
         tree = [psutil.Process(p) for p in engine_mod.engine_pids(state)]
         os.killpg(state.pid, signal.SIGKILL)
         killed_at = time.monotonic()
-        assert not psutil.wait_procs(tree, timeout=10)[1]
+        assert not psutil.wait_procs(tree, timeout=30)[1]  # SIGKILL'd, under a CPU quota perhaps: not at once
     finally:
         out, err = finish(proc, 120)
     assert proc.returncode == 3, out[-3000:] + err[-3000:]  # EXIT_TARGET_LOST

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from runstore.reader import load_run
-from tests.conftest import FIXTURES, cli, free_port
+from tests.conftest import FIXTURES, _start_engine, cli, free_port
 from tests.fixture_server import MetricsFixtureServer
 
 pytestmark = pytest.mark.prometheus
@@ -41,16 +42,38 @@ class Prometheus:
         self.proc = subprocess.Popen(
             [binary, f"--config.file={folder / 'prometheus.yml'}", f"--storage.tsdb.path={folder / 'data'}",
              f"--web.listen-address=127.0.0.1:{self.port}"], stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
                 if httpx.get(self.url + "/-/ready", timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
+            if self.proc.poll() is not None:
+                break
             time.sleep(0.2)
         self.stop()
-        pytest.fail("Prometheus did not become ready in 30 s")
+        pytest.fail(f"Prometheus did not become ready in 60 s (exit {self.proc.returncode}): "
+                    f"{(folder / 'prometheus.log').read_text()[-2000:]}")
+
+    def query(self, expr: str) -> list[dict]:
+        return httpx.get(self.url + "/api/v1/query", params={"query": expr}, timeout=5).json()["data"]["result"]
+
+    def wait_scraped(self, instances: list[str], after: float = 0.0, scrapes: int = 1, timeout_s: float = 60) -> None:
+        """Until Prometheus holds `scrapes` good scrapes of each instance, the last one at or after `after`
+        (Unix seconds); else fail with what it holds."""
+        deadline, seen = time.monotonic() + timeout_s, {}
+        while time.monotonic() < deadline:
+            by = {name: {r["metric"]["instance"]: float(r["value"][1]) for r in self.query(expr)}
+                  for name, expr in (("scrapes", "count_over_time(up[10m])"), ("up", "up"),
+                                     ("last", "timestamp(up)"))}  # a bare selector: the scrape's own time
+            seen = {i: {name: values.get(i) for name, values in by.items()} for i in instances}
+            if all(v["scrapes"] is not None and v["scrapes"] >= scrapes and v["up"] == 1 and v["last"] >= after
+                   for v in seen.values()):
+                return
+            time.sleep(0.2)
+        pytest.fail(f"Prometheus did not scrape {instances} {scrapes} times, the last after {after:.1f}, within "
+                    f"{timeout_s:.0f} s: {seen}")
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -72,17 +95,25 @@ def history(engine, engine_home, tmp_path_factory):
     engine_host, other_host = engine.url.split("//")[1], other.url.split("//")[1]
     prom = Prometheus(folder, [engine_host, other_host, dcgm.url.split("//")[1]])
     own = folder / "own.db"
+    hosts = [engine_host, other_host, dcgm.url.split("//")[1]]
     try:
-        time.sleep(3)  # a few scrapes of both before the window
+        prom.wait_scraped(hosts, scrapes=3)  # a few scrapes of each before the window
         t_start = time.time()
         rec = subprocess.Popen([*_cli(), "record", "--target", engine.url, "--scenario", "decode,burst",
                                 "--store", str(own)], env=_env(engine_home), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
-        time.sleep(8)
-        other.stop()  # the second replica goes away mid-window
+        # the second replica goes away mid-window: as the second scenario starts (the burst, whose requests run
+        # on for seconds after its cancels), however long the first took on this engine
+        wait_for_scenario(own, "burst", rec)
+        other.stop()
         t_gone = time.time()
-        out, _ = rec.communicate(timeout=300)
-        time.sleep(2.5)  # Prometheus's last scrapes of the window
+        try:
+            out, _ = rec.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            rec.kill()
+            pytest.fail(f"record did not end within 600 s: {rec.communicate(timeout=30)[0][-3000:]}")
+        # Prometheus's last scrapes of the window: two of the engine after the recording ended
+        prom.wait_scraped([engine_host], after=time.time() + 2.0)
         t_end = time.time()
         imported = folder / "imported.db"
         res = cli("import", "prometheus", "--url", prom.url, "--start", f"{t_start:.3f}", "--end", f"{t_end:.3f}",
@@ -92,6 +123,23 @@ def history(engine, engine_home, tmp_path_factory):
     finally:
         prom.stop()
         dcgm.stop()
+
+
+def wait_for_scenario(store: Path, name: str, rec: subprocess.Popen, timeout_s: float = 600) -> None:
+    """Until the run being recorded into `store` has started scenario `name`; else fail with what `record` said."""
+    deadline, seen = time.monotonic() + timeout_s, []
+    while time.monotonic() < deadline and rec.poll() is None:
+        try:
+            ev = load_run(store, "latest", metrics=[]).events
+            seen = [json.loads(d)["scenario"] for d in ev[ev["kind"] == "scenario_start"]["data"]]
+        except Exception:  # noqa: BLE001 - no store or no run yet
+            pass
+        if name in seen:
+            return
+        time.sleep(0.2)
+    out = rec.communicate(timeout=30)[0] if rec.poll() is not None else ""
+    pytest.fail(f"scenario {name} did not start within {timeout_s:.0f} s (started: {seen}; record "
+                f"{'exited ' + str(rec.returncode) if rec.poll() is not None else 'still running'}) {out[-3000:]}")
 
 
 def _cli():
@@ -248,16 +296,11 @@ def test_discovery_samples_every_replica_prometheus_scrapes_labelled_by_instance
 
     # the second replica: a second real vLLM (the relay app's in-process AsyncLLM, with its own /metrics)
     relay_home = tmp_path / "relay-home"
-    relay = engine_mod.start(relay_home, port=free_port(), relay=True, timeout_s=600)
+    relay = _start_engine(relay_home, relay=True)
     engine_host, other_host = engine.url.split("//")[1], relay.url.split("//")[1]
     prom = Prometheus(tmp_path / "prom", [engine_host, other_host])
     try:
-        deadline = time.monotonic() + 20  # until Prometheus lists both as active targets
-        while time.monotonic() < deadline:
-            active = httpx.get(prom.url + "/api/v1/targets").json()["data"]["activeTargets"]
-            if len(active) == 2:
-                break
-            time.sleep(0.3)
+        prom.wait_scraped([engine_host, other_host])  # until Prometheus has scraped both
         store = tmp_path / "cw.db"
         res = cli("sample", "--prometheus", prom.url, "--job", "vllm", "--duration", "3", "--store", str(store),
                   home=engine_home)
@@ -280,3 +323,23 @@ def test_discovery_samples_every_replica_prometheus_scrapes_labelled_by_instance
     finally:
         prom.stop()
         engine_mod.stop(relay_home, relay.port)
+
+
+def test_the_resolution_notebook_commands_as_written(history, tmp_path):
+    """The README's and notebooks/README.md's `cancelwatch notebook resolution --run latest -p
+    prom_store=runs/imported.db --html resolution.html`, run as written in a folder whose runs/ holds the
+    recording (the default store) and its import from Prometheus."""
+    from tests.readme_commands import RUN, words
+
+    (tmp_path / "runs").mkdir()
+    shutil.copy(history["own"], tmp_path / "runs" / "cancelwatch.db")
+    shutil.copy(history["imported"], tmp_path / "runs" / "imported.db")
+    cmds = [c for c in RUN if c.startswith("cancelwatch notebook resolution")]
+    assert cmds
+    for cmd in cmds:
+        argv = words(cmd)
+        res = subprocess.run([str(Path(sys.executable).with_name("cancelwatch")), *argv[1:]], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, (cmd, res.stdout[-2000:], res.stderr[-2000:])
+        out = (tmp_path / argv[argv.index("--html") + 1]).read_text()
+        assert "One cancel at two resolutions" in out, cmd

@@ -1,6 +1,8 @@
 """An engine behind an API key: the key reaches that engine and nothing else keeps it.
 
-A real vLLM started with VLLM_API_KEY guards /v1/*. `record --api-key-env VAR` must get its cancels
+A real vLLM started the README's way, `cancelwatch engine up -- --api-key KEY`, guards /v1/*; the key
+is on its command line, and cancelwatch keeps that command line (the engine state file, the run's
+facts) only with the key redacted. `record --api-key-env VAR` must get its cancels
 through (the engine logs and aborts them: the key was sent), and afterwards the key, and the password
 of a target URL given as http://user:password@host, must be absent from everything the tool wrote:
 the store (every file of it), the Parquet export, the HTML report, a rendered notebook and the
@@ -15,10 +17,14 @@ import uuid
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
+from collectors.engines.command_line import REDACTED
+from collectors.engines.vllm_server import read_state
 from runstore.reader import load_run
-from tests.conftest import SHORT, _start_engine, _stop_engine, cli
+from tests import conftest
+from tests.conftest import SHORT, _stop_engine, cli, free_port
 
 pytestmark = pytest.mark.engine
 
@@ -27,20 +33,22 @@ PASSWORD = f"pw-{uuid.uuid4().hex[:12]}"
 
 
 @pytest.fixture(scope="module")
-def keyed_engine(tmp_path_factory):
+def keyed_engine(request, tmp_path_factory):
+    """The embedded engine started as the README says: `cancelwatch engine up [...] -- --api-key KEY`."""
     home = tmp_path_factory.mktemp("keyed-home")
-    before = os.environ.get("VLLM_API_KEY")
-    os.environ["VLLM_API_KEY"] = KEY  # the engine reads it at start; never on its command line
+    port = free_port()
+    # a module fixture runs before the per-test guard knows the test: this module is marked `engine`
+    conftest._current["engine"] = request.node.get_closest_marker("engine") is not None
+    up = run_cli("engine", "up", "--port", str(port), "--", "--api-key", KEY, env={}, home=home, timeout=900)
+    state = read_state(home, port)
     try:
-        state = _start_engine(home)
+        assert up.returncode == 0 and state is not None, up.stdout[-2000:] + up.stderr[-2000:]
+        assert KEY not in up.stdout + up.stderr
+        yield home, state
     finally:
-        if before is None:
-            os.environ.pop("VLLM_API_KEY", None)
-        else:
-            os.environ["VLLM_API_KEY"] = before
-    yield home, state
-    left = _stop_engine(home, state)
-    assert not left, f"engine down left processes behind: {left}"
+        if state is not None:
+            left = _stop_engine(home, state)
+            assert not left, f"engine down left processes behind: {left}"
 
 
 def run_cli(*args, env: dict[str, str | None], home: Path, timeout: float = 300):
@@ -69,9 +77,13 @@ def test_the_engine_wants_the_key(keyed_engine):
     assert httpx.get(state.url + "/v1/models", timeout=10).status_code == 401
     ok = httpx.get(state.url + "/v1/models", timeout=10, headers={"Authorization": f"Bearer {KEY}"})
     assert ok.status_code == 200
-    assert KEY not in " ".join(state.command)  # the key went by the environment, not argv
+    # the key went on the engine's command line (the README's way) and is kept there redacted only
+    cmdline = psutil.Process(state.pid).cmdline()
+    assert cmdline[cmdline.index("--api-key") + 1] == KEY
+    assert state.command[state.command.index("--api-key") + 1] == REDACTED
     home = keyed_engine[0]
-    assert all(KEY.encode() not in p.read_bytes() for p in home.rglob("*.json"))  # nor into the engine's state
+    assert all(KEY.encode() not in p.read_bytes() for p in home.rglob("*") if p.is_file() and
+               p.suffix in (".json", ".log"))  # nor in the engine's state or its log (vLLM writes *** there)
 
 
 def test_a_missing_or_refused_key_is_one_line_naming_the_fix(keyed_engine, tmp_path):
@@ -124,20 +136,26 @@ def test_the_key_gets_the_cancels_through_and_is_stored_nowhere(keyed_engine, tm
     assert rep.returncode in (0, 1), rep.stderr
     export = cli("export", "latest", "--store", str(store), "--parquet", str(folder / "parquet"))
     assert export.returncode == 0, export.stderr
+    protocol = cli("report", "latest", "--store", str(store), "--protocol", str(folder / "protocol.md"))
+    assert protocol.returncode in (0, 1), protocol.stderr
+    assert f"--api-key {REDACTED}" in (folder / "protocol.md").read_text()  # the command shown, redacted
     nb = cli("notebook", "vram_plateau", "--store", str(store), "--html", str(folder / "nb.html"),
              "--ipynb", str(folder / "nb.ipynb"), timeout=600)
     assert nb.returncode == 0, nb.stderr[-2000:]
-    (folder / "cli-output.txt").write_text("\n".join(r.stdout + r.stderr for r in (rec, rep, export, nb)))
-    written = sorted(p for p in folder.rglob("*") if p.is_file() and p != scen)
+    outputs = (rec, rep, export, protocol, nb)
+    (folder / "cli-output.txt").write_text("\n".join(r.stdout + r.stderr for r in outputs))
+    engine_files = [p for p in home.rglob("*") if "models" not in p.relative_to(home).parts]  # not the tiny model
+    written = sorted(p for p in [*folder.rglob("*"), *engine_files] if p.is_file() and p != scen)
     names = {p.name for p in written}
-    assert {"cw.db", "report.html", "nb.html", "nb.ipynb", "cli-output.txt"} <= names, names
+    assert {"cw.db", "report.html", "protocol.md", "nb.html", "nb.ipynb", "cli-output.txt",
+            f"engine-{state.port}.json", f"engine-{state.port}.log"} <= names, names
     assert any(p.suffix == ".parquet" for p in written), names
     for p in written:
         data = p.read_bytes()
         for secret in (KEY, PASSWORD):
             assert secret.encode() not in data, f"{secret[:8]}... found in {p}"
-    # the engine's own log is vLLM's to write; it should not hold the key either
-    assert KEY.encode() not in Path(state.log_path).read_bytes()
-    # the run says where the credentials came from, not what they are
+    # the run says where the credentials came from, not what they are; its facts keep the command redacted
     run = load_run(store, "latest")
     assert run.info["engine"]["auth"] == {"api_key_env": "CW_TEST_KEY"}, run.info["engine"]
+    command = next(iter(run.info["engine"]["targets"].values()))["command"]
+    assert command[command.index("--api-key") + 1] == REDACTED, command

@@ -15,7 +15,7 @@ from collectors.cancels.triton_driver import SUITE, TRITON_SCENARIOS
 from collectors.engines import triton_server
 from collectors.engines import vllm_server as engine_mod
 from runstore.reader import load_run
-from tests.conftest import cli, free_port, free_triton_port
+from tests.conftest import cli, free_port, free_triton_port, wait_gone
 
 pytestmark = pytest.mark.triton
 
@@ -202,5 +202,5 @@ def test_engine_up_status_down_for_triton(tmp_path):
     assert busy.returncode == 2 and "already runs" in busy.stderr
     down = cli("engine", "down", "--port", str(port), home=home)
     assert down.returncode == 0 and str(port) in down.stdout
-    time.sleep(0.5)
-    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    left = wait_gone(pids)
+    assert not left, f"processes left after engine down: {left}"

@@ -6,6 +6,7 @@ strings replaced, so every record has the shape a real recording gives it."""
 from __future__ import annotations
 
 import json
+import time
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -141,15 +142,30 @@ def assert_inert_html(html: str) -> None:
 NOT_RUN = "() => typeof window.__pwned === 'undefined'"
 
 
-def assert_inert_page(page, *literals: str) -> None:
-    # a broken image's onerror fires once the request for `x` failed: give it time before looking
+# every image of the document has settled (loaded or broken), and a task later: a broken image's error event
+# is queued as it breaks, so by then any onerror has run
+IMAGES_SETTLED = """() => Array.from(document.images).every(i => i.complete)
+    ? new Promise(r => setTimeout(() => r(true), 0)) : false"""
+
+
+def assert_inert_page(page, *literals: str, timeout_s: float = 60) -> None:
+    # the literals shown (the page has rendered what it is checked on), and then every image settled: the
+    # onerror of an image made from the data fires once the request for `x` has failed, however long that
+    # takes the machine (a fixed 1.5 s was all it had)
+    deadline, text = time.monotonic() + timeout_s, ""
+    while time.monotonic() < deadline:
+        text = page.inner_text("body")
+        if all(literal in text for literal in literals):
+            break
+        page.wait_for_timeout(100)
+    for literal in literals:
+        assert literal in text, (literal, f"not on the page within {timeout_s:.0f} s", text[:3000])
+    # what renders just after (a component's iframe) has a moment to appear too: a negative check looks a while
     page.wait_for_timeout(1500)
     for frame in page.frames:  # the page and any iframe in it (a component's HTML runs in one)
+        frame.wait_for_function(IMAGES_SETTLED, timeout=max(1.0, deadline - time.monotonic()) * 1000)
         assert frame.evaluate(NOT_RUN), f"the data's script ran in {frame.url}: window.__pwned = " \
                                         f"{frame.evaluate('window.__pwned')}"
-    text = page.inner_text("body")
-    for literal in literals:
-        assert literal in text, (literal, text[:3000])
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,48 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from cancelwatch.console import ENGINE_CPUS_ENV  # noqa: E402
+from collectors.engines import cpu_limit  # noqa: E402
 from collectors.engines.tiny_model import build  # noqa: E402
+
+_quota: dict[str, Path] = {}
+
+
+def pytest_sessionstart(session):
+    """$CANCELWATCH_ENGINE_CPUS, the slow-engine knob of tests/: AsyncLLM runs in this process (its engine
+    core in a child it spawns), so this process goes into a cgroup with that CPU quota, and everything it
+    starts with it."""
+    text = os.environ.get(ENGINE_CPUS_ENV, "").strip()
+    if not text:
+        return
+    try:
+        path = cpu_limit.create(f"cancelwatch-tests-engine-{os.getpid()}", cpu_limit.parse_cores(text))
+        cpu_limit.join(path)
+    except (cpu_limit.CpuLimitError, OSError) as exc:
+        raise pytest.UsageError(f"{ENGINE_CPUS_ENV}={text}: {exc}") from None
+    _quota["path"] = path
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Back into the parent cgroup, and the quota's cgroup removed. What this process started and still runs
+    (multiprocessing's resource tracker lives as long as this process) goes back with it: every member of
+    the cgroup is this process or one it started."""
+    path = _quota.pop("path", None)
+    if path is None:
+        return
+    cpu_limit.join(path.parent)
+    deadline = time.monotonic() + 10
+    while path.exists() and time.monotonic() < deadline:
+        for pid in cpu_limit.members(path):
+            try:
+                (path.parent / "cgroup.procs").write_text(str(pid))
+            except OSError:
+                pass  # gone meanwhile
+        cpu_limit.remove(path)
+        if path.exists():
+            time.sleep(0.1)
+    if path.exists():
+        print(f"\n{ENGINE_CPUS_ENV}: could not remove {path} (members {cpu_limit.members(path)})")
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 from vllm import SamplingParams
@@ -68,15 +69,21 @@ async def cancel_mid_stream(relay, rid, outputs=3, max_tokens=1000):
     task end cancelled (bounded); returns the outputs counted."""
     got = []
     task = asyncio.create_task(consume(relay, rid, "alice", (prompt(50), max_tokens), got=got))
-    assert await until(lambda: len(got) >= outputs)
+    assert await until(lambda: len(got) >= outputs), f"{len(got)} outputs within {ENGINE_WAIT_S:.0f} s"
     await relay.cancel(rid, "alice")
     with pytest.raises(asyncio.CancelledError):
-        await asyncio.wait_for(task, 10)
+        await asyncio.wait_for(task, ENGINE_WAIT_S)
     return got
 
 
-async def until(cond, timeout=10.0):
-    for _ in range(int(timeout / 0.01)):
+# a wait for the engine (its first outputs, an abort, a task ending): a deadline for an engine several times
+# slower than where these ran in well under a second, and over as soon as what it waits for holds
+ENGINE_WAIT_S = 60.0
+
+
+async def until(cond, timeout=ENGINE_WAIT_S):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         if cond():
             return True
         await asyncio.sleep(0.01)
@@ -89,7 +96,7 @@ def test_registry_maps_the_request_to_its_engine_id_and_owner(loop, llm):
         relay, _ = make_relay(eng)
         got = []
         task = asyncio.create_task(consume(relay, "reg-1", "alice", (prompt(50), 400), got=got))
-        assert await until(lambda: len(got) >= 3)
+        assert await until(lambda: len(got) >= 3), f"{len(got)} outputs within {ENGINE_WAIT_S:.0f} s"
         entry = relay.entries["reg-1"]
         assert entry.owner == "alice" and entry.task is task
         assert entry.engine_request_id.startswith("reg-1-") and eng.in_engine(entry.engine_request_id)
@@ -105,7 +112,7 @@ def test_a_cancel_from_another_owner_is_refused(loop, llm):
         relay, _ = make_relay(eng)
         got = []
         task = asyncio.create_task(consume(relay, "own-1", "alice", (prompt(50), 60), got=got))
-        assert await until(lambda: len(got) >= 3)
+        assert await until(lambda: len(got) >= 3), f"{len(got)} outputs within {ENGINE_WAIT_S:.0f} s"
         assert await relay.cancel("own-1", "mallory") == "rejected_not_owner"
         assert await task == 60  # ran to the end
         assert relay.entries["own-1"].state == "completed" and eng.aborts == []
@@ -155,9 +162,13 @@ def test_the_finally_path_awaits_abort_and_closes_the_iterator(loop, llm):
     async def go():
         eng = Engine(llm)
         relay, events = make_relay(eng)
-        got = []
+        got, at = [], []
         task = asyncio.create_task(consume(relay, "fin-1", "alice", (prompt(100), 1000), got=got))
-        assert await until(lambda: len(got) >= 5)
+        assert await until(lambda: len(got) >= 5), f"{len(got)} outputs within {ENGINE_WAIT_S:.0f} s"
+        # the engine's pace on this machine: the time between outputs, measured over the next few
+        at.append(time.monotonic())
+        assert await until(lambda: len(got) >= 10), f"{len(got)} outputs within {ENGINE_WAIT_S:.0f} s"
+        output_s = (time.monotonic() - at[0]) / 5
         engine_id = relay.entries["fin-1"].engine_request_id
         assert eng.in_engine(engine_id)
         await relay.cancel("fin-1", "alice")
@@ -169,10 +180,12 @@ def test_the_finally_path_awaits_abort_and_closes_the_iterator(loop, llm):
         assert entry.engine_abort_ns >= entry.app_received_ns
         assert not eng.in_engine(engine_id)
         assert ("abort_returned", "fin-1") in events
-        # and the engine really stopped: no outputs arrive after the abort
+        # and the engine really stopped: no outputs arrive after the abort, in the time ten more would
+        # have taken at the pace measured above (0.3 s at least)
         n = len(got)
-        await asyncio.sleep(0.3)
-        assert len(got) == n
+        quiet_s = max(0.3, 10 * output_s)
+        await asyncio.sleep(quiet_s)
+        assert len(got) == n, f"{len(got) - n} outputs in {quiet_s:.2f} s after the abort"
     loop.run_until_complete(go())
 
 
@@ -204,7 +217,7 @@ def test_a_duplicate_cancel_is_idempotent_and_touches_no_other_request(loop, llm
         got_a, got_b = [], []
         a = asyncio.create_task(consume(relay, "dup-a", "alice", (prompt(50, 1), 1000), got=got_a))
         b = asyncio.create_task(consume(relay, "dup-b", "alice", (prompt(50, 2), 80), got=got_b))
-        assert await until(lambda: len(got_a) >= 3 and len(got_b) >= 3)
+        assert await until(lambda: len(got_a) >= 3 and len(got_b) >= 3), (len(got_a), len(got_b))
         assert await relay.cancel("dup-a", "alice") == "cancelled"
         assert await relay.cancel("dup-a", "alice") == "already_cancelled"
         with pytest.raises(asyncio.CancelledError):
@@ -285,19 +298,29 @@ def test_an_abort_that_hangs_is_cut_off_and_retried(loop, llm, caplog):
 
 
 def test_finished_entries_and_tombstones_are_pruned_but_running_ones_kept(loop, llm):
-    async def go():
-        eng = TrackedEngine(llm)
-        relay, _ = make_relay(eng, keep_s=0.2, max_entries=3)
+    async def five(relay) -> float:
+        """Five short requests, each with an early cancel's tombstone beside it; how long they took."""
+        t0 = time.monotonic()
         for i in range(5):
             await consume(relay, f"done-{i}", "alice", (prompt(10, i), 2))
             assert await relay.cancel(f"never-{i}", "alice") == "kept_until_registered"
+        return time.monotonic() - t0
+
+    async def go():
+        eng = TrackedEngine(llm)
+        # keep_s outlasts the five requests on this engine (measured on a relay of their own; 0.2 s where they
+        # took well under a tenth of it), so that the first prune forgets by max_entries only, not by age
+        keep_s = max(0.2, 2 * await five(make_relay(eng)[0]) + 0.1)
+        relay, _ = make_relay(eng, keep_s=keep_s, max_entries=3)
+        five_s = await five(relay)
         relay.prune()
+        assert five_s < keep_s, (five_s, keep_s)
         assert sorted(relay.entries) == ["done-2", "done-3", "done-4"]  # the oldest beyond max_entries went
         assert sorted(relay.early) == ["never-2", "never-3", "never-4"]
         got = []
         running = asyncio.create_task(consume(relay, "running-1", "alice", (prompt(50), 1000), got=got))
-        assert await until(lambda: len(got) >= 2)
-        await asyncio.sleep(0.3)
+        assert await until(lambda: len(got) >= 2), f"{len(got)} outputs within {ENGINE_WAIT_S:.0f} s"
+        await asyncio.sleep(keep_s + 0.1)
         relay.prune()
         assert list(relay.entries) == ["running-1"] and relay.early == {}  # past keep_s; running is kept
         await relay.cancel("running-1", "alice")
@@ -328,7 +351,7 @@ def test_a_client_that_goes_away_from_relay_app_is_aborted_and_its_iterator_clos
                                                log_level="warning", lifespan="off"))
         serving = asyncio.create_task(server.serve())
         try:
-            assert await until(lambda: server.started, 20)
+            assert await until(lambda: server.started), f"uvicorn not started within {ENGINE_WAIT_S:.0f} s"
             async with httpx.AsyncClient(timeout=30) as client:
                 async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
                                          json={"model": "tiny", "prompt": prompt(60), "max_tokens": 2000,
@@ -342,14 +365,14 @@ def test_a_client_that_goes_away_from_relay_app_is_aborted_and_its_iterator_clos
                         if chunks >= 5:
                             break
                 # the response is closed unread: the connection goes, nothing is sent to /cancel
-            assert await until(lambda: relay.status(rid)["abort_ok"] is not None, 20), relay.status(rid)
+            assert await until(lambda: relay.status(rid)["abort_ok"] is not None), relay.status(rid)
             st = relay.status(rid)
             assert st["state"] == "cancelled" and st["abort_attempts"] == 2 and st["released"], st
             engine_id = st["engine_request_id"]
             assert eng.aborts == [engine_id, engine_id] and not eng.in_engine(engine_id)
-            assert await until(lambda: eng.streams[-1].closed, 5)
+            assert await until(lambda: eng.streams[-1].closed), "the engine's iterator was never closed"
             assert ("abort_returned", rid) in events
         finally:
             server.should_exit = True
-            await asyncio.wait_for(serving, 20)
+            await asyncio.wait_for(serving, ENGINE_WAIT_S)
     loop.run_until_complete(go())

@@ -20,6 +20,9 @@ from pathlib import Path
 import httpx
 import psutil
 
+from collectors.engines import cpu_limit
+from collectors.engines.command_line import redact_command, scrub
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL_SCRIPT = Path(__file__).resolve().with_name("tiny_model.py")
 SERVED_NAME = "tiny"
@@ -121,6 +124,7 @@ class EngineState:
     shape: dict = field(default_factory=dict)
     kind: str = "vllm"  # or "triton"
     urls: dict = field(default_factory=dict)  # Triton: its gRPC address and metrics URL
+    cgroup: str = ""  # the CPU-quota cgroup the engine runs in (CANCELWATCH_ENGINE_CPUS), removed at stop
 
 
 def default_engine_python() -> str:
@@ -272,8 +276,10 @@ def start(
     extra_args: list[str] | None = None,
     timeout_s: float = 600.0,
     relay: bool = False,
+    cpu_cores: float | None = None,
 ) -> EngineState:
-    """Start the engine and wait for /health. Raises PortBusy when the port is taken."""
+    """Start the engine and wait for /health. Raises PortBusy when the port is taken. `cpu_cores`: the CPU
+    time the whole engine may use (a cgroup quota, see cpu_limit.py): a slow engine on demand."""
     home = Path(home).resolve()
     home.mkdir(parents=True, exist_ok=True)
     shape = shape or EngineShape()
@@ -297,17 +303,38 @@ def start(
         config = home / "vllm-logging.json"
         config.write_text(json.dumps(LOGGING_CONFIG, indent=1))
         env["VLLM_LOGGING_CONFIG_PATH"] = str(config)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, cwd=str(home), env=env)
-    log.close()
+    # what is written from here on (the state file, the run's facts, messages) holds no credential
+    kept_command, secrets = redact_command(cmd)
+    cgroup = None
+    if cpu_cores:
+        try:
+            cgroup = cpu_limit.create(f"cancelwatch-engine-{port}", cpu_cores)
+        except cpu_limit.CpuLimitError as exc:
+            log.close()
+            raise EngineError(f"CANCELWATCH_ENGINE_CPUS={cpu_cores:g}: {exc}") from None
+    try:
+        proc = subprocess.Popen(cpu_limit.wrapped(cgroup, cmd) if cgroup else cmd, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                cwd=str(home), env=env)
+    except OSError as exc:  # no such engine python, not executable
+        if cgroup:
+            cpu_limit.remove(cgroup)
+        raise EngineError(scrub(f"cannot start the engine ({exc.strerror}: {exc.filename or cmd[0]}): "
+                                "check --engine-python (default .venv-engine: `make engine-venv`)", secrets)) from None
+    finally:
+        log.close()
     state = EngineState(
         pid=proc.pid, port=port, url=f"http://127.0.0.1:{port}", log_path=str(log_path), model=model_path,
-        served_model_name=cmd[cmd.index("--served-model-name") + 1], command=cmd,
-        started_wall_ns=time.time_ns(), shape=asdict(shape),
+        served_model_name=cmd[cmd.index("--served-model-name") + 1], command=kept_command,
+        started_wall_ns=time.time_ns(), shape=asdict(shape) | ({"cpu_cores": cpu_cores} if cgroup else {}),
+        cgroup=str(cgroup or ""),
     )
     state_path(home, port).write_text(json.dumps(asdict(state), indent=1))
     try:
         wait_healthy(state.url, proc, timeout_s, log_path)
+    except EngineError as exc:
+        stop(home, port)
+        raise EngineError(scrub(str(exc), secrets)) from None  # the log's tail may echo a flag's value
     except BaseException:
         stop(home, port)
         raise
@@ -353,5 +380,8 @@ def stop(home: Path, port: int, timeout_s: float = 20.0) -> bool:
         os.killpg(state.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    if state.cgroup:  # every process of the engine is in it, orphans too: none outlives `down`
+        cpu_limit.end_members(Path(state.cgroup))
+        cpu_limit.remove(Path(state.cgroup))
     state_path(home, port).unlink(missing_ok=True)
     return bool(procs)
