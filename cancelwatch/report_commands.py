@@ -115,6 +115,12 @@ def report(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFAU
     raise typer.Exit(report_exit(doc))
 
 
+def _here(path: str | Path) -> str:
+    """A path as the user meant it: relative to the working directory of the command."""
+    p = Path(path).expanduser()
+    return str(p if p.is_absolute() else Path.cwd() / p)
+
+
 def notebook(name: str = typer.Argument(..., help="capacity_review, vram_plateau, resolution or explore (notebooks/NAME.ipynb)."),
              run: list[str] = typer.Option(["latest"], "--run", help="Run id or 'latest'; repeat for several runs."),
              store: Path = typer.Option(DEFAULT_STORE, help="Run store (SQLite)."),
@@ -131,7 +137,9 @@ def notebook(name: str = typer.Argument(..., help="capacity_review, vram_plateau
         raise fail(f"no notebook {name!r}: choose one of {', '.join(available())}")
     _check_html_folder(html_out)
     known = set(pm.inspect_notebook(str(NOTEBOOKS / f"{name}.ipynb")))
-    params: dict = {"store": str(store)}
+    # the kernel runs in the project root: a store named relative to where the command runs is passed on
+    # absolute (the default store when it is not here is left to the notebook: the store folder, or the sample)
+    params: dict = {"store": str(store) if str(store) == str(DEFAULT_STORE) and not store.exists() else _here(store)}
     if "run_ids" in known:
         params["run_ids"] = ",".join(run)
     elif len(run) > 1:
@@ -144,7 +152,7 @@ def notebook(name: str = typer.Argument(..., help="capacity_review, vram_plateau
             raise fail(f"-p {item}: write KEY=VALUE, e.g. -p context_len=4096")
         if key not in known:
             raise fail(f"-p {key}: {name} has no such parameter; it takes {', '.join(sorted(known))}")
-        params[key] = coerce(value)
+        params[key] = _here(value) if key.endswith("store") else coerce(value)
     try:
         render(name, params, html_out, ipynb_out)
     except NotebookError as exc:

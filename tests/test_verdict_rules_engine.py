@@ -156,13 +156,14 @@ def test_a_direct_decode_cancel_says_where_each_timepoint_came_from(engine, engi
 
 
 def test_a_cancel_of_a_request_the_engine_had_finished_is_inconclusive(engine, engine_home, tmp_path, pace):
-    # the proxy hands each chunk over late_s after it came, so the client's 20th token (the stop) arrives
-    # seconds after the engine's 40th: 4 s where the engine made its last 20 tokens in a third of a second,
-    # twice those 20 tokens' time and 2 s where it is slower
-    late_s = max(4.0, 2.0 + 2 * 20 / pace)
+    # the proxy hands each chunk over 4 s after it came (everything it serves: more would outlast record's
+    # 5 s wait for /v1/models), so the client's 20th token (the stop) arrives seconds after the engine's last
+    # one. The tokens after the 20th take the engine about a second at its measured pace: 20 of them (40 in
+    # all) where it made ~60 tokens/s, fewer on a slower engine, at least 5
+    max_tokens = 20 + min(20, max(5, round(pace)))
     toml = scenario(tmp_path, name="late_finish", trigger="after_tokens", trigger_value=20, prompt_tokens=600,
-                    max_tokens=40, neighbour_max_tokens=60)
-    proxy = ProxyBehaviour(engine.url, free_port(), late_s=late_s).start()
+                    max_tokens=max_tokens, neighbour_max_tokens=60)
+    proxy = ProxyBehaviour(engine.url, free_port(), late_s=4.0).start()
     try:
         _, doc, run = record(proxy.url, toml, tmp_path / "cw.db", engine_home, metrics_url=engine.url)
     finally:
