@@ -249,8 +249,8 @@ def proxy_and_direct_runs(engine, engine_home, tmp_path_factory):
     scen.write_text(SHORT)
     store = folder / "cw.db"
     # recorded once: the verdict must be right on whatever this recording shows. The leaky run waits out each
-    # leaked request before the next scenario (up to the driver's idle wait, 90 s): 243 s under a 0.3-core
-    # quota, so the deadlines are twice that
+    # leaked request before the next scenario (as long as the scenario's measured pace says it needs: two
+    # 1200-token leaks, ~120 s each under a 0.3-core quota), so the deadlines are about twice that
     proxy = LeakyProxy(engine.url, free_port()).start()
     try:
         proxy_res = cli("record", "--target", proxy.url, "--metrics-url", engine.url, "--scenario", str(scen),

@@ -15,6 +15,7 @@ import uuid
 import httpx
 
 from collectors.cancels.load import make_prompt
+from collectors.cancels.pace import FLOOR_S, IdleWait, idle_wait
 from collectors.cancels.scenarios import Scenario
 from collectors.cancels.streams import (
     REQUEST_TIMEOUT_S,
@@ -27,9 +28,9 @@ from collectors.cancels.streams import (
 )
 from runstore.records import EventRecord, LedgerRecord
 
-# between scenarios the engine must be idle again: a request whose cancel was lost runs to its natural
-# end first (1500 tokens x n=2 take the CPU engine about 30 s on a loaded 2-core machine)
-IDLE_WAIT_S = 90.0
+# before the first scenario the engine must be idle; between scenarios the wait follows the pace the
+# scenario measured (collectors/cancels/pace.py): a request whose cancel was lost runs to its end first
+IDLE_WAIT_S = FLOOR_S
 
 
 def event_record(kind: str, request_id: str | None, at_ns: int | None, metrics_target: str, data: dict) -> EventRecord:
@@ -199,16 +200,24 @@ class Driver:
         if req.client_closed_ns:
             self.event("client_closed", rid, req.client_closed_ns, cancel_id=cancel_id, source="client")
 
-    async def wait_idle(self, timeout_s: float = IDLE_WAIT_S) -> bool:
+    async def wait_idle(self, wait: IdleWait | float = IDLE_WAIT_S) -> bool:
+        """Until the scheduler shows nothing running or waiting, for at most `wait` (an IdleWait derived
+        from a scenario's pace, or seconds)."""
+        timeout_s = wait.timeout_s if isinstance(wait, IdleWait) else wait
+
         def idle() -> bool:
             running, waiting = self.scheduler_now()
             return running == 0 and waiting == 0
         await asyncio.sleep(0.2)
         ok = await until(idle, timeout_s)
         if not ok:
-            # the next scenario starts beside work the client does not know of: the run says so
+            # the next scenario starts beside work the client does not know of: the run says so, with
+            # what the wait was derived from
             running, waiting = self.scheduler_now()
-            self.event("engine_not_idle", None, waited_s=timeout_s, running=running, waiting=waiting)
+            derived = {} if not isinstance(wait, IdleWait) else {
+                "token_s": wait.token_s, "first_token_s": wait.first_token_s, "left_tokens": wait.left_tokens}
+            self.event("engine_not_idle", None, waited_s=round(timeout_s, 1), running=running, waiting=waiting,
+                       **derived)
         return ok
 
     # ------------------------------------------------------------------ scenarios
@@ -276,7 +285,7 @@ class Driver:
         for r in reqs:
             self.emit(r.row)
         self.open = [r for r in self.open if r not in reqs]
-        await self.wait_idle()
+        await self.wait_idle(idle_wait(reqs))
         await asyncio.sleep(max(0.0, self.grace_s - 0.2))  # the verdict's grace window is sampled, not guessed
         self.event("scenario_end", None, scenario=s.name, repeat=repeat)
         return reqs
