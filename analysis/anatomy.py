@@ -24,11 +24,18 @@ import plotly.graph_objects as go
 
 from analysis.facts import kv_pool, scheduler_targets
 from analysis.series import sample_period
-from analysis.timeline import GiB, Trace, memory_traces, metric_traces
+from analysis.traces import GiB, Trace, memory_traces, metric_traces
 from runstore.reader import Run
 
 KV_USED, KV_FREE, WEIGHTS, OTHER = "KV pool: used", "KV pool: free", "weights", "other"
 PARTS = (OTHER, WEIGHTS, KV_USED, KV_FREE)  # bottom to top: a cancel empties the top of the stack
+# fill colour and pattern of each part: the pattern and the trace's own label read without colour
+PART_STYLE = {
+    OTHER: ("#bab0ac", ""),
+    WEIGHTS: ("#9d755d", "x"),
+    KV_USED: ("#e45756", "/"),
+    KV_FREE: ("#f2cfce", "."),
+}
 # a KV sample is matched to a memory sample of the same tick only (every source is read on one clock)
 MATCH_PERIODS = 0.5
 
@@ -178,8 +185,6 @@ def cancel_summary(run: Run, cancel) -> dict | None:
 def summary_figure(summary: dict) -> go.Figure:
     """Two stacked bars, before the stop and after the release: the total the same height, the KV
     pool's used part smaller. Labelled parts and patterns read without colour."""
-    from analysis.timeline import PART_STYLE
-
     a = summary["anatomy"]
     cols = ["before the stop", "after the release"]
     fig = go.Figure()

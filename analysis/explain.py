@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from analysis.cancel_table import verdict_counts
-from analysis.timeline import GiB, memory_traces, metric_traces
+from analysis.traces import GiB, memory_traces, metric_traces
 from analysis.verdicts import CancelVerdict
 from runstore.reader import Run
 

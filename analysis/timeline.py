@@ -8,9 +8,7 @@ never downsampled. A gap in sampling breaks the line: no value is drawn where no
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -18,13 +16,14 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 from tsdownsample import MinMaxLTTBDownsampler
 
+from analysis.anatomy import PART_STYLE, PARTS, memory_anatomy
 from analysis.cancel_table import VERDICT_COLOURS
-from analysis.facts import memory_source, scheduler_targets
-from analysis.series import sample_period, series_frame
+from analysis.facts import scheduler_targets
+from analysis.series import sample_period
+from analysis.traces import GiB, Trace, memory_traces, metric_traces
 from analysis.verdicts import POINT_LABELS, TIMEPOINTS, CancelVerdict
 from runstore.reader import Run
 
-GiB = 1024**3
 MAX_POINTS = 1500
 MAX_SHADED_GAPS = 200
 HIT_RATE_WINDOW_S = 2.0
@@ -36,32 +35,6 @@ ROW_TITLES = {
     "none": "memory: not sampled in this run",
 }
 TARGET_DASH = ("solid", "dot", "dash", "longdash")
-
-
-@dataclass
-class Trace:
-    name: str
-    source: str
-    target: str
-    t: np.ndarray
-    v: np.ndarray
-
-
-def metric_traces(run: Run, metric: str, by_labels: bool = False) -> list[Trace]:
-    """One trace per target (label sets summed per scrape), or per (target, label set)."""
-    df = run.series(metric) if by_labels else series_frame(run, metric)
-    if df.empty:
-        return []
-    keys = ["source", "target", "labels"] if by_labels else ["source", "target"]
-    out = []
-    for key, g in df.groupby(keys, observed=True, sort=False):
-        source, target = key[0], key[1]
-        labels = json.loads(key[2]) if by_labels else {}
-        g = g.sort_values("t_s", kind="stable")
-        name = str(target) + (f" gpu {labels.get('gpu')}" if "gpu" in labels else "")
-        out.append(Trace(name, str(source), str(target), g["t_s"].to_numpy(dtype=float),
-                         g["value"].to_numpy(dtype=float)))
-    return out
 
 
 def _breaks(run: Run, tr: Trace) -> np.ndarray:
@@ -126,30 +99,6 @@ def hit_rate_traces(run: Run, window_s: float = HIT_RATE_WINDOW_S) -> list[Trace
     return out
 
 
-def memory_traces(run: Run) -> tuple[str, list[tuple[str, Trace]]]:
-    """(kind, [(role, trace)]): per GPU used and driver-reserved from NVML, else engine RSS per target."""
-    kind = memory_source(run)
-    out: list[tuple[str, Trace]] = []
-    if kind == "nvml":
-        reserved = {t.name: t for t in metric_traces(run, "gpu_memory_reserved_bytes", by_labels=True)}
-        for used in metric_traces(run, "gpu_memory_used_bytes", by_labels=True):
-            out.append(("used", used))
-            if used.name in reserved:
-                r = reserved[used.name]
-                out.append(("reserved", Trace(used.name, used.source, used.target, used.t,
-                                              used.v + np.interp(used.t, r.t, r.v))))
-    elif kind == "process":
-        out = [("rss", t) for t in metric_traces(run, "engine_rss_bytes")]
-    return kind, out
-
-
-# fill colour and pattern of each part: the pattern and the trace's own label read without colour
-PART_STYLE = {
-    "other": ("#bab0ac", ""),
-    "weights": ("#9d755d", "x"),
-    "KV pool: used": ("#e45756", "/"),
-    "KV pool: free": ("#f2cfce", "."),
-}
 # the total keeps the name the memory row always gave it: NVML's used per GPU, the engine's RSS
 TOTAL_NAMES = {"process": "process memory", "nvml": "used"}
 
@@ -157,7 +106,6 @@ TOTAL_NAMES = {"process": "process memory", "nvml": "used"}
 def _add_anatomy(fig: go.Figure, run: Run, a, x_range, max_points: int, row: int) -> None:
     """The memory total as a line over its parts, stacked in bytes (analysis/anatomy.py). Every part
     is cut at the same instants as the total, so the stack adds up to the line wherever it is drawn."""
-    from analysis.anatomy import PARTS
 
     t, total = a.t, a.total
     keep = np.arange(len(t))
@@ -222,7 +170,6 @@ def timeline_figure(run: Run, verdicts: list[CancelVerdict], x_range: tuple[floa
     targets = scheduler_targets(run)
     dash = {t: TARGET_DASH[i % len(TARGET_DASH)] for i, t in enumerate(targets)}
 
-    from analysis.anatomy import memory_anatomy  # anatomy reads the traces defined here
 
     stacked = {a.name: a for a in memory_anatomy(run) if a.parts}
     for a in stacked.values():

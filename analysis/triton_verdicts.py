@@ -30,7 +30,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.evidence import Evidence
-from analysis.verdicts import MIN_SAMPLES, NO_APP, LOG_SLACK_S, CancelVerdict, _log_state
+from analysis.verdict_core import LOG_SLACK_S, MIN_SAMPLES, NO_APP, CancelVerdict, engine_log_state
 from runstore.reader import Run
 
 TRITON = "triton"
@@ -118,7 +118,7 @@ def judge_triton(run: Run, grace_s: float) -> list[CancelVerdict]:
     t0 = run.info["started_mono_ns"]
     targets = [t["label"] for t in run.info.get("targets", [])]
     target = targets[0] if targets else None
-    log_state = _log_state(run, target)
+    log_state = engine_log_state(run, target)
     slog = _ServerLog(run)
     if log_state == "read" and not slog.any:
         # a readable file with no line of the models (another log, or --log-info false) is no server log

@@ -49,13 +49,49 @@ def _statements(script: str) -> list[str]:
     return out
 
 
+BUSY_TIMEOUT_S = 10.0  # how long a write waits out another process's lock (sqlite3's busy handler)
+# how long opening a store waits out another process opening or writing it: as long as a busy write
+OPEN_WAIT_S = BUSY_TIMEOUT_S
+
+
+def _locked(exc: sqlite3.Error) -> bool:
+    return isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc))
+
+
 def open_store(path: str | Path) -> sqlite3.Connection:
-    """Open (creating if needed) a run store for writing. StoreError names the path on failure."""
+    """Open (creating if needed) a run store for writing. StoreError names the path on failure.
+
+    Two processes opening one new store at the same moment can get "database is locked" at once from the
+    journal-mode change or the schema transaction: SQLite does not call the busy handler where waiting
+    could deadlock (six processes opening one new store failed ~1 in 150 opens). Such a refusal is waited
+    out, with a short growing pause, like any busy write, for OPEN_WAIT_S; only then is it an error."""
     p = Path(path)
+    deadline = time.monotonic() + OPEN_WAIT_S
+    pause = 0.002
+    while True:
+        try:
+            return _open_once(p)
+        except sqlite3.Error as exc:
+            if _locked(exc) and time.monotonic() < deadline:
+                time.sleep(pause)
+                pause = min(0.1, pause * 2)
+                continue
+            if _locked(exc):
+                raise StoreError(f"the run store at {p} stayed locked by another process for over {OPEN_WAIT_S:g} s "
+                                 "while opening: stop the other writer or record into another file with --store") \
+                    from exc
+            raise StoreError(f"cannot write the run store at {p} ({exc}): choose a writable path with --store") \
+                from exc
+        except OSError as exc:
+            raise StoreError(f"cannot write the run store at {p} ({exc}): choose a writable path with --store") \
+                from exc
+
+
+def _open_once(p: Path) -> sqlite3.Connection:
     con = None
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
-        con = sqlite3.connect(str(p), timeout=10.0, check_same_thread=False)
+        con = sqlite3.connect(str(p), timeout=BUSY_TIMEOUT_S, check_same_thread=False)
         con.execute("PRAGMA journal_mode=WAL")
         con.execute("PRAGMA synchronous=NORMAL")
         # the whole schema in one transaction: a reader opening the store meanwhile sees no table or all of
@@ -66,7 +102,6 @@ def open_store(path: str | Path) -> sqlite3.Connection:
         row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
         if row is not None and row[0] != str(SCHEMA_VERSION):
             con.execute("ROLLBACK")
-            con.close()
             # checked before any DDL: a store of another version is left exactly as it was
             raise StoreError(f"the run store at {p} has schema {row[0]}, this cancelwatch writes {SCHEMA_VERSION}: "
                              "record into a new file with --store")
@@ -75,12 +110,9 @@ def open_store(path: str | Path) -> sqlite3.Connection:
         con.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         con.execute("COMMIT")
         con.isolation_level = ""  # back to implicit transactions, which the rest of the writer relies on
-    except BaseException as exc:
+    except BaseException:
         if con is not None:
             con.close()  # rolls the schema transaction back: no lock outlives the failure (or a Ctrl-C in it)
-        if isinstance(exc, (OSError, sqlite3.Error)):
-            raise StoreError(f"cannot write the run store at {p} ({exc}): choose a writable path with --store") \
-                from exc
         raise
     return con
 

@@ -11,7 +11,8 @@ import pytest
 from analysis.anatomy import KV_FREE, KV_USED, OTHER, WEIGHTS, memory_anatomy
 from analysis.capacity import capacity, capacity_figure
 from analysis.facts import VIEW_METRICS, kv_pool
-from analysis.timeline import GiB, metric_traces, timeline_figure
+from analysis.timeline import timeline_figure
+from analysis.traces import GiB, metric_traces
 from analysis.verdicts import judge_run
 from bench.synthetic import write_synthetic_run
 from runstore.reader import load_run

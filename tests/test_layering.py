@@ -1,6 +1,8 @@
 """The house rules, checked on every import of every module.
 
-Imports point down: cancelwatch/dashboard/notebooks -> analysis -> runstore <- collectors. `runstore`
+Imports point down: cancelwatch/dashboard/notebooks -> analysis -> runstore <- collectors, and no module
+imports itself back through others (an import inside a function counts: it hides a circle, it does not
+break it). `runstore`
 (the run format) imports neither side; collectors never import analysis; nothing imports the CLI or
 the dashboard. Inside collectors, the four rooms: sources, engines and cancels stand on their own,
 recording puts sources and engines together. Hardware (pynvml) lives in one module, SQL in runstore.
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import re
+from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 import pytest
@@ -85,6 +88,36 @@ def violations(root: Path) -> list[str]:
                     SQL.search(path.read_text()):
                 bad.append(f"{path.relative_to(root)} holds SQL or a database driver: the run format is runstore's")
     return bad
+
+
+def import_circles(root: Path) -> list[str]:
+    """The first import circle among the project's modules (every import, those inside functions too), as
+    `a -> b -> a`; none: []."""
+    files = {module_name(p, root): p for package in PROJECT for p in sorted(root.joinpath(package).rglob("*.py"))}
+    graph = {name: {m for m in imported_modules(p, root) if m in files and m != name} for name, p in files.items()}
+    try:
+        tuple(TopologicalSorter(graph).static_order())
+    except CycleError as exc:
+        return [" -> ".join(reversed(exc.args[1]))]
+    return []
+
+
+def test_no_module_imports_itself_back():
+    assert import_circles(ROOT) == []
+
+
+@pytest.mark.parametrize("a_imports", ["from analysis.b import g", "def f():\n    from analysis.b import g"])
+def test_a_circle_is_caught_even_behind_a_function(tmp_path, a_imports):
+    for package in PROJECT:
+        (tmp_path / package).mkdir()
+    (tmp_path / "analysis" / "__init__.py").write_text("")
+    (tmp_path / "analysis" / "a.py").write_text(a_imports + "\n")
+    (tmp_path / "analysis" / "b.py").write_text("from analysis.c import h\ndef g():\n    pass\n")
+    (tmp_path / "analysis" / "c.py").write_text("import analysis.a\ndef h():\n    pass\n")
+    (tmp_path / "analysis" / "d.py").write_text("from analysis.c import h\n")  # beside the circle, not in it
+    (found,) = import_circles(tmp_path)
+    modules = found.split(" -> ")
+    assert modules[0] == modules[-1] and set(modules) == {"analysis.a", "analysis.b", "analysis.c"}, found
 
 
 def test_imports_point_down_and_collectors_keep_their_rooms():

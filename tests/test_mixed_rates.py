@@ -9,7 +9,8 @@ import time
 import numpy as np
 
 from analysis.capacity import capacity, time_with_waiting
-from analysis.timeline import _breaks, metric_traces
+from analysis.timeline import _breaks
+from analysis.traces import metric_traces
 from runstore.reader import load_run
 from runstore.records import Sample, ScrapeRecord
 from runstore.writer import StoreWriter, create_run, open_store

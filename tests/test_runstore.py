@@ -252,6 +252,61 @@ def test_a_read_waits_out_a_writers_brief_lock(tmp_path):
         locker.wait(30)
 
 
+def _open_and_count(path: str, barrier, results) -> None:
+    try:
+        barrier.wait(30)  # every process reaches open_store at the same moment
+        con = open_store(path)
+        con.execute("SELECT count(*) FROM runs").fetchone()
+        con.close()
+        results.put(None)
+    except Exception as exc:  # noqa: BLE001 - what the test counts
+        results.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_one_new_store_opened_by_several_processes_at_once(tmp_path):
+    """Six processes opening one new store at the same moment: before the open waited out an immediate
+    "database is locked" (the journal-mode change, the schema transaction), ~1 open in 150 failed here."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    failures, opens = [], 0
+    for round_ in range(20):
+        store = tmp_path / f"r{round_}" / "cw.db"
+        barrier, results = ctx.Barrier(6), ctx.Queue()
+        procs = [ctx.Process(target=_open_and_count, args=(str(store), barrier, results)) for _ in range(6)]
+        for p in procs:
+            p.start()
+        outcomes = [results.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join(30)
+        opens += len(outcomes)
+        failures += [f"round {round_}: {o}" for o in outcomes if o is not None]
+        with closing(sqlite3.connect(store)) as db:  # one schema, made once
+            assert db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall() != []
+    assert opens == 120
+    assert not failures, failures
+
+
+def test_a_store_locked_past_the_open_wait_says_so_in_one_line(tmp_path, monkeypatch):
+    import runstore.writer as writer
+
+    store = tmp_path / "cw.db"
+    recorded_run(store)
+    monkeypatch.setattr(writer, "OPEN_WAIT_S", 0.5)
+    monkeypatch.setattr(writer, "BUSY_TIMEOUT_S", 0.1)
+    locker = _hold_lock(store, 8)
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreError, match="stayed locked by another process for over 0.5 s") as raised:
+            open_store(store)
+        assert time.monotonic() - started >= 0.5  # it waited the lock out first
+        assert "\n" not in str(raised.value) and "--store" in str(raised.value)
+    finally:
+        locker.kill()
+        locker.wait(30)
+    assert len(load_run(store, "latest").samples) > 0  # nothing recorded was lost
+
+
 def test_deleting_runs_leaves_the_others_whole(tmp_path):
     from bench.synthetic import write_synthetic_run
     from runstore.writer import delete_runs, open_store
