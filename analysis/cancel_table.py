@@ -45,6 +45,12 @@ def _outcomes(by_scenario: dict, t0: int, v: CancelVerdict) -> tuple[str, str]:
     return neighbour, probe
 
 
+def _evidence_text(v: CancelVerdict) -> str:
+    """The rule that gave the verdict, then where each timepoint came from: `rule: released · user stop:
+    client · ...`."""
+    return " · ".join(part for part in (f"rule: {v.rule}" if v.rule else "", v.sources_text()) if part)
+
+
 def cancel_table(run: Run, verdicts: list[CancelVerdict]) -> pd.DataFrame:
     rows = []
     by_scenario = ledger_by_scenario(run.ledger)
@@ -61,7 +67,7 @@ def cancel_table(run: Run, verdicts: list[CancelVerdict]) -> pd.DataFrame:
             "neighbour": neighbour,
             "probe": probe,
             "why": v.evidence.why or "",
-            "evidence": v.sources_text(),  # where each timepoint came from
+            "evidence": _evidence_text(v),
         })
     df = pd.DataFrame(rows, columns=COLUMNS)
     for col in LATENCY_COLUMNS:

@@ -10,6 +10,7 @@ when its value is unknown (None); an unreached one has no key, so a reader of th
   before the stop        count_before, ledger_before, with kv_before (never None once read: NaN)
   past foreign traffic   kv_drop_s, with release_ms (released) or engine_stepping (not released)
   not released           excess_max, generation_tokens_delta, with engine_stepping
+  every judged cancel    rule (the code of the rule that gave the verdict), with why where it says one
   any other field        when it is not None
 """
 
@@ -69,7 +70,8 @@ class Evidence:
     expected: the verdict the scenario is built to show (Triton's deaf and HTTP-timeout cases: leaked)
     canceled_failures_delta: Triton: count the core's failure{reason="CANCELED"} rose by for the model
         in the grace (a queued request dropped)
-    why: one sentence, why the verdict is not released
+    rule: the code of the rule that gave the verdict (a key of analysis.verdicts.RULES, with its sentence)
+    why: one sentence, why the verdict is not released (the rule's sentence, filled in)
     """
 
     grace_s: float = _always()
@@ -98,6 +100,7 @@ class Evidence:
     server_phase: str | None = None
     expected: str | None = None
     canceled_failures_delta: float | None = None
+    rule: str | None = None
     why: str | None = None
 
     def as_json(self) -> dict:

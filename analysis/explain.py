@@ -13,6 +13,8 @@ from analysis.verdicts import CancelVerdict
 from runstore.reader import Run
 
 WHAT = {"nvml": "GPU memory in use", "process": "the engine's memory", "none": "memory"}
+# the rules of a vLLM cancel that never reached the engine (no abort in its log)
+LOST_CANCEL = ("no_abort_ran_to_end", "no_abort_still_there")
 
 
 def _level(t: np.ndarray, v: np.ndarray, lo: float, hi: float) -> float | None:
@@ -127,7 +129,7 @@ def _verdict_sentence(v: CancelVerdict) -> str:
     if v.verdict == "leaked":
         if ev.model is not None:  # Triton: the why names the cause (HTTP, a deaf backend, a lost cancel)
             return f"{who} was NOT released: {ev.why}. The server worked for nobody."
-        if ev.kept_running_ms is not None or (ev.why or "").startswith("the cancel never reached"):
+        if ev.kept_running_ms is not None or v.rule in LOST_CANCEL:
             return (f"{who} was NOT released: {ev.why}. The engine generated for nobody; the cancel was lost on "
                     "the way (a proxy or app that does not pass it on).")
         return (f"{who} was NOT released: the engine still counted it {ev.grace_s:g} s after the cancel and "

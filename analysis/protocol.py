@@ -24,8 +24,10 @@ from analysis.summary import key_figures
 from analysis.verdicts import (
     LATENCIES,
     POINT_LABELS,
+    RULES,
     SOURCE_LABELS,
     TIMEPOINTS,
+    VERDICTS,
     latency_key,
     latency_label,
     run_grace_s,
@@ -33,7 +35,6 @@ from analysis.verdicts import (
 from runstore.reader import Run
 from runstore.records import DriveSettings
 
-VERDICTS = ("released", "leaked", "stale_gauge", "inconclusive")
 VERDICT_TEXT = {
     "released": "released: left the scheduler within the grace window",
     "leaked": "leaked: still counted after the grace while the engine kept stepping",
@@ -518,6 +519,20 @@ def _measurement_section(run: Run, recs: list[ScenarioRecord]) -> list[str]:
     return lines
 
 
+def _rule_counts(cancels: list[dict]) -> list[str]:
+    """The cancels per rule (the rung of the verdict ladder that decided them), in the rule table's order."""
+    by_rule: dict[str | None, list[dict]] = {}
+    for c in cancels:
+        by_rule.setdefault((c.get("evidence") or {}).get("rule"), []).append(c)
+    if not by_rule:
+        return []
+    order = [r for r in RULES if r in by_rule] + [r for r in by_rule if r not in RULES]
+    rows = [[f"`{r}`" if r else NOT_RECORDED, ", ".join(sorted({str(c.get("verdict")) for c in by_rule[r]})),
+             len(by_rule[r]), ", ".join(sorted({str(c.get("scenario")) for c in by_rule[r]}))] for r in order]
+    return ["Verdicts per rule (what decided each cancel; the per-cancel tables give each one's sentence):", "",
+            *_table(["rule", "verdict", "cancels", "scenarios"], rows), ""]
+
+
 def _outcome_section(doc: Mapping, recs: list[ScenarioRecord]) -> list[str]:
     lines = ["## 6. Outcome", ""]
     cancels = list(doc.get("cancels", []))
@@ -529,6 +544,7 @@ def _outcome_section(doc: Mapping, recs: list[ScenarioRecord]) -> list[str]:
         lines += _table(["scenario", "cancels", *(v.replace("_", " ") for v in VERDICTS)], rows) + [""]
     lines.append(f"Neighbours: {'every neighbour completed' if doc.get('neighbours_ok') else 'not every neighbour completed (or none ran)'}.")
     lines += ["", "Verdicts: " + "; ".join(VERDICT_TEXT[v] for v in VERDICTS) + ".", ""]
+    lines += _rule_counts(cancels)
     for r in recs:
         if not r.cancels:
             continue
@@ -543,9 +559,10 @@ def _outcome_section(doc: Mapping, recs: list[ScenarioRecord]) -> list[str]:
             ev = c.get("evidence") or {}
             why = ev.get("why") or (f"race: {ev['race']}" if ev.get("race") else None)
             table.append([f"`{_short_id(c.get('request_id'))}`", c.get("phase_at_cancel"), c.get("terminal_state"),
-                          f"**{c.get('verdict')}**", *(_ms(lat.get(latency_key(a, b))) for a, b in LATENCIES), why])
+                          f"**{c.get('verdict')}**", *(_ms(lat.get(latency_key(a, b))) for a, b in LATENCIES),
+                          f"`{ev['rule']}`" if ev.get("rule") else None, why])
         lines += _table(["request", "phase", "ended as", "verdict", *(latency_label(a, b) for a, b in LATENCIES),
-                         "why"], table)
+                         "rule", "why"], table)
         lines.append("")
     if not cancels:
         lines += ["No cancel was recorded in this run.", ""]

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from analysis.series import series_frame  # noqa: E402
+from collectors.engines import lifecycle  # noqa: E402
 from collectors.engines import vllm_server as engine_mod  # noqa: E402
 from runstore.reader import load_run  # noqa: E402
 
@@ -111,9 +112,9 @@ def main() -> None:
     scen.write_text(SCENARIO.format(repeats=args.cancels))
     state, url, extra = None, args.target, []
     if url is None:
-        state = engine_mod.start(home, port=engine_mod.free_port())
+        state = engine_mod.start(home, port=lifecycle.free_port())
         url = state.url
-        pids = engine_mod.engine_pids(state)
+        pids = lifecycle.engine_pids(state)
     else:
         pids = []
         if args.engine_log:
@@ -141,7 +142,7 @@ def main() -> None:
                   f"{np.mean([r['engine_cpu_per_1k'] for r in rs]):19.2f}")
     finally:
         if state is not None:
-            engine_mod.stop(home, state.port)
+            lifecycle.stop(home, state.port)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from collectors.cancels.load import make_prompt, served_model  # noqa: E402
+from collectors.engines import lifecycle  # noqa: E402
 from collectors.engines import vllm_server as engine_mod  # noqa: E402
 from runstore.errors import StoreError  # noqa: E402
 from runstore.reader import load_run  # noqa: E402
@@ -115,7 +116,7 @@ def main() -> None:
     state = None
     url = args.target
     if url is None:
-        state = engine_mod.start(tmp / "home", port=engine_mod.free_port())
+        state = engine_mod.start(tmp / "home", port=lifecycle.free_port())
         url = state.url
     url = url.rstrip("/")
     try:
@@ -157,7 +158,7 @@ def main() -> None:
               f"(max-min over median): a loss smaller than that is below this machine's noise")
     finally:
         if state is not None:
-            engine_mod.stop(tmp / "home", state.port)
+            lifecycle.stop(tmp / "home", state.port)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from collectors.engines import lifecycle  # noqa: E402
 from collectors.engines import vllm_server as engine_mod  # noqa: E402
 from collectors.recording.sampler import Sampler  # noqa: E402
 from collectors.sources.process_memory import ProcessMemorySource  # noqa: E402
@@ -104,7 +105,7 @@ def main() -> int:
             rows += bench_rate(url, pids, hz, args.seconds, tmp / "bench.db")
     finally:
         if state is not None:
-            engine_mod.stop(tmp / "home", state.port)
+            lifecycle.stop(tmp / "home", state.port)
     cols = ["hz", "source", "achieved_hz", "interval_err_p50_ms", "interval_err_p99_ms", "scrape_p50_ms",
             "scrape_p99_ms", "missed_ticks", "errors", "cpu_share_of_core"]
     print(" ".join(f"{c:>20}" for c in cols))

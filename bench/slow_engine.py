@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from collectors.cancels.load import run_streams  # noqa: E402
+from collectors.engines import lifecycle  # noqa: E402
 from collectors.engines import vllm_server as engine_mod  # noqa: E402
 
 STREAMS, PROMPT_TOKENS, MAX_TOKENS = 6, 1450, 50
@@ -31,7 +32,7 @@ STREAMS, PROMPT_TOKENS, MAX_TOKENS = 6, 1450, 50
 
 def measure(home: Path, cores: float | None, repeats: int) -> dict:
     t0 = time.monotonic()
-    state = engine_mod.start(home, port=engine_mod.free_port(), cpu_cores=cores, timeout_s=1200)
+    state = engine_mod.start(home, port=lifecycle.free_port(), cpu_cores=cores, timeout_s=1200)
     startup_s = time.monotonic() - t0
     try:
         rounds, firsts = [], []
@@ -52,7 +53,7 @@ def measure(home: Path, cores: float | None, repeats: int) -> dict:
         return {"startup_s": startup_s, "rounds": rounds, "median_s": statistics.median(rounds),
                 "first_p50_s": statistics.median(firsts)}
     finally:
-        engine_mod.stop(home, state.port)
+        lifecycle.stop(home, state.port)
 
 
 def main() -> None:

@@ -31,6 +31,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from collectors.engines import lifecycle  # noqa: E402
 from collectors.engines import vllm_server as engine_mod  # noqa: E402
 from runstore.reader import load_run  # noqa: E402
 
@@ -88,7 +89,7 @@ def main() -> None:
     store = tmp / "soak.db"
     state, url = None, args.target
     if url is None:
-        state = engine_mod.start(home, port=engine_mod.free_port())
+        state = engine_mod.start(home, port=lifecycle.free_port())
         url = state.url
     try:
         env = {**os.environ, "CANCELWATCH_HOME": str(home)}
@@ -148,7 +149,7 @@ def main() -> None:
             print(f"  record stderr: {err.strip()[-500:]}")
     finally:
         if state is not None:
-            engine_mod.stop(home, state.port)
+            lifecycle.stop(home, state.port)
 
 
 if __name__ == "__main__":

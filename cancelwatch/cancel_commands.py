@@ -18,6 +18,7 @@ from cancelwatch.console import (
     print_store_error,
 )
 from cancelwatch.report_commands import print_report, report_exit
+from collectors.engines import lifecycle
 from collectors.engines import vllm_server as engine_mod
 from collectors.recording.session import (
     EXIT_FAILED,
@@ -135,7 +136,7 @@ def record_cmd(
                 # started only now (an idle second engine would cost CPU through the whole run)
                 url = relay_url
                 if url is None:
-                    state = await asyncio.to_thread(engine_mod.start, home_dir(), engine_mod.free_port(), relay=True)
+                    state = await asyncio.to_thread(engine_mod.start, home_dir(), lifecycle.free_port(), relay=True)
                     relay_state["state"] = state
                     url = state.url
                     proc = ProcessMemorySource([state.pid], target="relay")
@@ -156,7 +157,7 @@ def record_cmd(
                 for src in relay_state.get("sources", []):
                     await asyncio.to_thread(sampler.remove_source, src)
                 if "state" in relay_state:
-                    await asyncio.to_thread(engine_mod.stop, home_dir(), relay_state["state"].port)
+                    await asyncio.to_thread(lifecycle.stop, home_dir(), relay_state["state"].port)
 
             # the replica the cancels go to judges them (a discovered one by its URL), else the first
             judged = next((t.label for t in targets if t.url == target.rstrip("/")), targets[0].label)
@@ -169,13 +170,13 @@ def record_cmd(
         result = record(settings, sources, facts, driver_factory=driver_factory)
     except PreflightError as exc:
         raise fail(str(exc)) from None
-    except engine_mod.EngineError as exc:
+    except lifecycle.EngineError as exc:
         raise fail(f"could not start the relay app for in-process scenarios: {exc}", EXIT_FAILED) from None
     except StoreError as exc:
         raise fail(str(exc)) from None
     finally:
         if "state" in relay_state:  # also after Ctrl-C or a lost target
-            engine_mod.stop(home_dir(), relay_state["state"].port)
+            lifecycle.stop(home_dir(), relay_state["state"].port)
     report_recorded(store, result, grace)
 
 

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from cancelwatch.console import ENGINE_CPUS_ENV, engine_cpu_cores, err, fail, home_dir, out
+from collectors.engines import lifecycle
 from collectors.engines import vllm_server as engine_mod
 from collectors.recording.session import EXIT_FAILED, EXIT_USAGE
 
@@ -42,9 +43,9 @@ def engine_up(
         state = engine_mod.start(home_dir(), port=port, model=model, shape=shape, engine_python=engine_python,
                                  gpu=gpu, extra_args=extra, timeout_s=timeout, relay=relay,
                                  cpu_cores=engine_cpu_cores())
-    except engine_mod.PortBusy as exc:
+    except lifecycle.PortBusy as exc:
         raise fail(str(exc), EXIT_USAGE) from None
-    except engine_mod.EngineError as exc:
+    except lifecycle.EngineError as exc:
         raise fail(str(exc), EXIT_FAILED) from None
     limited = f" limited to {state.shape['cpu_cores']:g} CPU" if state.shape.get("cpu_cores") else ""
     out.print(f"engine up: {state.url} pid {state.pid} model {state.served_model_name}{limited} log {state.log_path}")
@@ -55,9 +56,9 @@ def _triton_up(port: int, timeout: float) -> None:
 
     try:
         state = triton_server.start(home_dir(), port=port, timeout_s=min(timeout, 300.0))
-    except engine_mod.PortBusy as exc:
+    except lifecycle.PortBusy as exc:
         raise fail(str(exc), EXIT_USAGE) from None
-    except engine_mod.EngineError as exc:
+    except lifecycle.EngineError as exc:
         raise fail(str(exc), EXIT_FAILED) from None
     out.print(f"engine up: triton {state.url} grpc {state.urls['grpc']} metrics {state.urls['metrics']} "
               f"pid {state.pid} models {', '.join(state.shape['models'])} log {state.log_path}")
@@ -67,21 +68,21 @@ def _triton_up(port: int, timeout: float) -> None:
 def engine_down(port: Optional[int] = typer.Option(None, help="Port of the engine; default: all.")):
     """Stop the engine(s) and every process under them."""
     home = home_dir()
-    ports = [port] if port is not None else [s.port for s in engine_mod.all_states(home)]
-    stopped = [p for p in ports if engine_mod.stop(home, p)]
+    ports = [port] if port is not None else [s.port for s in lifecycle.all_states(home)]
+    stopped = [p for p in ports if lifecycle.stop(home, p)]
     out.print(f"engine down: stopped {', '.join(map(str, stopped))}" if stopped else "engine down: nothing was running")
 
 
 @engine_app.command("status")
 def engine_status():
     """Say which embedded engines run, with pid, URL, health and log."""
-    states = engine_mod.all_states(home_dir())
+    states = lifecycle.all_states(home_dir())
     if not states:
         out.print("no embedded engine is running (start one with: cancelwatch engine up)")
         raise typer.Exit(1)
     any_alive = False
     for s in states:
-        alive = engine_mod.is_alive(s)
+        alive = lifecycle.is_alive(s)
         any_alive |= alive
         health = "healthy" if alive and _healthy(s) else ("starting/unhealthy" if alive else "dead")
         extra = f" grpc {s.urls['grpc']} metrics {s.urls['metrics']}" if s.kind == "triton" else ""
@@ -89,10 +90,13 @@ def engine_status():
     raise typer.Exit(0 if any_alive else 1)
 
 
-def _healthy(state: engine_mod.EngineState) -> bool:
+def _healthy(state: lifecycle.EngineState) -> bool:
     import httpx
 
-    path = "/v2/health/ready" if state.kind == "triton" else "/health"
+    from collectors.engines import triton_server
+
+    # each launcher names its family's health check
+    path = triton_server.HEALTH_PATH if state.kind == "triton" else engine_mod.HEALTH_PATH
     try:
         return httpx.get(state.url + path, timeout=2.0).status_code == 200
     except httpx.HTTPError:

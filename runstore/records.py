@@ -76,9 +76,12 @@ class GapRecord:
 
 @dataclass
 class EventRecord:
-    """A moment of the cancel trace or of a scenario: `kind` (user_stop, app_received, engine_abort,
-    probe_sent, scenario_start, scenario_end), when, for which request, and what else is known (`data`,
-    stored as JSON: scenario, phase, cancel_id, metrics_target, ...)."""
+    """A moment of a scenario, of the cancel trace or of an engine's log: `kind`, when, for which request,
+    and what else is known (`data`, stored as JSON).
+
+    The kinds, who writes each, what its request_id is and what its data holds, field by field, are the
+    table `runstore/event_kinds.py: EVENT_KINDS`; a kind outside it is written, and flagged by the writer.
+    """
 
     kind: str
     wall_ns: int

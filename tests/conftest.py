@@ -11,10 +11,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from collectors.engines import lifecycle
 from collectors.engines import vllm_server as engine_mod
 from cancelwatch.console import ENGINE_CPUS_ENV
 from collectors.engines.cpu_limit import CpuLimitError, parse_cores
-from collectors.engines.vllm_server import free_port
+from collectors.engines.lifecycle import free_port
 from runstore.reader import load_run
 from tests.fixture_server import MetricsFixtureServer
 from tests.leaky_proxy import LeakyProxy
@@ -94,7 +95,7 @@ def engine_cpu_cores() -> float | None:
         pytest.fail(f"{ENGINE_CPUS_ENV}={exc}")
 
 
-def _start_engine(home: Path, **kw) -> engine_mod.EngineState:
+def _start_engine(home: Path, **kw) -> lifecycle.EngineState:
     python = engine_mod.default_engine_python()
     if python == sys.executable:
         pytest.fail("no .venv-engine: run `make engine-venv` (make test does) to install the embedded vLLM")
@@ -123,9 +124,9 @@ def wait_gone(pids: list[int], timeout_s: float = 30.0) -> list[int]:
     return left
 
 
-def _stop_engine(home: Path, state: engine_mod.EngineState) -> list[int]:
-    pids = engine_mod.engine_pids(state)
-    engine_mod.stop(home, state.port)
+def _stop_engine(home: Path, state: lifecycle.EngineState) -> list[int]:
+    pids = lifecycle.engine_pids(state)
+    lifecycle.stop(home, state.port)
     return wait_gone(pids)
 
 
@@ -152,7 +153,7 @@ def free_triton_port() -> int:
     """A port p on 127.0.0.1 with p, p+1 and p+2 free: Triton's HTTP, gRPC and metrics."""
     for _ in range(50):
         p = free_port()
-        if p + 2 < 65536 and not any(engine_mod.port_in_use(p + k) for k in (1, 2)):
+        if p + 2 < 65536 and not any(lifecycle.port_in_use(p + k) for k in (1, 2)):
             return p
     raise RuntimeError("no three free ports in a row on 127.0.0.1")
 
@@ -170,7 +171,7 @@ def triton(triton_home):
 
     try:
         triton_server.bundled_server()
-    except engine_mod.EngineError as exc:
+    except lifecycle.EngineError as exc:
         pytest.fail(str(exc))
     state = triton_server.start(triton_home, port=free_triton_port())
     yield state

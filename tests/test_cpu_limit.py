@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from collectors.engines import cpu_limit
-from collectors.engines.vllm_server import engine_pids, free_port, read_state
+from collectors.engines.lifecycle import engine_pids, free_port, read_state
 from tests.conftest import cli
 
 

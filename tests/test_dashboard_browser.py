@@ -20,7 +20,7 @@ from analysis.explain import pick_story_cancel
 from analysis.facts import VIEW_METRICS
 from analysis.verdicts import judge_run
 from dashboard import recording
-from collectors.engines.vllm_server import free_port
+from collectors.engines.lifecycle import free_port
 from runstore.reader import load_run
 from tests.conftest import cli_popen, wait_recording
 

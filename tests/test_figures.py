@@ -182,7 +182,7 @@ def test_the_shipped_sample_is_released_on_the_engines_own_abort_lines():
     released, each engine_abort the engine's own log line, and no app on these HTTP paths."""
     run = load_run(SAMPLE, "latest")
     verdicts = judge_run(run)
-    assert verdicts and {v.verdict for v in verdicts} == {"released"}, [(v.scenario, v.evidence.why) for v in verdicts]
+    assert verdicts and {v.verdict for v in verdicts} == {"released"}, [(v.scenario, v.rule) for v in verdicts]
     aborted = run.events[run.events["kind"] == "engine_aborted"].set_index("request_id")["t_s"]
     for v in verdicts:
         assert v.sources["engine_abort"] == {"source": "engine_log", "reason": None}, v

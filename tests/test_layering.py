@@ -5,7 +5,8 @@ imports itself back through others (an import inside a function counts: it hides
 break it). `runstore`
 (the run format) imports neither side; collectors never import analysis; nothing imports the CLI or
 the dashboard. Inside collectors, the four rooms: sources, engines and cancels stand on their own,
-recording puts sources and engines together. Hardware (pynvml) lives in one module, SQL in runstore.
+recording puts sources and engines together; no engine launcher imports another (they share the
+lifecycle). Hardware (pynvml) lives in one module, SQL in runstore.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ FORBIDDEN = {
     "dashboard": {"collectors", "cancelwatch", "notebooks", "httpx", "pynvml", "psutil", "tritonclient"},
     "notebooks": {"collectors", "cancelwatch", "dashboard", "httpx", "pynvml", "psutil", "tritonclient"},
 }
+# the engine launchers: each holds what is its family's alone; what they all need (state file, start, wait
+# healthy, stop) is collectors/engines/lifecycle.py, so that a new family copies nothing and imports no other
+LAUNCHERS = ("collectors.engines.vllm_server", "collectors.engines.triton_server")
 SQL = re.compile(r"\b(INSERT\s+(OR\s+\w+\s+)?INTO|SELECT\s+.+?\s+FROM|UPDATE\s+\w+\s+SET|CREATE\s+(TABLE|INDEX)|"
                  r"DELETE\s+FROM|VACUUM)\b", re.IGNORECASE | re.DOTALL)
 
@@ -77,6 +81,7 @@ def violations(root: Path) -> list[str]:
             found = hits(imported_modules(path, root), forbidden)
             if found:
                 bad.append(f"{path.relative_to(root)} imports {sorted(found)}")
+    bad += launcher_imports(root)
     for path in sorted(root.joinpath("collectors").glob("*")):
         if path.name not in (*ROOMS, "__init__.py", "__pycache__"):
             bad.append(f"{path.relative_to(root)} is outside the four rooms of collectors/ ({', '.join(ROOMS)})")
@@ -88,6 +93,24 @@ def violations(root: Path) -> list[str]:
                     SQL.search(path.read_text()):
                 bad.append(f"{path.relative_to(root)} holds SQL or a database driver: the run format is runstore's")
     return bad
+
+
+def launcher_imports(root: Path) -> list[str]:
+    """Each launcher that imports another launcher, naming it."""
+    bad = []
+    for launcher in LAUNCHERS:
+        path = root.joinpath(*launcher.split(".")).with_suffix(".py")
+        found = hits(imported_modules(path, root), set(LAUNCHERS) - {launcher}) if path.exists() else set()
+        if found:
+            bad.append(f"{path.relative_to(root)} imports {sorted(found)}: launchers share "
+                       "collectors/engines/lifecycle.py, never each other")
+    return bad
+
+
+def test_no_engine_launcher_imports_another():
+    # a launcher renamed or moved would pass unseen
+    assert [m for m in LAUNCHERS if not ROOT.joinpath(*m.split(".")).with_suffix(".py").exists()] == []
+    assert launcher_imports(ROOT) == []
 
 
 def import_circles(root: Path) -> list[str]:
@@ -136,6 +159,8 @@ def test_nvml_is_quarantined():
     ("collectors/sources/bad.py", "from analysis.verdicts import judge_run", "analysis"),
     ("collectors/sources/bad.py", "from ..recording import sampler", "collectors.recording"),
     ("collectors/engines/bad.py", "import collectors.cancels.driver", "collectors.cancels"),
+    ("collectors/engines/triton_server.py", "from collectors.engines.vllm_server import stop", "collectors.engines.vllm_server"),
+    ("collectors/engines/vllm_server.py", "def f():\n    from . import triton_server", "collectors.engines.triton_server"),
     ("analysis/bad.py", "import httpx", "httpx"),
     ("dashboard/bad.py", "from cancelwatch.cli import app", "cancelwatch"),
     ("collectors/stray.py", "", "outside the four rooms"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from collectors.engines.vllm_server import free_port
+from collectors.engines.lifecycle import free_port
 from collectors.recording.session import PreflightError, RecordSettings, Target, build_sources
 from collectors.sources.base import SourceError
 from collectors.sources.nvml import NvmlSource

@@ -279,7 +279,7 @@ def test_bad_input_is_one_line_and_creates_no_run(history, tmp_path):
 
 
 def test_discovery_samples_every_replica_prometheus_scrapes_labelled_by_instance(engine, engine_home, tmp_path):
-    from collectors.engines import vllm_server as engine_mod
+    from collectors.engines import lifecycle
 
     # the second replica: a second real vLLM (the relay app's in-process AsyncLLM, with its own /metrics)
     relay_home = tmp_path / "relay-home"
@@ -309,7 +309,7 @@ def test_discovery_samples_every_replica_prometheus_scrapes_labelled_by_instance
         assert len(bad.stderr.strip().splitlines()) == 1
     finally:
         prom.stop()
-        engine_mod.stop(relay_home, relay.port)
+        lifecycle.stop(relay_home, relay.port)
 
 
 def test_the_resolution_notebook_commands_as_written(history, tmp_path):

@@ -28,7 +28,7 @@ from analysis.explain import pick_story_cancel
 from analysis.facts import VIEW_METRICS
 from analysis.verdicts import judge_run
 from cancelwatch.cli import app
-from collectors.engines.vllm_server import free_port
+from collectors.engines.lifecycle import free_port
 from runstore.reader import load_run
 from tests.readme_commands import COMMAND_LINE_ONLY, NOT_RUN, ROOT, RUN, readme_commands, synopses, words
 from tests.test_dashboard_browser import TABLE_ROWS, TIMELINE, browser  # noqa: F401 - a fixture

@@ -24,7 +24,7 @@ import httpx
 import psutil
 import pytest
 
-from collectors.engines.vllm_server import free_port, read_state
+from collectors.engines.lifecycle import free_port, read_state
 from runstore.reader import list_runs, load_run
 from tests.conftest import free_triton_port
 from tests.readme_commands import ROOT, RUN, words

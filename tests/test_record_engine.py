@@ -14,7 +14,7 @@ import pandas as pd
 
 from analysis.series import series_frame
 from collectors.cancels.load import StreamResult, _one, run_streams
-from collectors.engines import vllm_server as engine_mod
+from collectors.engines import lifecycle
 from runstore.reader import load_run
 from tests.conftest import cli, cli_popen, free_port, wait_gone, wait_recording
 from tests.metrics_proxy import MetricsProxy
@@ -269,7 +269,7 @@ def test_engine_killed_mid_run_ends_target_lost_then_engine_down_cleans_up(priva
     proc = cli_popen("sample", "--target", state.url, "--duration", "60", "--lost-after", "3", "--store", str(store),
                      home=home)
     wait_recording(store, ok_scrapes=30)
-    tree = engine_mod.engine_pids(state)
+    tree = lifecycle.engine_pids(state)
     assert len(tree) >= 2  # API server + engine core (+ workers)
     os.kill(state.pid, signal.SIGKILL)  # the API server dies; what it leaves is for engine down
     stdout, stderr = proc.communicate(timeout=60)
@@ -283,7 +283,7 @@ def test_engine_killed_mid_run_ends_target_lost_then_engine_down_cleans_up(priva
     assert down.returncode == 0, down.stderr
     left = wait_gone(tree)
     assert not left, f"processes left after engine down: {left}"
-    assert json.loads(json.dumps(engine_mod.all_states(home), default=str)) == []
+    assert json.loads(json.dumps(lifecycle.all_states(home), default=str)) == []
 
 
 def test_filtered_scrapes_give_the_analysis_series_of_full_bodies(engine):

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from collectors.engines.command_line import REDACTED
-from collectors.engines.vllm_server import read_state
+from collectors.engines.lifecycle import read_state
 from runstore.reader import load_run
 from tests import conftest
 from tests.conftest import SHORT, _stop_engine, cli, free_port

@@ -12,8 +12,7 @@ import psutil
 import pytest
 
 from collectors.cancels.triton_driver import SUITE, TRITON_SCENARIOS
-from collectors.engines import triton_server
-from collectors.engines import vllm_server as engine_mod
+from collectors.engines import lifecycle, triton_server
 from runstore.reader import load_run
 from tests.conftest import cli, free_port, free_triton_port, wait_gone
 
@@ -58,9 +57,9 @@ def test_every_triton_scenario_gives_its_expected_verdict_with_evidence_named(tr
         else:
             assert c["timepoints"]["engine_abort"] is None and ev["kept_running_ms"] > 0
     (http,) = by_scenario(doc, "triton_http_timeout")
-    assert "HTTP carries no cancel" in http["evidence"]["why"]
+    assert http["evidence"]["rule"] == "http_carries_no_cancel", http
     (deaf,) = by_scenario(doc, "triton_deaf")
-    assert "does not poll is_cancelled" in deaf["evidence"]["why"]
+    assert deaf["evidence"]["rule"] == "backend_does_not_poll", deaf
     # the client saw its own end at once in both: that is not what the verdict rests on
     ledger = run.ledger.set_index("request_id")
     assert ledger.loc[deaf["request_id"], "reason"].startswith("client saw")
@@ -182,8 +181,8 @@ def test_a_server_without_the_scenarios_model_is_refused_before_anything_is_sent
         assert "model 'slow' is not ready" in res.stderr and len(res.stderr.strip().splitlines()) == 1
         assert not store.exists()
     finally:
-        pids = engine_mod.engine_pids(state)
-        engine_mod.stop(home, state.port)
+        pids = lifecycle.engine_pids(state)
+        lifecycle.stop(home, state.port)
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
@@ -193,8 +192,8 @@ def test_engine_up_status_down_for_triton(tmp_path):
     up = cli("engine", "up", "--engine", "triton", "--port", str(port), home=home, timeout=180)
     assert up.returncode == 0, up.stderr
     assert f"grpc 127.0.0.1:{port + 1}" in up.stdout and f"metrics http://127.0.0.1:{port + 2}" in up.stdout
-    state = engine_mod.read_state(home, port)
-    pids = engine_mod.engine_pids(state)
+    state = lifecycle.read_state(home, port)
+    pids = lifecycle.engine_pids(state)
     assert len(pids) >= 4  # tritonserver and a python-backend stub per model
     status = cli("engine", "status", home=home)
     assert status.returncode == 0 and "triton" in status.stdout and "healthy" in status.stdout

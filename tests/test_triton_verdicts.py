@@ -46,7 +46,7 @@ def test_as_recorded_every_scenario_gives_its_expected_verdict(run):
     assert len(expect) == 8
     for name, vs in got.items():
         for v in vs:
-            assert v.verdict == v.evidence.expected == expect[v.request_id], (name, v.verdict, v.evidence.why)
+            assert v.verdict == v.evidence.expected == expect[v.request_id], (name, v.verdict, v.rule)
     assert [v.verdict for v in got["triton_http_timeout"]] == ["leaked"]
     assert [v.verdict for v in got["triton_stream_wide"]] == ["released", "released"]
 
@@ -56,10 +56,10 @@ def test_without_the_server_log_a_request_that_ran_to_its_natural_end_is_not_rel
     (http,) = got["triton_http_timeout"]
     (deaf,) = got["triton_deaf"]
     # their gauges fell only when they would have ended anyway: inside a long grace that is no release
-    assert http.verdict == "leaked" and "natural end" in http.evidence.why, http.evidence.why
-    assert deaf.verdict == "leaked" and "natural end" in deaf.evidence.why, deaf.evidence.why
+    assert http.verdict == "leaked" and http.rule == "gauge_up_to_natural_end", http.rule
+    assert deaf.verdict == "leaked" and deaf.rule == "gauge_up_to_natural_end", deaf.rule
     for v in got["triton_executing"] + got["triton_disconnect"]:
-        assert v.verdict == "released" and "before the request's natural end" in v.evidence.why
+        assert v.verdict == "released" and v.rule == "gauge_fell_before_natural_end", v.rule
         assert v.evidence.engine_log == "no server log" and v.source_of("engine_abort") is None
     (queued,) = got["triton_queued"]
     assert queued.verdict == "released" and queued.source_of("engine_abort") == "samples"
@@ -85,7 +85,7 @@ def test_missing_model_gauges_never_read_as_a_stale_gauge(run):
     got = verdicts(run)
     for name in ("triton_executing", "triton_stream_wide", "triton_deadline", "triton_disconnect"):
         for v in got[name]:
-            assert v.verdict == "released" and "own log line alone" in v.evidence.why, (name, v.evidence.why)
+            assert v.verdict == "released" and v.rule == "released_on_log_alone", (name, v.rule)
             assert v.timepoints["left_scheduler"] is None
 
 
@@ -110,7 +110,7 @@ def test_the_neighbour_ending_does_not_stand_in_for_a_target_that_stayed(run):
     s.loc[held, "value"] += 1.0  # the target's unit stays; the neighbour still ends inside a 6 s grace
     run.samples = s
     (v,) = verdicts(run, grace_s=6.0)["triton_executing"]
-    assert v.verdict == "stale_gauge", v.evidence.why
+    assert v.verdict == "stale_gauge" and v.rule == "gauge_did_not_fall", v.rule
 
 
 def test_triton_log_stamps_are_utc_whatever_the_host_zone():

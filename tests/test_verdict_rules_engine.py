@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 from collectors.cancels.load import run_streams
-from collectors.engines import vllm_server as engine_mod
+from collectors.engines import lifecycle
 from runstore.reader import load_run
 from tests.conftest import cli, cli_popen, free_port, wait_gone
 from tests.proxies import ProxyBehaviour
@@ -82,16 +82,20 @@ def the_cancel(doc, request_id: str) -> dict:
     return c
 
 
+# the rules of a request the engine had finished before the stop (the server counted fewer than the client)
+ALREADY_FINISHED = ("already_finished", "already_finished_no_log")
+
+
 def ended_on_its_own(c: dict) -> bool:
     """The verdict says the engine ended the request itself before or as the stop came (a client far
     behind its stream can read the end before its trigger: then the ledger says completed)."""
-    why = c["evidence"]["why"]
-    if "was never reached" in why:
+    rule = c["evidence"]["rule"]
+    if rule == "trigger_never_reached":
         return c["terminal_state"] == "completed"
-    if "already finished" in why:
+    if rule in ALREADY_FINISHED:
         # the server's own count before the stop was below the client's
         return c["evidence"]["count_before"] < c["evidence"]["ledger_before"]
-    return any(w in why for w in ("finished on its own", "won the race"))
+    return rule in ("finished_on_its_own", "completion_won_race", "ran_out_its_last_tokens")
 
 
 def decode_rate(url: str, model: str) -> float:
@@ -178,7 +182,7 @@ def test_a_cancel_of_a_request_the_engine_had_finished_is_inconclusive(engine, e
     assert ahead_s >= 1.0, dump(doc, proxy, run)
     assert rid in engine_lines(run, "engine_added") and rid not in engine_lines(run, "engine_aborted")
     assert c["verdict"] == "inconclusive", dump(doc, proxy, run)
-    assert "already finished" in c["evidence"]["why"], dump(doc, proxy, run)
+    assert c["evidence"]["rule"] in ALREADY_FINISHED, dump(doc, proxy, run)
 
 
 # --------------------------------------------------------------------------- c: no abort, natural end
@@ -230,7 +234,8 @@ def test_a_cancel_that_never_reached_the_engine_is_leaked_even_when_it_ends_insi
         if c["verdict"] == "inconclusive":
             assert ended_on_its_own(c), dump(doc, proxy, run)
             continue
-        assert "no abort" in c["evidence"]["why"], dump(doc, proxy, run)
+        # no abort line for the request in the engine's log: the cancel never reached the engine
+        assert c["evidence"]["rule"] in ("no_abort_ran_to_end", "no_abort_still_there"), dump(doc, proxy, run)
         kept = c["evidence"].get("kept_running_ms")
         if kept is not None:
             assert kept > 0, dump(doc, proxy, run)
@@ -263,7 +268,7 @@ def test_foreign_traffic_in_a_cancels_window_is_inconclusive_not_leaked(engine, 
     t_stop = c["timepoints"]["user_stop"]
     assert t_stop < t_foreign <= t_stop + GRACE_S, (t_stop, t_foreign)
     assert c["verdict"] == "inconclusive", dump(doc, proxy, run)
-    assert "other traffic" in c["evidence"]["why"], dump(doc, proxy, run)
+    assert c["evidence"]["rule"] in ("other_traffic_logged", "other_traffic_counted"), dump(doc, proxy, run)
     assert (c["evidence"].get("foreign_requests") or 0) >= 1, dump(doc, proxy, run)
 
 
@@ -304,7 +309,7 @@ def test_in_a_burst_only_the_cancel_the_proxy_leaked_is_leaked(engine, engine_ho
         assert oc["verdict"] == "released", dump(doc, proxy, run)
     else:
         assert oc["verdict"] == "leaked", dump(doc, proxy, run)
-        assert "reached the engine only" in oc["evidence"]["why"], dump(doc, proxy, run)
+        assert oc["evidence"]["rule"] == "abort_after_grace", dump(doc, proxy, run)
 
 
 # --------------------------------------------------------------------------- g: /metrics down
@@ -341,7 +346,7 @@ def test_metrics_down_across_the_stop_is_inconclusive_no_samples(engine, engine_
     # the client's 15th and 20th tokens (outage, stop) came anywhere from 0.1 to 1 s apart: the few samples
     # ahead of the outage may fall in the window; too few to judge by either way, and said so
     ev = c["evidence"]
-    assert "no samples" in ev["why"] or "too few samples" in ev["why"], dump(doc, proxy, run)
+    assert ev["rule"] in ("no_samples", "no_baseline", "no_samples_in_grace", "too_few_samples"), dump(doc, proxy, run)
 
 
 # --------------------------------------------------------------------------- e: engine restarted
@@ -389,7 +394,7 @@ def test_an_engine_killed_and_restarted_during_a_cancel_is_inconclusive(private_
     try:
         # the engine logs the target's abort: the cancel reached it. Kill it there, all of it at once.
         abort_line_or_fail(state, offset, proc)
-        tree = [psutil.Process(p) for p in engine_mod.engine_pids(state)]
+        tree = [psutil.Process(p) for p in lifecycle.engine_pids(state)]
         os.killpg(state.pid, signal.SIGKILL)  # started in a session of its own: the group is the engine
         killed_at = time.monotonic()
         alive = psutil.wait_procs(tree, timeout=30)[1]  # SIGKILL'd, under a CPU quota perhaps: not at once
@@ -397,7 +402,7 @@ def test_an_engine_killed_and_restarted_during_a_cancel_is_inconclusive(private_
         up = cli("engine", "up", "--port", str(state.port), home=home, timeout=600)
         assert up.returncode == 0, up.stdout + up.stderr
         back_at = time.monotonic()
-        new_state = engine_mod.read_state(home, state.port)
+        new_state = lifecycle.read_state(home, state.port)
         assert new_state is not None and new_state.pid != state.pid
         out, err = proc.communicate(timeout=300)
     finally:
@@ -423,9 +428,9 @@ def test_an_engine_killed_and_restarted_during_a_cancel_is_inconclusive(private_
     g = run.gaps
     assert ((g["source"] == "vllm") & (g["t_s"] < t_back) & (g["end_t_s"] > t_kill)).any(), g
     assert c["verdict"] == "inconclusive", dump(doc, proxy, run)
-    assert "engine restarted" in c["evidence"]["why"], dump(doc, proxy, run)
+    assert c["evidence"]["rule"] == "engine_restarted", dump(doc, proxy, run)
     # the restarted engine is brought down here (the fixture would too) and leaves nothing behind
-    tree = engine_mod.engine_pids(new_state)
+    tree = lifecycle.engine_pids(new_state)
     down = cli("engine", "down", "--port", str(state.port), home=home)
     assert down.returncode == 0, down.stderr
     left = wait_gone(tree)

@@ -5,27 +5,26 @@ PyTriton's bound functions cannot see cancellation, so the bundled binary is run
 repository written here from triton_models/: `generator` (decoupled, polls is_cancelled every step),
 `generator_deaf` (the same, never polling) and `slow` (unary, dynamic batching, one instance: requests
 queue in the core). The wheel lives in its own venv (.venv-triton, `make triton-venv`), apart from the
-tool's requirements; the state file and `engine down/status` are shared with the vLLM engine.
+tool's requirements; the state file, start, stop and `engine down/status` are every family's (lifecycle.py).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
 import sysconfig
 import time
-from dataclasses import asdict
 from pathlib import Path
 
-from collectors.engines.vllm_server import (PROJECT_ROOT, EngineError, EngineState, PortBusy, port_in_use,
-                                            refuse_if_running, state_path, stop, wait_healthy)
+from collectors.engines import lifecycle
+from collectors.engines.lifecycle import EngineError, EngineState, PortBusy
 
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 TRITON_VENV = PROJECT_ROOT / ".venv-triton"
 MODELS_DIR = Path(__file__).resolve().with_name("triton_models")
 MODEL_NAMES = ("generator", "generator_deaf", "slow")
 STEP_MS = 50  # the generators' default step: 20 tokens a second
+HEALTH_PATH = "/v2/health/ready"  # KServe v2 readiness (strict by default: every model loaded)
 
 _GENERATOR_CONFIG = """name: "{name}"
 backend: "python"
@@ -119,9 +118,9 @@ def start(home: Path, port: int = 8100, venv: Path = TRITON_VENV, step_ms: int =
           timeout_s: float = 120.0, models: tuple[str, ...] = MODEL_NAMES) -> EngineState:
     home = Path(home).resolve()
     home.mkdir(parents=True, exist_ok=True)
-    refuse_if_running(home, port)
+    lifecycle.refuse_if_running(home, port)
     for name, p in ports(port).items():
-        if port_in_use(p):
+        if lifecycle.port_in_use(p):
             raise PortBusy(f"port {p} on 127.0.0.1 ({name}) is busy: pick another with --port "
                            "(Triton takes --port and the two after it)")
     binary = bundled_server(venv)
@@ -133,22 +132,12 @@ def start(home: Path, port: int = 8100, venv: Path = TRITON_VENV, step_ms: int =
     env["LD_LIBRARY_PATH"] = ":".join(x for x in (libdir, str(sp / "nvidia_pytriton.libs"),
                                                   env.get("LD_LIBRARY_PATH", "")) if x)
     env["PYTHONPATH"] = str(sp)  # the stub's numpy
-    log_path = home / f"engine-{port}.log"
-    log = open(log_path, "w")  # noqa: SIM115 - handed to the child, closed below
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, cwd=str(home), env=env)
-    log.close()
+    proc, _ = lifecycle.launch(cmd, home, port, env)
     p = ports(port)
     state = EngineState(
-        pid=proc.pid, port=port, url=f"http://127.0.0.1:{p['http']}", log_path=str(log_path), model=str(repo),
-        served_model_name="generator", command=cmd, started_wall_ns=time.time_ns(),
+        pid=proc.pid, port=port, url=f"http://127.0.0.1:{p['http']}", log_path=str(lifecycle.log_path(home, port)),
+        model=str(repo), served_model_name="generator", command=cmd, started_wall_ns=time.time_ns(),
         shape={"step_ms": step_ms, "models": list(models)}, kind="triton",
         urls={"grpc": f"127.0.0.1:{p['grpc']}", "metrics": f"http://127.0.0.1:{p['metrics']}"},
     )
-    state_path(home, port).write_text(json.dumps(asdict(state), indent=1))
-    try:
-        wait_healthy(state.url, proc, timeout_s, log_path, path="/v2/health/ready", poll_s=0.3)
-    except BaseException:
-        stop(home, port)
-        raise
-    return state
+    return lifecycle.wait_started(home, state, proc, timeout_s, health_path=HEALTH_PATH, poll_s=0.3)

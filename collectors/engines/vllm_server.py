@@ -1,39 +1,30 @@
-"""The embedded engine: a real vLLM OpenAI server on 127.0.0.1, started, found and stopped by cancelwatch.
+"""The embedded engine: a real vLLM OpenAI server on 127.0.0.1, started by cancelwatch.
 
 With no model given it serves a tiny Llama built offline (see tiny_model.py) with dummy weights,
 shaped so that a handful of streams queue and fill the KV pool. On a GPU machine, pass --model PATH
-and it runs `vllm serve PATH` the same way.
+and it runs `vllm serve PATH` the same way. What is vLLM's lives here (its command line, the tiny model,
+its log format, the model's sizes); its state file, start, stop and `engine down/status` are every
+family's (lifecycle.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx
-import psutil
-
-from collectors.engines import cpu_limit
+from collectors.engines import lifecycle
 from collectors.engines.command_line import redact_command, scrub
+from collectors.engines.lifecycle import EngineError, EngineState, PortBusy
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL_SCRIPT = Path(__file__).resolve().with_name("tiny_model.py")
 SERVED_NAME = "tiny"
-
-
-class EngineError(Exception):
-    """Starting, finding or stopping the engine failed; the message says what to do."""
-
-
-class PortBusy(EngineError):
-    pass
+HEALTH_PATH = "/health"  # the OpenAI server's (and the relay app's): 200 once the engine core is up
 
 
 # vLLM's own log format with a year and milliseconds in the date, so that the engine log source can
@@ -111,39 +102,10 @@ class EngineShape:
     gpu_memory_utilization: float = 0.3
 
 
-@dataclass
-class EngineState:
-    pid: int
-    port: int
-    url: str
-    log_path: str
-    model: str
-    served_model_name: str
-    command: list[str]
-    started_wall_ns: int
-    shape: dict = field(default_factory=dict)
-    kind: str = "vllm"  # or "triton"
-    urls: dict = field(default_factory=dict)  # Triton: its gRPC address and metrics URL
-    cgroup: str = ""  # the CPU-quota cgroup the engine runs in (CANCELWATCH_ENGINE_CPUS), removed at stop
-
-
 def default_engine_python() -> str:
     """The Python with vLLM: the project's .venv-engine, else this interpreter (a GPU user's own vllm)."""
     candidate = PROJECT_ROOT / ".venv-engine" / "bin" / "python"
     return str(candidate) if candidate.exists() else sys.executable
-
-
-def free_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(0.5)
-        return s.connect_ex((host, port)) == 0
 
 
 def ensure_tiny_model(home: Path, engine_python: str) -> Path:
@@ -207,65 +169,6 @@ def build_command(
     return cmd + list(extra_args or [])
 
 
-def state_path(home: Path, port: int) -> Path:
-    return home / f"engine-{port}.json"
-
-
-def read_state(home: Path, port: int) -> EngineState | None:
-    p = state_path(home, port)
-    if not p.exists():
-        return None
-    try:
-        return EngineState(**json.loads(p.read_text()))
-    except (ValueError, TypeError):
-        return None
-
-
-def all_states(home: Path) -> list[EngineState]:
-    out = []
-    for p in sorted(home.glob("engine-*.json")):
-        try:
-            out.append(EngineState(**json.loads(p.read_text())))
-        except (ValueError, TypeError):
-            continue
-    return out
-
-
-def is_alive(state: EngineState) -> bool:
-    try:
-        proc = psutil.Process(state.pid)
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def refuse_if_running(home: Path, port: int) -> None:
-    """PortBusy when an embedded engine (of either kind) still runs under this port's state file."""
-    prior = read_state(home, port)
-    if prior is not None and is_alive(prior):
-        raise PortBusy(f"an engine already runs on port {port} (pid {prior.pid}): stop it with "
-                       f"`cancelwatch engine down --port {port}` or pick --port")
-
-
-def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float, log_path: Path | None = None,
-                 path: str = "/health", poll_s: float = 0.5) -> None:
-    """Until `url + path` answers 200 (vLLM's /health, Triton's /v2/health/ready); EngineError, with the
-    log's last lines, when the process exits first or the time runs out."""
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                tail = log_path.read_text(errors="replace").strip().splitlines()[-3:] if log_path else []
-                raise EngineError(f"the engine exited with code {proc.returncode} while starting; log {log_path}: {' | '.join(tail)}")
-            try:
-                if client.get(url + path).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(poll_s)
-    raise EngineError(f"the engine did not answer {url}{path} within {timeout_s:.0f} s; see its log {log_path}")
-
-
 def start(
     home: Path,
     port: int = 8000,
@@ -284,8 +187,8 @@ def start(
     home.mkdir(parents=True, exist_ok=True)
     shape = shape or EngineShape()
     engine_python = engine_python or default_engine_python()
-    refuse_if_running(home, port)
-    if port_in_use(port):
+    lifecycle.refuse_if_running(home, port)
+    if lifecycle.port_in_use(port):
         raise PortBusy(f"port {port} on 127.0.0.1 is busy: pick another with --port")
     dummy = model is None
     if not dummy and Path(model).exists():
@@ -293,8 +196,6 @@ def start(
     model_path = str(ensure_tiny_model(home, engine_python)) if dummy else model
     cmd = build_command(engine_python, model_path, port, shape, dummy_weights=dummy, gpu=gpu, relay=relay,
                         extra_args=extra_args)
-    log_path = home / f"engine-{port}.log"
-    log = open(log_path, "w")  # noqa: SIM115 - handed to the child, closed below
     env = dict(os.environ)
     if relay:
         env["PYTHONPATH"] = str(PROJECT_ROOT)  # collectors.engines.relay_app
@@ -305,83 +206,18 @@ def start(
         env["VLLM_LOGGING_CONFIG_PATH"] = str(config)
     # what is written from here on (the state file, the run's facts, messages) holds no credential
     kept_command, secrets = redact_command(cmd)
-    cgroup = None
-    if cpu_cores:
-        try:
-            cgroup = cpu_limit.create(f"cancelwatch-engine-{port}", cpu_cores)
-        except cpu_limit.CpuLimitError as exc:
-            log.close()
-            raise EngineError(f"CANCELWATCH_ENGINE_CPUS={cpu_cores:g}: {exc}") from None
     try:
-        proc = subprocess.Popen(cpu_limit.wrapped(cgroup, cmd) if cgroup else cmd, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                cwd=str(home), env=env)
+        proc, cgroup = lifecycle.launch(cmd, home, port, env, cpu_cores=cpu_cores)
     except OSError as exc:  # no such engine python, not executable
-        if cgroup:
-            cpu_limit.remove(cgroup)
         raise EngineError(scrub(f"cannot start the engine ({exc.strerror}: {exc.filename or cmd[0]}): "
                                 "check --engine-python (default .venv-engine: `make engine-venv`)", secrets)) from None
-    finally:
-        log.close()
     state = EngineState(
-        pid=proc.pid, port=port, url=f"http://127.0.0.1:{port}", log_path=str(log_path), model=model_path,
-        served_model_name=cmd[cmd.index("--served-model-name") + 1], command=kept_command,
+        pid=proc.pid, port=port, url=f"http://127.0.0.1:{port}", log_path=str(lifecycle.log_path(home, port)),
+        model=model_path, served_model_name=cmd[cmd.index("--served-model-name") + 1], command=kept_command,
         started_wall_ns=time.time_ns(), shape=asdict(shape) | ({"cpu_cores": cpu_cores} if cgroup else {}),
         cgroup=str(cgroup or ""),
     )
-    state_path(home, port).write_text(json.dumps(asdict(state), indent=1))
     try:
-        wait_healthy(state.url, proc, timeout_s, log_path)
-    except EngineError as exc:
-        stop(home, port)
+        return lifecycle.wait_started(home, state, proc, timeout_s, health_path=HEALTH_PATH)
+    except EngineError as exc:  # stopped already
         raise EngineError(scrub(str(exc), secrets)) from None  # the log's tail may echo a flag's value
-    except BaseException:
-        stop(home, port)
-        raise
-    return state
-
-
-def _tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
-def engine_pids(state: EngineState) -> list[int]:
-    return [p.pid for p in _tree(state.pid)]
-
-
-def stop(home: Path, port: int, timeout_s: float = 20.0) -> bool:
-    """Stop the engine on `port` and every process under it. True when one was running."""
-    home = Path(home)
-    state = read_state(home, port)
-    if state is None:
-        return False
-    procs = _tree(state.pid)
-    try:
-        os.killpg(state.pid, signal.SIGTERM)  # started with start_new_session: its pid is the group
-    except (ProcessLookupError, PermissionError):
-        pass
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=5)
-    try:
-        os.killpg(state.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    if state.cgroup:  # every process of the engine is in it, orphans too: none outlives `down`
-        cpu_limit.end_members(Path(state.cgroup))
-        cpu_limit.remove(Path(state.cgroup))
-    state_path(home, port).unlink(missing_ok=True)
-    return bool(procs)

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from collectors.engines import lifecycle
 from collectors.engines import vllm_server as engine_mod
 from collectors.recording.sampler import Sampler
 from collectors.sources.base import Source
@@ -138,12 +139,12 @@ def discover_targets(prometheus_url: str, job: str) -> list[str]:
     return [f"{instance}={url}" for instance, url in found]
 
 
-def embedded_engine_for(url: str, home: Path) -> engine_mod.EngineState | None:
+def embedded_engine_for(url: str, home: Path) -> lifecycle.EngineState | None:
     parsed = urlparse(url)
     if parsed.hostname not in ("127.0.0.1", "localhost") or parsed.port is None:
         return None
-    state = engine_mod.read_state(home, parsed.port)
-    return state if state is not None and engine_mod.is_alive(state) else None
+    state = lifecycle.read_state(home, parsed.port)
+    return state if state is not None and lifecycle.is_alive(state) else None
 
 
 def check_burst(settings: RecordSettings) -> None:

@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from collectors.engines import vllm_server as engine_mod
+from collectors.engines import lifecycle
 from collectors.recording.session import PreflightError, RecordSettings, memory_sources
 from collectors.sources.base import Source
 from collectors.sources.credentials import strip_userinfo
@@ -27,7 +27,7 @@ class TritonEndpoints:
     grpc: str  # host:port
     http: str  # http://host:port
     metrics: str  # http://host:port
-    state: engine_mod.EngineState | None = None  # the embedded server, when it is one
+    state: lifecycle.EngineState | None = None  # the embedded server, when it is one
 
 
 def is_triton_target(target: str) -> bool:
@@ -42,8 +42,8 @@ def endpoints(target: str, metrics_url: str | None, http_url: str | None, home: 
         raise PreflightError(f"--target {target!r}: give Triton's gRPC address as grpc://HOST:PORT "
                              "(e.g. grpc://127.0.0.1:8001)")
     grpc = f"{parsed.hostname}:{parsed.port}"
-    state = next((s for s in engine_mod.all_states(home)
-                  if s.kind == "triton" and s.urls.get("grpc") == grpc and engine_mod.is_alive(s)), None)
+    state = next((s for s in lifecycle.all_states(home)
+                  if s.kind == "triton" and s.urls.get("grpc") == grpc and lifecycle.is_alive(s)), None)
     if state is not None:
         return TritonEndpoints(grpc, http_url or state.url, metrics_url or state.urls["metrics"], state)
     return TritonEndpoints(grpc, http_url or f"http://{parsed.hostname}:8000",

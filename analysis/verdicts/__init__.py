@@ -1,0 +1,48 @@
+"""Per-cancel verdicts: each cancel of a run goes down an ordered ladder of named rules, the shared
+guards first (it ended before the stop, too few samples, other traffic in its window, an engine restart,
+an abort past the grace, ...), then its engine family's evidence rules; the first rule that decides
+gives the verdict (released, leaked, stale_gauge, inconclusive), its `rule` code and its `why`.
+
+  core      the vocabulary (timepoints, sources, latencies, constants, CancelVerdict), the table of
+            rules (RULES: code -> verdict and sentence, each code once), the shared guards
+  vllm      vLLM's evidence: the engine log's abort, the scheduler's gauges against the ledger
+  triton    Triton's evidence: the models' log lines and gauges, the core's counters
+  families  the table of families (FAMILIES: name -> judge), judge_run, report_document
+
+`analysis.verdicts.judge_run` is the public entry (notebooks/explore.ipynb documents it); the rest of
+analysis and the readers take the vocabulary from here too.
+"""
+
+from analysis.verdicts.core import (
+    GRACE_S,
+    HORIZON_S,
+    LATENCIES,
+    LOG_SLACK_S,
+    MIN_SAMPLES,
+    NO_APP,
+    NO_LOG,
+    POINT_LABELS,
+    RACE_TOKENS,
+    RULES,
+    SOURCE_LABELS,
+    SOURCES,
+    STOP_TO_ABORT,
+    TIMEPOINTS,
+    VERDICTS,
+    CancelVerdict,
+    Rule,
+    engine_log_state,
+    latency_key,
+    latency_label,
+    ledger_by_scenario,
+    run_grace_s,
+)
+from analysis.verdicts.families import FAMILIES, family_of, judge_run, neighbours_ok, report_document
+from analysis.verdicts.vllm import ledger_inflight
+
+__all__ = [
+    "FAMILIES", "GRACE_S", "HORIZON_S", "LATENCIES", "LOG_SLACK_S", "MIN_SAMPLES", "NO_APP", "NO_LOG", "POINT_LABELS",
+    "RACE_TOKENS", "RULES", "SOURCES", "SOURCE_LABELS", "STOP_TO_ABORT", "TIMEPOINTS", "VERDICTS", "CancelVerdict",
+    "Rule", "engine_log_state", "family_of", "judge_run", "latency_key", "latency_label", "ledger_by_scenario",
+    "ledger_inflight", "neighbours_ok", "report_document", "run_grace_s",
+]

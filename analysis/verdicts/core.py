@@ -1,0 +1,407 @@
+"""The vocabulary of a cancel's verdict and the shared rungs of its ladder, read by every engine family's
+rules: the five timepoints and their labels, the latencies between them, what a timepoint rests on, the
+constants of judging, the verdict record, the table of rules (each verdict's `rule` code with its
+sentence), and the guards every cancel passes before its family weighs its own evidence. Here, below
+the family modules (vllm.py, triton.py), so neither imports the other's privates."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from analysis.evidence import Evidence
+from runstore.reader import Run
+from runstore.records import DriveSettings
+
+GRACE_S = 2.0
+MIN_SAMPLES = 5
+RACE_TOKENS = 8  # a stop this close to the end is a race the completion may win
+HORIZON_S = 60.0  # how far past the abort a request that did not leave in the grace is followed
+TIMEPOINTS = ("user_stop", "app_received", "engine_abort", "left_scheduler", "reusable")
+POINT_LABELS = {
+    "user_stop": "user stop",
+    "app_received": "app received",
+    "engine_abort": "engine abort",
+    "left_scheduler": "left scheduler",
+    "reusable": "reusable",
+}
+# the four latencies: from each timepoint to the next
+LATENCIES = tuple(zip(TIMEPOINTS, TIMEPOINTS[1:]))
+# and the one a reader asks first, whole even where no app stands between the client and the engine
+STOP_TO_ABORT = ("user_stop", "engine_abort")
+
+
+def latency_key(a: str, b: str) -> str:
+    """The latency's key in the report's JSON: `user_stop->app_received_ms`."""
+    return f"{a}->{b}_ms"
+
+
+def latency_label(a: str, b: str) -> str:
+    """The latency's name in every table shown to a person: `user stop → app received (ms)`."""
+    return f"{POINT_LABELS[a]} → {POINT_LABELS[b]} (ms)"
+
+
+@dataclass
+class CancelVerdict:
+    request_id: str
+    scenario: str
+    phase_at_cancel: str
+    timepoints: dict  # timepoint -> instant, s since the run started; None where not reached
+    verdict: str
+    evidence: Evidence
+    terminal_state: str | None = None
+    # timepoint -> {"source": one of SOURCES or None, "reason": why there is no value, or None}
+    sources: dict = field(default_factory=dict)
+
+    @property
+    def rule(self) -> str | None:
+        """The code of the rule that gave the verdict (a key of RULES); kept beside `why` in the evidence."""
+        return self.evidence.rule
+
+    def latency_ms(self, a: str, b: str) -> float | None:
+        """Duration, ms from timepoint `a` to `b`; None when either was not reached."""
+        ta, tb = self.timepoints.get(a), self.timepoints.get(b)
+        return None if ta is None or tb is None else round((tb - ta) * 1000, 1)
+
+    def latencies(self) -> dict:
+        return {latency_key(a, b): self.latency_ms(a, b) for a, b in (*LATENCIES, STOP_TO_ABORT)}
+
+    def source_of(self, point: str) -> str | None:
+        return (self.sources.get(point) or {}).get("source")
+
+    def source_label(self, point: str) -> str | None:
+        """Where the point came from, in words (`engine log`); None when it has no source."""
+        src = self.source_of(point)
+        return SOURCE_LABELS.get(src, src) if src else None
+
+    def source_reason(self, point: str) -> str | None:
+        return (self.sources.get(point) or {}).get("reason")
+
+    def sources_text(self) -> str:
+        """Where each timepoint came from, in words: `engine abort: engine log · app received: none (no
+        app on this path) · ...`."""
+        parts = []
+        for p in TIMEPOINTS:
+            if p in self.sources:
+                what = self.source_label(p) or f"none ({self.source_reason(p) or 'not reached'})"
+                parts.append(f"{POINT_LABELS[p]}: {what}")
+        return " · ".join(parts)
+
+    def as_json(self) -> dict:
+        return {"request_id": self.request_id, "scenario": self.scenario, "phase_at_cancel": self.phase_at_cancel,
+                "timepoints": dict(self.timepoints), "timepoint_sources": dict(self.sources), "verdict": self.verdict, "evidence": self.evidence.as_json(),
+                "terminal_state": self.terminal_state, "latencies_ms": self.latencies()}
+
+
+def run_grace_s(run: Run) -> float:
+    """Duration, s: the grace window the run was recorded with (`record --grace`), else the default."""
+    grace_s = DriveSettings.of_run(run.info.get("settings")).grace_s
+    return GRACE_S if grace_s is None else grace_s
+
+
+# what each timepoint rests on, in every table and JSON: where its value came from
+SOURCES = ("engine_log", "relay", "client", "samples")
+SOURCE_LABELS = {"engine_log": "engine log", "relay": "relay (in the app)", "client": "client",
+                 "samples": "scheduler samples"}
+NO_APP = "no app on this path"
+NO_LOG = "no engine log"
+# an engine log line is stamped to the millisecond, then mapped onto the run's clock: an abort may
+# read a hair before the stop that caused it
+LOG_SLACK_S = 0.05
+
+
+def engine_log_state(run: Run, target: str | None) -> str:
+    """"read" when the engine log of `target` was followed during the run, else why not."""
+    logs = (run.info.get("engine") or {}).get("engine_log")
+    if not logs:
+        return "the run has no engine log facts (recorded before engine logs were read)"
+    entry = logs.get(target) or {}
+    return "read" if entry.get("path") else (entry.get("off") or NO_LOG)
+
+
+# ------------------------------------------------------------------------------------------ the ledger
+# what a cancel asks of the ledger rows of its scenario (who ran beside it, who was sent after it)
+LEDGER_ARRAYS = {"role": ("role", object), "sent": ("sent_mono_ns", float), "first": ("first_token_mono_ns", float),
+                 "state": ("terminal_state", object), "chunks": ("chunks", float)}
+NO_REQUESTS = {key: np.array([], dtype=dtype) for key, (_, dtype) in LEDGER_ARRAYS.items()}
+
+
+def ledger_by_scenario(ledger) -> dict[str, dict[str, np.ndarray]]:
+    """Per scenario, the ledger as numpy arrays sorted by send time: hundreds of cancels look here."""
+    out = {}
+    columns = [col for col, _ in LEDGER_ARRAYS.values()]
+    for name, g in ledger.groupby("scenario", dropna=False):
+        g = g.sort_values("sent_mono_ns").reindex(columns=columns)  # a column a ledger lacks reads as unknown
+        out[name] = {key: g[col].to_numpy(dtype=dtype) for key, (col, dtype) in LEDGER_ARRAYS.items()}
+    return out
+
+
+def first_probe_s(same: dict[str, np.ndarray], sent_from_ns: float, t0: int) -> float | None:
+    """Instant, s since the run started, of the first token of a probe of the scenario (`same`, as
+    ledger_by_scenario holds it) sent at or after `sent_from_ns`: the freed capacity handed out again."""
+    firsts = same["first"][(same["sent"] >= sent_from_ns) & (same["role"] == "probe")]
+    firsts = firsts[~np.isnan(firsts)]
+    return float((firsts.min() - t0) / 1e9) if len(firsts) else None
+
+
+# ------------------------------------------------------------------------------------------ the rules
+RELEASED, LEAKED, STALE_GAUGE, INCONCLUSIVE = "released", "leaked", "stale_gauge", "inconclusive"
+VERDICTS = (RELEASED, LEAKED, STALE_GAUGE, INCONCLUSIVE)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A rung of the ladder: the verdict it gives and what `why` says (a str.format template over the
+    fields the rule passes). A plain release (`quiet`) leaves `why` empty: its sentence only documents it."""
+
+    verdict: str
+    sentence: str
+    quiet: bool = False
+
+
+NOTHING_TO_SHOW = "so this cancel cannot show whether cancels reach the engine"
+# every verdict's `rule`, once: stable codes (tests, alerts and readers of `report --json` key on them;
+# the sentences may be reworded). Shared guards first, then each family's evidence rules.
+RULES: dict[str, Rule] = {
+    # the shared guards (this module)
+    "trigger_never_reached": Rule(INCONCLUSIVE, "the request completed before the stop: the scenario's trigger "
+                                  "({trigger}) was never reached, so there was nothing to cancel"),
+    "completion_won_race": Rule(INCONCLUSIVE, "the completion won the race: the client read the request's end "
+                                "before the cancel took effect, so this cancel cannot show a release"),
+    "no_samples": Rule(INCONCLUSIVE, "no samples from the engine from 1 s before the stop to the end of the grace: "
+                       "a scrape outage, nothing to judge the release by"),
+    "too_few_samples": Rule(INCONCLUSIVE, "too few samples around the cancel ({samples})"),
+    "other_traffic_logged": Rule(INCONCLUSIVE, "other traffic was present: {requests} request(s) the ledger does "
+                                 "not know entered the engine in this cancel's window (engine log)"),
+    "other_traffic_counted": Rule(INCONCLUSIVE, "other traffic was present: the server counted more requests than "
+                                  "the ledger before the cancel ({samples} samples)"),
+    "engine_restarted": Rule(INCONCLUSIVE, "engine restarted inside this cancel's window ({how}): nothing to judge "
+                             "the release by"),
+    "finished_before_stop": Rule(INCONCLUSIVE, "the server had finished the request before the stop (its log): "
+                                 "nothing was left to cancel"),
+    "abort_after_grace": Rule(LEAKED, "the abort reached the engine only {late_s:.1f} s after the stop, past the "
+                              "{grace_s:g} s grace: the request kept running for nobody until then"),
+    "abort_stamp_straddles_grace": Rule(INCONCLUSIVE, "the engine log stamps its abort line to {resolution_s:g} s "
+                                        "only: it came between {from_s:.1f} and {to_s:.1f} s after the stop, so "
+                                        "whether within the {grace_s:g} s grace cannot be told (log with "
+                                        "milliseconds)"),
+    # vLLM (vllm.py): the engine log's lines, the scheduler's gauges against the ledger
+    "never_added": Rule(INCONCLUSIVE, "the engine log never names this request (no 'Added request' line): the "
+                        "engine may never have had it, so the cancel had nothing to act on"),
+    "aborted_before_stop": Rule(INCONCLUSIVE, "the engine's log shows this request aborted {before_ms:.0f} ms "
+                                f"before the stop: nothing was left to cancel, {NOTHING_TO_SHOW}"),
+    "already_finished": Rule(INCONCLUSIVE, "the engine had already finished the request before the stop (the "
+                             "server counted fewer requests than the client, and its log shows no abort): nothing "
+                             f"was left to cancel, {NOTHING_TO_SHOW}"),
+    "no_refresh_after_stop": Rule(INCONCLUSIVE, "no engine log abort, and no sample after the stop refreshed the "
+                                  "gauges: nothing shows where the request went"),
+    "finished_on_its_own": Rule(INCONCLUSIVE, "the request was gone from the engine at the first sample after the "
+                                "stop, with no abort in its log: it had finished on its own as the cancel came, "
+                                f"{NOTHING_TO_SHOW}"),
+    "ran_out_its_last_tokens": Rule(INCONCLUSIVE, "the completion won the race: no abort in the engine log, and the "
+                                    "request ran its last {remaining} token(s) out, leaving {after_ms:.0f} ms after "
+                                    "the stop"),
+    "no_abort_ran_to_end": Rule(LEAKED, "the cancel never reached the engine: no abort for this request in the "
+                                "engine's log, and it kept running {kept_ms:.0f} ms after the stop and left only at "
+                                "its natural end"),
+    "no_abort_still_there": Rule(LEAKED, "the cancel never reached the engine: no abort for this request in the "
+                                 "engine's log, and it was still in the engine {after_s:.1f} s after the stop"),
+    "already_finished_no_log": Rule(INCONCLUSIVE, "the engine had already finished the request before the stop "
+                                    "(the server counted fewer requests than the client) and no engine log shows "
+                                    "an abort: nothing was left to cancel"),
+    "no_baseline": Rule(INCONCLUSIVE, "no samples from the engine in the second before the stop: nothing shows what "
+                        "the request held, so its release cannot be shown"),
+    "released": Rule(RELEASED, "the server's count fell to the ledger's, and KV usage below its level at the stop "
+                     "where the request held KV, within the grace after the abort", quiet=True),
+    "no_samples_in_grace": Rule(INCONCLUSIVE, "no samples from the engine across the grace ({samples} in "
+                                "{grace_s:g} s): a scrape outage, nothing to judge the release by"),
+    "gauges_not_refreshed": Rule(STALE_GAUGE, "no engine step refreshed the gauges within the grace: they are stale "
+                                 "until the next step"),
+    "kv_did_not_fall": Rule(INCONCLUSIVE, "the count reconciled but KV usage did not fall within the grace"),
+    "abort_logged_still_generating": Rule(LEAKED, "the engine logged the abort, yet still counts the request after "
+                                          "the grace while it keeps generating: the abort did not free it"),
+    "abort_logged_gauges_stale": Rule(STALE_GAUGE, "the engine logged the abort; the gauges stayed up but no tokens "
+                                      "were generated: stale until the next step"),
+    "still_counted_generating": Rule(LEAKED, "the server still counts the request after the grace while it keeps "
+                                     "generating"),
+    "gauges_stale": Rule(STALE_GAUGE, "gauges stayed up but no tokens were generated: stale until the next step"),
+    # Triton (triton.py): the models' log lines, their gauges, the core's counters
+    "model_cancelled_before_stop": Rule(INCONCLUSIVE, "the model logged a cancel of this request {before_ms:.0f} ms "
+                                        "before the stop: it had ended before this cancel, which cannot show a "
+                                        "release"),
+    "model_ended_with_error": Rule(INCONCLUSIVE, "the model ended the request with an error ({detail}) {after_s:.2f} "
+                                   "s after the stop, not on the cancel"),
+    "natural_end_with_stop": Rule(INCONCLUSIVE, "the request's natural end came with the stop: a race the end may "
+                                  "have won"),
+    "http_carries_no_cancel": Rule(LEAKED, "HTTP carries no cancel for a non-streaming request: the client's timeout "
+                                   "closed only its own side, and the model ran the request to its end {after_s:.1f} "
+                                   "s after the stop (its log)"),
+    "backend_does_not_poll": Rule(LEAKED, "the backend does not poll is_cancelled: the cancel reached the server, yet "
+                                  "the model ran the request to its end {after_s:.1f} s after the stop (its log)"),
+    "cancel_never_reached_model": Rule(LEAKED, "the cancel never reached the model: the model ran the request to its "
+                                       "end {after_s:.1f} s after the stop (its log)"),
+    "released_on_log_alone": Rule(RELEASED, "no model gauge: the release rests on the model's own log line alone"),
+    "gauge_did_not_fall": Rule(STALE_GAUGE, "the model logged the cancel, but its active gauge did not fall to its "
+                               "other requests within the grace"),
+    "model_released": Rule(RELEASED, "the model logged the cancel within the grace and its active gauge fell to its "
+                           "other requests", quiet=True),
+    "dropped_in_queue": Rule(RELEASED, "the core dropped the request from its queue: its CANCELED failures for the "
+                             "model rose within the grace", quiet=True),
+    "due_to_end_with_stop": Rule(INCONCLUSIVE, "no server log, and the request was due to end with the stop: a race"),
+    "gauge_fell_end_unknown": Rule(INCONCLUSIVE, "no server log: the model's active gauge fell, but nothing says "
+                                   "whether the request was due to end then anyway"),
+    "gauge_fell_before_natural_end": Rule(RELEASED, "no server log: the release rests on the model's active gauge "
+                                          "falling {early_s:.1f} s before the request's natural end"),
+    "gauge_up_to_natural_end": Rule(LEAKED, "no server log; the model's active gauge stayed up until the request's "
+                                    "natural end: it ran for nobody"),
+    "gauge_up_through_grace": Rule(LEAKED, "no server log; the model's active gauge stayed up through the grace: it "
+                                   "ran for nobody"),
+    "steps_kept_rising": Rule(LEAKED, "no server log; the model's active gauge stayed up and its steps kept rising "
+                              "through the grace"),
+    "no_server_evidence": Rule(INCONCLUSIVE, "no server evidence names this request (no server log, no CANCELED "
+                               "drop, no model gauge): the client's CANCELLED alone proves nothing"),
+    "never_named": Rule(INCONCLUSIVE, "the server log never names this request and the core counted no CANCELED "
+                        "drop: nothing shows the server had it"),
+    "still_running_at_end": Rule(LEAKED, "the model started the request and logged no cancel and no end: it was "
+                                 "still running at the end of the run"),
+}
+
+
+# ------------------------------------------------------------------------------------------ the ladder
+@dataclass(kw_only=True, eq=False)
+class Case:
+    """One cancel on its way down the ladder: what its verdict will carry, and the facts the shared
+    guards read, set by its family before the ladder runs. A family's case adds its own evidence and
+    answers `foreign_traffic` and `restart` where it can tell them; the defaults say it cannot."""
+
+    rid: str
+    scenario: str | None
+    phase: str | None
+    terminal: str | None
+    t_stop: float
+    grace_s: float
+    ev: Evidence
+    tp: dict  # timepoint -> instant, s since the run started, or None
+    sources: dict  # timepoint -> (source, reason why there is none)
+    completed: bool = False  # the client read the request's end before the cancel took effect
+    missed: dict | None = None  # the trigger_missed event's data: the scenario never got to cancel
+    t_finished: float | None = None  # the engine's log: the request ran to its end then (None: no such line)
+    t_abort: float | None = None  # the engine's abort after the stop, on the server's word
+    abort_source: str | None = None  # what t_abort rests on (one of SOURCES)
+    abort_resolution_s: float = 0.0  # what the abort's stamp is rounded down to
+
+    def foreign_traffic(self) -> tuple[int | None, int]:
+        """(requests the engine's log names that the ledger does not know, in the window; samples where the
+        server counted more than the ledger before the stop). (None, 0): the family cannot tell."""
+        return None, 0
+
+    def restart(self) -> str | None:
+        """How an engine restart shows inside the window, else None."""
+        return None
+
+    def verdict(self, rule: str, **fields) -> CancelVerdict:
+        """The verdict of `rule` (a key of RULES), its sentence filled with `fields`."""
+        r = RULES[rule]
+        self.ev.rule = rule
+        if not r.quiet:
+            self.ev.why = r.sentence.format(**fields)
+        if self.tp["left_scheduler"] is not None:
+            self.sources["left_scheduler"] = ("samples", None)
+        v = CancelVerdict(self.rid, self.scenario, self.phase, self.tp, r.verdict, self.ev, self.terminal)
+        v.sources = {p: {"source": src, "reason": reason} for p, (src, reason) in self.sources.items()}
+        return v
+
+
+Step = Callable[[Case], CancelVerdict | None]
+
+
+def climb(case: Case, rules: Sequence[Step]) -> CancelVerdict | None:
+    """The first verdict of `rules`, tried in order; None when none gives one."""
+    for rule in rules:
+        verdict = rule(case)
+        if verdict is not None:
+            return verdict
+    return None
+
+
+def ended_before_stop(c: Case) -> CancelVerdict | None:
+    if not c.completed:
+        return None
+    if c.missed is not None:
+        c.ev.race = None  # not a race at the end: the scenario never got to cancel where it meant to
+        return c.verdict("trigger_never_reached", trigger=c.missed.get("trigger"))
+    c.ev.race = "completed before the cancel took effect"
+    return c.verdict("completion_won_race")
+
+
+def too_few_samples(c: Case) -> CancelVerdict | None:
+    n = c.ev.samples_in_window
+    if n >= MIN_SAMPLES:
+        return None
+    if not n:  # a scrape outage over the whole window, before the grace is looked at
+        return c.verdict("no_samples")
+    return c.verdict("too_few_samples", samples=n)
+
+
+def other_traffic(c: Case) -> CancelVerdict | None:
+    # requests the engine log names and the ledger does not know, or the server counting more than the
+    # ledger before the stop: another client's requests would be read as this one's
+    logged, counted = c.foreign_traffic()
+    if logged:
+        return c.verdict("other_traffic_logged", requests=logged)
+    if counted >= 2:
+        return c.verdict("other_traffic_counted", samples=counted)
+    return None
+
+
+def engine_restarted(c: Case) -> CancelVerdict | None:
+    # gauges of a new engine start at 0: a release would be read into what is only a restart
+    how = c.restart()
+    return c.verdict("engine_restarted", how=how) if how else None
+
+
+def finished_by_its_log(c: Case) -> CancelVerdict | None:
+    if c.t_finished is not None and c.t_finished < c.t_stop - LOG_SLACK_S:
+        return c.verdict("finished_before_stop")
+    return None
+
+
+def abort_after_grace(c: Case) -> CancelVerdict | None:
+    if c.t_abort is None:
+        return None
+    # from here on the abort is this cancel's: every verdict below carries it
+    c.tp["engine_abort"] = c.t_abort
+    c.sources["engine_abort"] = (c.abort_source, None)
+    late_s = c.t_abort - c.t_stop
+    if late_s <= c.grace_s:
+        return None
+    # the abort came, but so late that the engine worked for nobody through the whole grace
+    c.ev.kept_running_ms = round(late_s * 1000, 1)
+    return c.verdict("abort_after_grace", late_s=late_s, grace_s=c.grace_s)
+
+
+def abort_stamp_straddles_grace(c: Case) -> CancelVerdict | None:
+    res = c.abort_resolution_s
+    if c.t_abort is not None and c.t_abort + res - c.t_stop > c.grace_s:
+        # a stamp rounded down to the second: the abort came somewhere in [stamp, stamp + 1 s)
+        return c.verdict("abort_stamp_straddles_grace", resolution_s=res, from_s=c.t_abort - c.t_stop,
+                         to_s=c.t_abort + res - c.t_stop, grace_s=c.grace_s)
+    if res > 0.01:
+        c.sources["engine_abort"] = (c.abort_source, f"the log stamps it to {res:g} s (rounded down)")
+    return None
+
+
+# the rungs every cancel passes, in order, before its family's evidence rules
+GUARDS: tuple[Step, ...] = (ended_before_stop, too_few_samples, other_traffic, engine_restarted, finished_by_its_log,
+                            abort_after_grace, abort_stamp_straddles_grace)
+
+
+def judge(case: Case, evidence_rules: Sequence[Step]) -> CancelVerdict:
+    """The verdict of one cancel: the shared guards, then its family's evidence rules, the last of
+    which always gives one."""
+    verdict = climb(case, (*GUARDS, *evidence_rules))
+    if verdict is None:
+        raise ValueError(f"no rule judged {case.rid}: a family's last evidence rule must always give a verdict")
+    return verdict

@@ -1,0 +1,381 @@
+"""Triton's evidence rules, from the server's own evidence (never the client's CANCELLED).
+
+What each timepoint rests on:
+  user_stop      the client's cancel call, or the moment its deadline/timeout fired (client)
+  app_received   null: the client talks to Triton directly (no app on this path)
+  engine_abort   the model's own log line saying it saw the cancel and stopped (engine_log), or, for a
+                 request the core dropped while queued (it never reached the model), the first sample
+                 where the core's failure{reason="CANCELED"} count for the model rose (samples)
+  left_scheduler the first sample at or after the abort where the model's active gauge fell below its
+                 level at the stop (executing), or the model's pending count fell (queued) (samples)
+  reusable       the probe's first response (client)
+
+Verdicts:
+  released      the model logged the cancel (or the core counted the queued drop) within the grace,
+                and the model's gauge followed
+  leaked        the model ran the request to its end after the stop (its `finished` line): the cancel
+                never reached it (HTTP carries none for a non-streaming request), or the backend does
+                not poll is_cancelled; or the cancel came only after the grace; or, without a log, the
+                model's active gauge stayed up and its steps kept rising through the grace
+  stale_gauge   the model logged the cancel, but its active gauge did not fall within the grace
+  inconclusive  the request had ended before the stop, no server evidence names it, too few samples
+
+The shared guards (core.GUARDS) come first; EVIDENCE_RULES are this family's rungs after them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from analysis.evidence import Evidence
+from analysis.verdicts.core import (
+    LOG_SLACK_S,
+    NO_APP,
+    NO_REQUESTS,
+    CancelVerdict,
+    Case,
+    engine_log_state,
+    first_probe_s,
+    judge,
+    ledger_by_scenario,
+)
+from runstore.reader import Run
+
+TRITON = "triton"
+# a natural end this close after the stop is a race the end may have won, not a lost cancel
+RACE_S = 0.1
+
+
+def model_series(run: Run, metric: str, target: str | None, **labels: str) -> tuple[np.ndarray, np.ndarray]:
+    """(instants, values) of one metric summed over the label sets that match `labels` per scrape."""
+    df = run.series(metric, target=target)
+    if df.empty:
+        return np.array([]), np.array([])
+    if labels:
+        parsed = {cat: json.loads(cat) for cat in df["labels"].astype(str).unique()}
+        keep = [cat for cat, d in parsed.items() if all(d.get(k) == v for k, v in labels.items())]
+        df = df[df["labels"].astype(str).isin(keep)]
+        if df.empty:
+            return np.array([]), np.array([])
+    g = df.groupby("scrape_id", observed=True).agg(t_s=("t_s", "first"), value=("value", "sum")).sort_values("t_s")
+    return g["t_s"].to_numpy(dtype=float), g["value"].to_numpy(dtype=float)
+
+
+def _before(times: np.ndarray, values: np.ndarray, t: float) -> float | None:
+    i = int(np.searchsorted(times, t, side="left")) - 1
+    return float(values[i]) if i >= 0 else None
+
+
+def _first(times: np.ndarray, mask: np.ndarray) -> float | None:
+    hit = np.nonzero(mask)[0]
+    return float(times[hit[0]]) if len(hit) else None
+
+
+class _ServerLog:
+    """The model log's lines: per request its model, when it started, and how and when it ended."""
+
+    def __init__(self, run: Run):
+        self.at: dict[tuple[str, str], list[float]] = {}
+        self.detail: dict[tuple[str, str], str] = {}
+        self.model: dict[str, str] = {}
+        ev = run.events
+        if ev.empty:
+            return
+        for row in ev[ev["kind"].isin(["engine_added", "engine_aborted", "engine_finished"])].itertuples(index=False):
+            key = (row.kind, row.request_id)
+            data = json.loads(row.data)
+            self.at.setdefault(key, []).append(float(row.t_s))
+            self.detail.setdefault(key, data.get("detail", ""))
+            self.model.setdefault(row.request_id, data.get("model"))
+
+    @property
+    def any(self) -> bool:
+        return bool(self.at)
+
+    def first(self, kind: str, rid: str, after: float = -math.inf) -> float | None:
+        times = [t for t in self.at.get((kind, rid), []) if t >= after]
+        return min(times) if times else None
+
+    def others_running(self, model: str, rid: str, times: np.ndarray) -> np.ndarray:
+        """Per instant: requests of `model` other than `rid` the model was running by its log (started,
+        not yet cancelled or finished): what its active gauge should show once `rid` is gone."""
+        out = np.zeros(len(times))
+        for other, m in self.model.items():
+            if m != model or other == rid:
+                continue
+            start = self.first("engine_added", other)
+            if start is None:
+                continue
+            ends = [t for t in (self.first("engine_aborted", other, start), self.first("engine_finished", other, start))
+                    if t is not None]
+            out += (times >= start) & (times < (min(ends) if ends else math.inf))
+        return out
+
+
+def judge_triton(run: Run, grace_s: float, metrics_target: str | None = None) -> list[CancelVerdict]:
+    """One verdict per cancel of a Triton run, on its first target (`metrics_target` is vLLM's choice)."""
+    ev_all = run.events
+    ledger = run.ledger
+    if ev_all.empty or ledger.empty:
+        return []
+    t0 = run.info["started_mono_ns"]
+    targets = [t["label"] for t in run.info.get("targets", [])]
+    target = targets[0] if targets else None
+    log_state = engine_log_state(run, target)
+    slog = _ServerLog(run)
+    if log_state == "read" and not slog.any:
+        # a readable file with no line of the models (another log, or --log-info false) is no server log
+        log_state = "read, but it holds no line of the models (a log of another server, or --log-info false)"
+    rows = {r["request_id"]: r for r in ledger.to_dict("records")}
+    by_scenario = ledger_by_scenario(ledger)
+    scrape_times = np.sort(run.series("requests_waiting", target=target)["t_s"].to_numpy(dtype=float))
+    stops = ev_all[ev_all["kind"] == "user_stop"]
+    missed = {r.request_id: json.loads(r.data) for r in ev_all[ev_all["kind"] == "trigger_missed"].itertuples(index=False)}
+    # same-model targets stopped at one instant (one stop_stream): a release must show for each of them
+    together: dict[tuple, int] = {}
+    datas = [json.loads(d) for d in stops["data"]]
+    for stop, data in zip(stops.itertuples(index=False), datas):
+        key = (data.get("model"), round(float(stop.t_s), 4))
+        together[key] = together.get(key, 0) + 1
+    out = []
+    for stop, data in zip(stops.itertuples(index=False), datas):
+        case = _case(run, slog, rows, by_scenario.get(data.get("scenario"), NO_REQUESTS), scrape_times, data=data,
+                     rid=stop.request_id, t_stop=float(stop.t_s), t0=t0, target=target, grace_s=grace_s,
+                     log_state=log_state, missed=missed.get(stop.request_id),
+                     together=together[(data.get("model"), round(float(stop.t_s), 4))])
+        out.append(judge(case, EVIDENCE_RULES))
+    return out
+
+
+def _natural_end(data: dict, t_stop: float, t0: int) -> float | None:
+    """The instant, s since the run started, the request would have ended on its own at the earliest:
+    the slow model's run time from its sending (queueing only delays it), or the generator's tokens left
+    at the step the client saw. None when the run does not say."""
+    inputs = data.get("inputs") or {}
+    if "MS" in inputs and data.get("sent_mono_ns"):
+        return (data["sent_mono_ns"] - t0) / 1e9 + inputs["MS"] / 1000.0
+    if "N" in inputs and data.get("step_s"):
+        left = max(0, int(inputs["N"]) - int(data.get("tokens_at_cancel") or 0))
+        return t_stop + left * float(data["step_s"])
+    return None
+
+
+@dataclass(kw_only=True, eq=False)
+class TritonCase(Case):
+    """A Triton cancel: the model's log lines for it, and the model's and the core's series."""
+
+    slog: _ServerLog
+    data: dict  # the user_stop event's data: model, mode, inputs, step_s, ...
+    has_log: bool
+    t_added: float | None  # the model's `started` line
+    t_early_cancel: float | None  # the model's first `cancelled` line, whenever it came
+    finished_detail: str
+    polls: bool  # the model polls is_cancelled (its `started` line says poll=false when not)
+    together: int  # same-model requests stopped at this instant, this one included
+    natural: float | None  # when the request would have ended on its own (see _natural_end)
+    series: dict[str, tuple[np.ndarray, np.ndarray]]  # active, steps, pending, canceled: (instants, values)
+
+    @property
+    def model(self) -> str | None:
+        return self.data.get("model")
+
+    def left_after(self, t_from: float) -> float | None:
+        """First sample from `t_from` through the grace where the model's active gauge is no more than its
+        other requests (by its log; without one, by the ledger): this request no longer counted."""
+        t_act, v_act = self.series["active"]
+        if not len(t_act):
+            return None
+        sel = (t_act >= t_from - LOG_SLACK_S) & (t_act <= t_from + self.grace_s)
+        if self.has_log:
+            others = self.slog.others_running(self.model, self.rid, t_act)
+        else:
+            before = _before(t_act, v_act, self.t_stop)
+            if before is None:
+                return None
+            others = np.full(len(t_act), before - self.together)
+        return _first(t_act, sel & (v_act <= others + 0.5))
+
+
+def _case(run: Run, slog: _ServerLog, rows: dict, same: dict, scrape_times: np.ndarray, *, data: dict, rid: str,
+          t_stop: float, t0: int, target: str | None, grace_s: float, log_state: str, missed: dict | None,
+          together: int) -> TritonCase:
+    has_log = log_state == "read"
+    model, lrow = data.get("model"), rows.get(rid)
+    t_added = slog.first("engine_added", rid)
+    phase = data.get("phase")
+    if has_log:
+        # the model writes `started` a moment after it took the request: a line up to the slack after the
+        # stop still means it was running at the stop
+        phase = "executing" if t_added is not None and t_added < t_stop + LOG_SLACK_S else "queued"
+    # the probe of this scenario, sent after the stop: its first response is the capacity handed out again
+    cancel_ns = lrow["cancel_mono_ns"] if lrow is not None and not pd.isna(lrow["cancel_mono_ns"]) else -math.inf
+    t_probe = first_probe_s(same, cancel_ns, t0)
+    tp = {"user_stop": t_stop, "app_received": None, "engine_abort": None, "left_scheduler": None, "reusable": t_probe}
+    sources = {"user_stop": ("client", None), "app_received": (None, NO_APP),
+               "engine_abort": (None, "no cancel in the server log" if has_log else "no server log"),
+               "left_scheduler": (None, "not seen in the samples"),
+               "reusable": ("client", None) if t_probe is not None else (None, "no probe got a first response")}
+    window = (scrape_times >= t_stop - 1.0) & (scrape_times <= t_stop + grace_s)
+    ev = Evidence(grace_s=grace_s, metrics_target=target, samples_in_window=int(window.sum()), engine_log=log_state)
+    ev.model, ev.server_phase, ev.expected = model, phase if has_log else None, data.get("expect")
+    series = {"active": model_series(run, "model_active_requests", target, model=model),
+              "steps": model_series(run, "model_steps_total", target, model=model),
+              "pending": model_series(run, "triton_pending_requests", target, model=model),
+              "canceled": model_series(run, "triton_request_failure_total", target, model=model, reason="CANCELED")}
+    terminal = None if lrow is None else lrow["terminal_state"]
+    return TritonCase(rid=rid, scenario=data.get("scenario"), phase=phase, terminal=terminal, t_stop=t_stop,
+                      grace_s=grace_s, ev=ev, tp=tp, sources=sources, completed=terminal == "completed", missed=missed,
+                      t_finished=slog.first("engine_finished", rid) if has_log else None,
+                      t_abort=slog.first("engine_aborted", rid, t_stop - LOG_SLACK_S), abort_source="engine_log",
+                      slog=slog, data=data, has_log=has_log, t_added=t_added,
+                      t_early_cancel=slog.first("engine_aborted", rid),
+                      finished_detail=slog.detail.get(("engine_finished", rid), ""),
+                      polls="poll=false" not in slog.detail.get(("engine_added", rid), ""), together=together,
+                      natural=_natural_end(data, t_stop, t0), series=series)
+
+
+# ------------------------------------------------------------------------------------------ the rules
+def cancelled_first(c: TritonCase) -> CancelVerdict | None:
+    if c.has_log and c.t_abort is None and c.t_early_cancel is not None:
+        return c.verdict("model_cancelled_before_stop", before_ms=1000 * (c.t_stop - c.t_early_cancel))
+    return None
+
+
+def ran_to_its_end(c: TritonCase) -> CancelVerdict | None:
+    """The model's log has no cancel after the stop, but the request's end (t_finished: only with a log)."""
+    if c.t_abort is not None or c.t_finished is None:
+        return None
+    after_s = c.t_finished - c.t_stop
+    if c.finished_detail.startswith("error"):
+        return c.verdict("model_ended_with_error", detail=c.finished_detail, after_s=after_s)
+    if after_s <= RACE_S + float(c.data.get("step_s") or 0.0):
+        c.ev.race = f"the model finished the request {1000 * after_s:.0f} ms after the stop"
+        return c.verdict("natural_end_with_stop")
+    # the model ran it to its end after the stop: whatever the client saw, the server worked for nobody
+    c.ev.kept_running_ms = round(after_s * 1000, 1)
+    t_left = c.left_after(c.t_finished)
+    if t_left is not None:
+        c.tp["left_scheduler"] = t_left
+    if c.data.get("mode") == "http_timeout":
+        return c.verdict("http_carries_no_cancel", after_s=after_s)
+    if not c.polls:
+        return c.verdict("backend_does_not_poll", after_s=after_s)
+    return c.verdict("cancel_never_reached_model", after_s=after_s)
+
+
+def cancel_logged(c: TritonCase) -> CancelVerdict | None:
+    """The model logged the cancel within the grace (one past it is a shared guard's): its gauge must follow."""
+    if c.t_abort is None:
+        return None
+    t_act, v_act = c.series["active"]
+    if not len(t_act):
+        c.sources["left_scheduler"] = (None, "the server publishes no active gauge for this model")
+        return c.verdict("released_on_log_alone")
+    t_left = c.left_after(c.t_abort)
+    if t_left is None:
+        return c.verdict("gauge_did_not_fall")
+    c.tp["left_scheduler"] = t_left
+    c.ev.count_after = float(v_act[np.searchsorted(t_act, t_left)])
+    c.ev.release_ms = round(max(0.0, t_left - c.t_abort) * 1000, 1)
+    return c.verdict("model_released")
+
+
+def dropped_in_queue(c: TritonCase) -> CancelVerdict | None:
+    """No line of the model for the cancel: a request the core dropped in its queue never reached it."""
+    t_canc, v_canc = c.series["canceled"]
+    canc_before = _before(t_canc, v_canc, c.t_stop)
+    if canc_before is None:
+        return None
+    sel = (t_canc >= c.t_stop) & (t_canc <= c.t_stop + c.grace_s)
+    # each same-model request stopped at this instant is one CANCELED: all of them must show
+    t_dropped = _first(t_canc, sel & (v_canc >= canc_before + c.together - 0.5))
+    if t_dropped is None or not (c.t_added is None or c.t_added > c.t_stop + c.grace_s or not c.has_log):
+        return None
+    c.ev.canceled_failures_delta = float(v_canc[np.searchsorted(t_canc, t_dropped)] - canc_before)
+    c.tp["engine_abort"] = t_dropped
+    c.sources["engine_abort"] = ("samples", "the core's failure{reason=\"CANCELED\"} count rose")
+    t_pend, v_pend = c.series["pending"]
+    pend_before = _before(t_pend, v_pend, c.t_stop)
+    t_left = None
+    if pend_before is not None:
+        sel = (t_pend >= c.t_stop) & (t_pend <= c.t_stop + c.grace_s)
+        t_left = _first(t_pend, sel & (v_pend < pend_before - 0.5))
+    c.tp["left_scheduler"] = t_left if t_left is not None else t_dropped
+    c.ev.release_ms = round(max(0.0, c.tp["left_scheduler"] - t_dropped) * 1000, 1)
+    return c.verdict("dropped_in_queue")
+
+
+def metrics_alone(c: TritonCase) -> CancelVerdict | None:
+    """No server log: the model's own gauge, against when the request would have ended anyway."""
+    if c.has_log:
+        return None
+    natural, t_stop, grace_s = c.natural, c.t_stop, c.grace_s
+    if natural is not None and natural - t_stop <= RACE_S:
+        c.ev.race = "the request was due to end with the stop"
+        return c.verdict("due_to_end_with_stop")
+    t_act, v_act = c.series["active"]
+    has_gauge = len(t_act) > 0
+    sel = (t_act >= t_stop) & (t_act <= t_stop + grace_s) if has_gauge else np.array([], dtype=bool)
+    before = _before(t_act, v_act, t_stop) if has_gauge else None
+    t_fall = _first(t_act, sel & (v_act <= before - c.together + 0.5)) if before is not None else None
+    if t_fall is not None and (natural is None or t_fall < natural - RACE_S):
+        c.tp["left_scheduler"] = t_fall
+        if natural is None:
+            return c.verdict("gauge_fell_end_unknown")
+        return c.verdict("gauge_fell_before_natural_end", early_s=natural - t_fall)
+    if before is not None and natural is not None:
+        # the gauge stayed up to the request's natural end (or the end of the grace)
+        t_end = _first(t_act, (t_act >= natural - RACE_S) & (v_act <= before - c.together + 0.5))
+        c.ev.kept_running_ms = round(((t_end if t_end is not None else t_stop + grace_s) - t_stop) * 1000, 1)
+        return c.verdict("gauge_up_to_natural_end" if t_end is not None else "gauge_up_through_grace")
+    t_steps, v_steps = c.series["steps"]
+    steps_in = v_steps[(t_steps > t_stop + 0.5) & (t_steps <= t_stop + grace_s)] if len(t_steps) else np.array([])
+    if before and len(steps_in) >= 2 and steps_in[-1] > steps_in[0] and t_fall is None:
+        return c.verdict("steps_kept_rising")
+    return c.verdict("no_server_evidence")
+
+
+def never_named(c: TritonCase) -> CancelVerdict | None:
+    return c.verdict("never_named") if c.t_added is None else None
+
+
+def still_running(c: TritonCase) -> CancelVerdict:
+    return c.verdict("still_running_at_end")
+
+
+# after the shared guards, in order; the last always gives a verdict
+EVIDENCE_RULES = (cancelled_first, ran_to_its_end, cancel_logged, dropped_in_queue, metrics_alone, never_named,
+                  still_running)
+
+
+def report_fields(run: Run) -> dict:
+    """What a Triton run adds to its report document: the family, and the requests each side counted."""
+    return {"engine": TRITON, "server_requests": server_request_counts(run)}
+
+
+def server_request_counts(run: Run) -> list[dict]:
+    """Per model: requests the ledger sent (request_sent events) against those the server counted (success
+    plus failure of every reason, over the run). A server count above the ledger's is a silent resubmit."""
+    ev = run.events
+    if ev.empty:
+        return []
+    sent: dict[str, int] = {}
+    for row in ev[ev["kind"] == "request_sent"].itertuples(index=False):
+        model = json.loads(row.data).get("model")
+        sent[model] = sent.get(model, 0) + 1
+    targets = [t["label"] for t in run.info.get("targets", [])]
+    target = targets[0] if targets else None
+    out = []
+    for model in sorted(sent):
+        counted = 0.0
+        for metric in ("triton_request_success_total", "triton_request_failure_total"):
+            _, v = model_series(run, metric, target, model=model)
+            counted += float(v[-1] - v[0]) if len(v) >= 2 else 0.0
+        out.append({"model": model, "sent": sent[model], "server_counted": int(round(counted)),
+                    "ok": counted <= sent[model] + 1e-9})
+    return out

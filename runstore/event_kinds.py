@@ -1,0 +1,143 @@
+"""The kinds of event a run holds: the one table of that vocabulary (`EVENT_KINDS`).
+
+Per kind: who writes it (the modules, by import name), what the row's `request_id` is, and what its
+`data` (stored as JSON) holds, field by field. Writers name their kinds as strings; the tests read the
+writers' source and hold it to this table both ways (tests/test_event_kinds.py), and hold the README's
+"What a run holds" to it. Times are the row's `wall_ns`/`mono_ns`; an event from an engine's log is
+stamped with the engine's clock as the line says it (`clock`, `resolution_s`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DRIVER = "collectors.cancels.driver"
+TRITON_DRIVER = "collectors.cancels.triton_driver"
+ENGINE_LOG = "collectors.sources.engine_log"
+TRITON_LOG = "collectors.sources.triton_log"
+
+# every event the drivers write carries it (collectors/cancels/driver.py: event_record)
+METRICS_TARGET = ("metrics_target", "label of the target whose scheduler the driver watched")
+# every event read off an engine's log carries them
+LOG_DATA = (
+    ("engine_request_id", "the request's id as the engine logged it"),
+    ("clock", "engine_log: the time is the engine's, as its line says it"),
+    ("resolution_s", "seconds, the log's time resolution (0.001: milliseconds; 1: vLLM's default format)"),
+    ("target", "label of the engine whose log it is"),
+)
+TRITON_LOG_DATA = (
+    ("model", "Triton only: the model that logged the line"),
+    ("detail", "Triton only: the line's event and what follows it (`started ms=500 poll=true`)"),
+)
+
+
+@dataclass(frozen=True)
+class EventKind:
+    """name: the `kind` stored; written_by: the modules that write it; about: the moment it marks;
+    request_id: whose id the row's request_id is ("" where it has none); data: (field, meaning) of
+    each key its `data` may hold (a family's own keys say so)."""
+
+    name: str
+    written_by: tuple[str, ...]
+    about: str
+    request_id: str
+    data: tuple[tuple[str, str], ...]
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return tuple(f for f, _ in self.data)
+
+
+_KINDS = (
+    EventKind("scenario_start", (DRIVER, TRITON_DRIVER), "a scenario's repeat begins", "", (
+        ("scenario", "the scenario's name"),
+        ("repeat", "index of this repeat, from 0"),
+        ("proves", "what the scenario is built to show, in words"),
+        ("expect", "Triton only: the verdict the scenario is built to show"),
+        METRICS_TARGET)),
+    EventKind("scenario_end", (DRIVER, TRITON_DRIVER),
+              "a scenario's repeat is over: its requests ended and the grace window was sampled", "", (
+                  ("scenario", "the scenario's name"),
+                  ("repeat", "index of this repeat, from 0"),
+                  METRICS_TARGET)),
+    EventKind("request_sent", (TRITON_DRIVER,), "Triton only: a request goes out", "the request's client id", (
+        ("scenario", "the scenario's name"),
+        ("role", "target | neighbour | probe | filler"),
+        ("model", "the Triton model asked"),
+        ("call", "the way the request is made and given up on (the scenario's call)"),
+        ("call_object", "the tritonclient call it maps to"),
+        ("protocol", "grpc | http"),
+        METRICS_TARGET)),
+    EventKind("user_stop", (DRIVER, TRITON_DRIVER), "the driver decides to cancel (the client's clock)",
+              "the cancelled target's client id", (
+                  ("scenario", "the scenario's name"),
+                  ("phase", "where the request was: prefill | queued | decode | completed | in_flight (a timeout), "
+                            "or the Triton scenario's phase"),
+                  ("cancel_id", "the cancel's id, shared by its trace events"),
+                  ("mode", "how it gives up: the scenario's mode (vLLM) or call (Triton)"),
+                  ("tokens_at_cancel", "content chunks received when it stopped"),
+                  ("raised_after_deadline_ms", "vLLM timeout mode: milliseconds from the deadline to the client's "
+                                               "timeout raising (None: it never raised)"),
+                  ("model", "Triton only: the model asked"),
+                  ("expect", "Triton only: the verdict the scenario is built to show"),
+                  ("engine", "Triton only: triton"),
+                  ("inputs", "Triton only: the request's inputs, what it would have done on its own"),
+                  ("step_s", "Triton only: seconds between responses as the client saw them (None: fewer than two)"),
+                  ("sent_mono_ns", "Triton only: when the request was sent (monotonic ns)"),
+                  METRICS_TARGET)),
+    EventKind("trigger_missed", (DRIVER, TRITON_DRIVER),
+              "the cancel went out, but not where the scenario meant (its trigger never held)",
+              "the first target's client id", (
+                  ("scenario", "the scenario's name"),
+                  ("trigger", "the trigger that was not met"),
+                  ("trigger_value", "vLLM only: the trigger's value (ms or tokens)"),
+                  ("chunks", "per target, content chunks received by then"),
+                  ("done", "per target, whether it had ended by then"),
+                  ("running", "the scheduler's running requests, last sampled"),
+                  ("waiting", "the scheduler's waiting requests, last sampled"),
+                  METRICS_TARGET)),
+    EventKind("app_received", (DRIVER,), "the cancel reached the request's task in the relay app (its clock)",
+              "the cancelled target's client id", (
+                  ("cancel_id", "the cancel's id (the user_stop's)"),
+                  ("source", "relay: who measured it"),
+                  METRICS_TARGET)),
+    EventKind("engine_abort", (DRIVER,), "the relay app's abort() of the request returned (the relay's word)",
+              "the cancelled target's client id", (
+                  ("cancel_id", "the cancel's id (the user_stop's)"),
+                  ("source", "relay: who measured it"),
+                  METRICS_TARGET)),
+    EventKind("client_closed", (DRIVER, TRITON_DRIVER),
+              "the client was done with the stopped request (its own view, never the server's evidence)",
+              "the stopped target's client id", (
+                  ("cancel_id", "the cancel's id (the user_stop's)"),
+                  ("source", "client: who measured it"),
+                  ("client_saw", "Triton only: how the call ended for the client (CANCELLED, a deadline, ...)"),
+                  METRICS_TARGET)),
+    EventKind("probe_sent", (DRIVER, TRITON_DRIVER), "the probe goes out into the capacity the cancel freed",
+              "the probe's client id", (
+                  ("scenario", "the scenario's name"),
+                  METRICS_TARGET)),
+    EventKind("engine_not_idle", (DRIVER, TRITON_DRIVER),
+              "the wait for an idle engine ran out: the next scenario starts beside work the client does not know",
+              "", (
+                  ("waited_s", "seconds waited"),
+                  ("running", "the scheduler's running requests, last sampled"),
+                  ("waiting", "the scheduler's waiting requests, last sampled"),
+                  ("token_s", "vLLM only: the slowest seconds per token seen, which the wait followed"),
+                  ("first_token_s", "vLLM only: the slowest seconds to a first token seen"),
+                  ("left_tokens", "vLLM only: the most tokens a cancelled target could still generate"),
+                  METRICS_TARGET)),
+    EventKind("engine_added", (ENGINE_LOG, TRITON_LOG),
+              "the engine's log says a request entered it (vLLM `Added request`, a Triton model's started)",
+              "the client id read back from the engine's id (None: not cancelwatch's, someone else's traffic)",
+              (*LOG_DATA, *TRITON_LOG_DATA)),
+    EventKind("engine_aborted", (ENGINE_LOG, TRITON_LOG),
+              "the engine's log says it aborted a request (vLLM `Aborted request(s)`, a Triton model's cancelled)",
+              "the client id read back from the engine's id (None: not cancelwatch's)",
+              (*LOG_DATA, *TRITON_LOG_DATA)),
+    EventKind("engine_finished", (TRITON_LOG,),
+              "Triton only: a model's log says a request ended on its own (finished, or an error)",
+              "the request's client id", (*LOG_DATA, *TRITON_LOG_DATA)),
+)
+
+EVENT_KINDS: dict[str, EventKind] = {k.name: k for k in _KINDS}
