@@ -9,7 +9,7 @@ import numpy as np
 
 from analysis.cancel_table import verdict_counts
 from analysis.traces import GiB, memory_traces, metric_traces
-from analysis.verdicts import CancelVerdict
+from analysis.verdicts import TRITON, VLLM, CancelVerdict, family_of
 from runstore.reader import Run
 
 WHAT = {"nvml": "GPU memory in use", "process": "the engine's memory", "none": "memory"}
@@ -32,21 +32,17 @@ def _percent(ratio: float | None) -> str:
 
 
 FLAT = {
-    "vllm": ("that number stays flat because vLLM reserves its KV-cache pool when it starts and keeps it, "
+    VLLM: ("that number stays flat because vLLM reserves its KV-cache pool when it starts and keeps it, "
              "whether requests use it or not."),
-    "triton": ("that number stays flat because the server keeps its processes (the Python backend's stubs and "
+    TRITON: ("that number stays flat because the server keeps its processes (the Python backend's stubs and "
                "their allocator) whether requests run or not: it does not show whether the request stopped."),
 }
-
-
-def _engine(run: Run) -> str:
-    return "triton" if (run.info.get("engine") or {}).get("engine") == "triton" else "vllm"
 
 
 def memory_story(run: Run, verdicts: list[CancelVerdict], cancel: CancelVerdict | None = None) -> list[str]:
     """For one cancel (or, without one, the whole run): what reserved memory did, what KV usage did,
     and which requests were released."""
-    engine = _engine(run)
+    engine = family_of(run)
     kind, mem = memory_traces(run)
     held = [tr for role, tr in mem if role in ("used", "rss")]
     kv = metric_traces(run, "kv_cache_usage_ratio")
@@ -67,7 +63,7 @@ def memory_story(run: Run, verdicts: list[CancelVerdict], cancel: CancelVerdict 
             sentences.append(
                 f"When the user pressed Stop at {t_stop:.1f} s, {WHAT[kind]} was {_gib(mem_before)}, and after the "
                 f"cancel it was {_gib(mem_after)} ({change:+.1f} %): {FLAT[engine]}")
-        if engine == "triton":
+        if engine == TRITON:
             if cancel.phase_at_cancel == "queued":
                 sentences.append("The request was still waiting in the server's queue when it was cancelled: the core "
                                  "dropped it there, and it never reached the model.")
@@ -92,7 +88,7 @@ def memory_story(run: Run, verdicts: list[CancelVerdict], cancel: CancelVerdict 
         sentences.append(
             f"Over the whole run {WHAT[kind]} stayed between {_gib(lo)} and {_gib(hi)}: " + (
                 "vLLM reserves its KV-cache pool at start-up and keeps it, so this number does not fall when a "
-                "request is cancelled." if engine == "vllm" else FLAT[engine]))
+                "request is cancelled." if engine == VLLM else FLAT[engine]))
     if kv:
         peak = max(float(np.nanmax(k.v)) for k in kv if len(k.v))
         sentences.append(f"What does move is the share of that pool holding requests (KV-cache usage, peak {_percent(peak)}), "

@@ -6,6 +6,7 @@ import math
 from datetime import datetime, timezone
 
 from analysis.summary import sampling_stats
+from analysis.verdicts import TRITON, family_of
 from runstore.reader import Run
 from runstore.records import DriveSettings
 
@@ -72,12 +73,12 @@ def memory_source(run: Run) -> str:
     return "none"
 
 
-def _engine_label(engine: dict, engines: dict) -> str:
+def _engine_label(family: str, engine: dict, engines: dict) -> str:
     embedded = any(e.get("embedded") for e in engines.values())
     if engine.get("imported"):
         imp = engine["imported"]
         return f"imported history from Prometheus {imp.get('url')} (step {imp.get('step_s'):g} s)"
-    if engine.get("engine") == "triton":
+    if family == TRITON:
         return "embedded Triton (tritonserver of the nvidia-pytriton wheel, CPU)" if embedded else "external Triton"
     return "embedded vLLM (CPU build)" if embedded else "external"
 
@@ -97,9 +98,10 @@ def run_facts(run: Run) -> dict:
         "status": info["status"],
         "started_utc": started.strftime("%Y-%m-%d %H:%M:%S"),
         "duration_s": (ended - info["started_wall_ns"]) / 1e9 if ended else None,
-        "targets": [{"label": t["label"], "url": t.get("url")} for t in info.get("targets", [])],
+        "family": family_of(run),
+        "targets": [{"label": t["label"], "url": t.get("url"), "family": t.get("family")} for t in info.get("targets", [])],
         "driven_target": DriveSettings.of_run(settings).driven_target,
-        "engine": _engine_label(info.get("engine") or {}, engines),
+        "engine": _engine_label(family_of(run), info.get("engine") or {}, engines),
         "version": ", ".join(dict.fromkeys(str(e["version"]) for e in engines.values() if e.get("version"))) or None,
         "model": model,
         "served_model": ", ".join(served) if served else None,

@@ -27,6 +27,7 @@ from analysis.verdicts import (
     RULES,
     SOURCE_LABELS,
     TIMEPOINTS,
+    TRITON,
     VERDICTS,
     latency_key,
     latency_label,
@@ -571,7 +572,7 @@ def _outcome_section(doc: Mapping, recs: list[ScenarioRecord]) -> list[str]:
 
 def coverage(recs: list[ScenarioRecord], doc: Mapping) -> dict[str, dict[str, list[str]]]:
     """{dimension: {state: [scenarios that covered it]}} over the full set of each dimension."""
-    triton = doc.get("engine") == "triton"
+    triton = doc.get("family") == TRITON
     cov: dict[str, dict[str, list[str]]] = {
         "phase": {p: [] for p in (TRITON_PHASES if triton else PHASES)},
         "client method": {m: [] for m in (TRITON_MODE_TEXT if triton else MODES)},
@@ -626,7 +627,7 @@ def _coverage_section(recs: list[ScenarioRecord], doc: Mapping) -> list[str]:
     if unknown_api:
         lines.append(f"- The API of {', '.join(unknown_api)} is not recorded by the run (no builtin definition "
                      "of that name agrees with it): it counts for neither completions nor chat above.")
-    if doc.get("engine") == "triton":
+    if doc.get("family") == TRITON:
         lines.append("- **Engines**: vLLM is not covered: this run drove Triton Inference Server over gRPC and HTTP; "
                      "no Triton run says anything about vLLM.")
     else:
@@ -670,7 +671,7 @@ def protocol_markdown(run: Run, doc: Mapping, builtin: Mapping[str, Mapping] | N
              f"Result: {result}.", ""]
     lines += _system_section(run, facts)
     lines += _concurrency_section(run, recs)
-    lines += _scenario_section(recs, triton=doc.get("engine") == "triton")
+    lines += _scenario_section(recs, triton=doc.get("family") == TRITON)
     lines += _delay_section(run, doc, facts)
     lines += _measurement_section(run, recs)
     lines += _outcome_section(doc, recs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
@@ -97,6 +98,7 @@ def record_cmd(
     from collectors.cancels.scenarios import ScenarioError, resolve
     from collectors.recording.session import scheduler_reader
     from collectors.sources.process_memory import ProcessMemorySource
+    from collectors.sources.vllm import FAMILY as VLLM_FAMILY
     from collectors.sources.vllm import VllmMetricsSource
 
     try:
@@ -145,8 +147,10 @@ def record_cmd(
                 src = VllmMetricsSource(url, "relay", critical=False)
                 sampler.add_source(src)
                 relay_state.setdefault("sources", []).append(src)
-                all_targets = [*({"label": t.label, "url": t.url} for t in targets),
-                               {"label": "relay", "url": strip_userinfo(url)}]
+                # the relay app serves vLLM's AsyncLLM in its own process: a vLLM target, in the app's role
+                all_targets = [*(asdict(t) for t in targets),
+                               {"label": "relay", "url": strip_userinfo(url), "family": VLLM_FAMILY,
+                                "role": "relay app"}]
                 writer.set_run_json("targets", all_targets)
                 relay_driver = Driver(url, await asyncio.to_thread(served_model, url), writer.put,
                                       scheduler_reader(sampler, "relay"), grace_s=grace, metrics_target="relay")

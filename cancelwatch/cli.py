@@ -13,8 +13,10 @@ import sys
 import typer
 
 from cancelwatch import canary_commands, cancel_commands, report_commands, sampling_commands
+from cancelwatch.console import EXIT_USAGE, fail
 from cancelwatch.engine_commands import engine_app
 from cancelwatch.import_commands import import_app
+from runstore.errors import StoreError
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="cancelwatch: does a cancelled LLM request really leave the engine?")
@@ -38,6 +40,11 @@ def main() -> None:
         app()
     except KeyboardInterrupt:
         sys.exit(130)
+    except StoreError as exc:
+        # a run the analysis cannot read as asked (one of an engine family it has no rules for, ...), met
+        # past a command's own checks: its one line, never a traceback
+        fail(str(exc))
+        sys.exit(EXIT_USAGE)
 
 
 if __name__ == "__main__":

@@ -238,7 +238,7 @@ def test_inproc_through_the_relay_app_is_released(default_run):
     # app_received and engine_abort are the relay's own clock readings: cancel seen, then abort() returned
     assert tp["user_stop"] <= tp["app_received"] <= tp["engine_abort"] <= tp["left_scheduler"]
     assert c["timepoint_sources"]["engine_abort"]["source"] == "relay"
-    assert {t["label"] for t in run.info["targets"]} == {"t0", "relay"}
+    assert {t["label"]: t["family"] for t in run.info["targets"]} == {"t0": "vllm", "relay": "vllm"}
     relay_running = series_frame(run, "requests_running")
     assert (relay_running["target"] == "relay").any()
 

@@ -150,6 +150,7 @@ def test_imported_replicas_match_the_tools_own_recording_within_prometheus_resol
     own = load_run(history["own"], "latest")
     labels = sorted(t["label"] for t in imported.info["targets"])
     assert labels == sorted([history["engine"], history["other"]])  # both replicas, by their instance
+    assert {t["family"] for t in imported.info["targets"]} == {"vllm"}  # the replicas' vLLM series were imported
     facts = imported.info["engine"]["imported"]
     assert facts["url"] == history["prom"].url and facts["step_s"] == 1.0 and facts["queries"]
     assert imported.info["settings"]["kind"] == "imported history"

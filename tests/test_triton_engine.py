@@ -109,6 +109,7 @@ def test_no_silent_resubmit_and_the_run_says_what_it_tested(triton_run):
     assert set(counts) == {"generator", "generator_deaf", "slow"}
     for r in counts.values():
         assert r["ok"] and r["server_counted"] == r["sent"], r
+    assert [t["family"] for t in run.info["targets"]] == ["triton"] and doc["family"] == "triton"
     facts = run.info["engine"]["targets"]["t0"]
     assert facts["version"] == "Triton 2.51.0" and facts["client"].startswith("tritonclient 2.")
     assert facts["backend"] == "python" and facts["protocols"] == ["grpc", "http"]

@@ -37,12 +37,14 @@ from analysis.verdicts.core import (
     ledger_by_scenario,
     run_grace_s,
 )
-from analysis.verdicts.families import FAMILIES, family_of, judge_run, neighbours_ok, report_document
-from analysis.verdicts.vllm import ledger_inflight
+from analysis.verdicts.families import FAMILIES, UnknownFamily, family_of, judge_run, neighbours_ok, report_document
+from analysis.verdicts.triton import TRITON
+from analysis.verdicts.vllm import VLLM, ledger_inflight
 
 __all__ = [
     "FAMILIES", "GRACE_S", "HORIZON_S", "LATENCIES", "LOG_SLACK_S", "MIN_SAMPLES", "NO_APP", "NO_LOG", "POINT_LABELS",
-    "RACE_TOKENS", "RULES", "SOURCES", "SOURCE_LABELS", "STOP_TO_ABORT", "TIMEPOINTS", "VERDICTS", "CancelVerdict",
+    "RACE_TOKENS", "RULES", "SOURCES", "SOURCE_LABELS", "STOP_TO_ABORT", "TIMEPOINTS", "TRITON", "VERDICTS", "VLLM",
+    "CancelVerdict", "UnknownFamily",
     "Rule", "engine_log_state", "family_of", "judge_run", "latency_key", "latency_label", "ledger_by_scenario",
     "ledger_inflight", "neighbours_ok", "report_document", "run_grace_s",
 ]

@@ -1,6 +1,8 @@
-"""The engine families' verdicts, one entry a family: a run is judged by the rules of the family it
-records (a run that records none is vLLM's: runs from before Triton), through the one public entry,
-`judge_run`; and the report document of a run, with what its family adds."""
+"""The engine families' verdicts, one entry a family: a run is judged by the rules of the family its
+targets record, through the one public entry, `judge_run`; and the report document of a run, with what
+its family adds. A run written before targets recorded their family is read by its engine facts (a
+Triton run's say so; any other is vLLM's, the only family there was). A family this cancelwatch does not
+know is one line (UnknownFamily), never judged as vLLM."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from analysis.summary import sampling_stats
 from analysis.verdicts.core import CancelVerdict, run_grace_s
 from analysis.verdicts.triton import TRITON, judge_triton, report_fields
 from analysis.verdicts.vllm import VLLM, judge_vllm
+from runstore.errors import StoreError
 from runstore.reader import Run
 from runstore.records import DriveSettings
 
@@ -34,10 +37,23 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+class UnknownFamily(StoreError):
+    """The run records an engine family this cancelwatch has no rules for; the message says what to do."""
+
+
 def family_of(run: Run) -> str:
-    """The family the run records (its engine facts' `engine`), else vLLM."""
-    name = (run.info.get("engine") or {}).get("engine")
-    return name if name in FAMILIES else VLLM
+    """The engine family of the run's targets; for a run from before targets said so, its engine facts'."""
+    named = sorted({t["family"] for t in run.info.get("targets") or [] if isinstance(t, dict) and t.get("family")})
+    if not named:
+        return TRITON if (run.info.get("engine") or {}).get("engine") == TRITON else VLLM
+    unknown = [n for n in named if n not in FAMILIES]
+    if unknown:
+        raise UnknownFamily(f"run {run.id} was recorded on engine family {unknown[0][:40]!r}, which this cancelwatch has no "
+                            f"rules for (it knows {', '.join(FAMILIES)}): read it with the cancelwatch that recorded it")
+    if len(named) > 1:
+        raise UnknownFamily(f"run {run.id} mixes engine families ({', '.join(named)}): cancelwatch judges a run of one "
+                            "family; record each family into a run of its own")
+    return named[0]
 
 
 def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None = None) -> list[CancelVerdict]:
@@ -64,6 +80,7 @@ def report_document(run: Run, grace_s: float | None = None, verdicts: list[Cance
         "status": run.info["status"],
         "neighbours_ok": neighbours_ok(run),
         "sampling": json.loads(stats.to_json(orient="records")) if not stats.empty else [],
+        "family": family_of(run),
         "cancels": [v.as_json() for v in verdicts],
         **FAMILIES[family_of(run)].report_fields(run),
     }

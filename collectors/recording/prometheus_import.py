@@ -20,7 +20,7 @@ import numpy as np
 
 from collectors.recording.session import PreflightError
 from collectors.sources.prometheus_api import PrometheusError, PrometheusHistory
-from collectors.sources.vllm import ALIASES, CACHE_CONFIG_METRIC
+from collectors.sources.vllm import ALIASES, CACHE_CONFIG_METRIC, FAMILY
 from runstore.records import GapRecord
 from runstore.writer import (
     create_run,
@@ -150,7 +150,9 @@ def _write(s: ImportSettings, prom: PrometheusHistory, grid: np.ndarray, blocks:
             labels = {k: v for k, v in item.get("metric", {}).items() if k not in DROP_LABELS | {"engine", "model_name"}}
             cache[r] = labels
     gpu_hosts = sorted({t for src, t in blocks if src != "vllm"})
-    targets = [{"label": r, "url": f"{prom.url} instance={r}"} for r in replicas]  # prom.url: no user:password
+    # prom.url: no user:password. Each replica is one whose vLLM series were imported: a vLLM target
+    targets = [{"label": r, "url": f"{prom.url} instance={r}", "family": FAMILY, "role": "imported history"}
+               for r in replicas]
     imported = {"url": prom.url, "prometheus_version": prom.version(), "queries": s.queries, "step_s": s.step_s,
                 "start_wall_ns": start_ns, "end_wall_ns": int(grid[-1] * 1e9), "match": s.match,
                 "gpu_match": s.gpu_match, "gpu_hosts": gpu_hosts}

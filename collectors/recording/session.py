@@ -20,6 +20,7 @@ from collectors.sources.credentials import CredentialError, split_userinfo, stri
 from collectors.sources.engine_log import EngineLogSource
 from collectors.sources.nvml import NvmlSource
 from collectors.sources.process_memory import ProcessMemorySource
+from collectors.sources.vllm import FAMILY as VLLM_FAMILY
 from collectors.sources.vllm import (
     VllmMetricsSource,
     cache_config,
@@ -53,6 +54,7 @@ class Target:
 
     label: str
     url: str
+    family: str | None = None  # the engine family, set by whoever builds the target's sources
 
     def with_credentials(self, given: str | None) -> Target:
         self._given = given
@@ -173,6 +175,7 @@ def build_sources(settings: RecordSettings, nvml_module=None) -> tuple[list[Sour
     pids = list(settings.pids)
     logs: dict[str, str] = {}  # target label -> the engine log followed for it
     for t in settings.targets:
+        t.family = VLLM_FAMILY  # these sources read vLLM's /metrics: the target is a vLLM server
         src = VllmMetricsSource(t.source_url, t.label)
         problem = src.check()
         if problem:

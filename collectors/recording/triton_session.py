@@ -15,7 +15,7 @@ from collectors.engines import lifecycle
 from collectors.recording.session import PreflightError, RecordSettings, memory_sources
 from collectors.sources.base import Source
 from collectors.sources.credentials import strip_userinfo
-from collectors.sources.triton import TritonMetricsSource, server_version
+from collectors.sources.triton import FAMILY, TritonMetricsSource, server_version
 from collectors.sources.triton_log import TritonLogSource
 
 NO_TRITON_LOG = ("no server log: the target is not cancelwatch's embedded Triton; pass --engine-log PATH "
@@ -86,6 +86,7 @@ def build_triton_sources(settings: RecordSettings, ep: TritonEndpoints, models: 
                          nvml_module=None) -> tuple[list[Source], dict]:
     """The run's sources and the server facts to store. Raises PreflightError before any run exists."""
     label = settings.targets[0].label
+    settings.targets[0].family = FAMILY
     src = TritonMetricsSource(ep.metrics, label)
     problem = src.check()
     if problem:
@@ -98,8 +99,8 @@ def build_triton_sources(settings: RecordSettings, ep: TritonEndpoints, models: 
     except PackageNotFoundError:
         client_version = None
     server = server_version(ep.http)
-    facts: dict = {"engine": "triton", "targets": {label: {
-        "version": f"Triton {server}" if server else None, "kind": "triton", "grpc": strip_userinfo(ep.grpc), "http": strip_userinfo(ep.http),
+    facts: dict = {"engine": FAMILY, "targets": {label: {
+        "version": f"Triton {server}" if server else None, "kind": FAMILY, "grpc": strip_userinfo(ep.grpc), "http": strip_userinfo(ep.http),
         "metrics": strip_userinfo(ep.metrics), "client": f"tritonclient {client_version}", "protocols": ["grpc", "http"],
         "backend": "python", "models": model_facts(ep.http, models)}}}
     log_path = str(settings.engine_log) if settings.engine_log else (ep.state.log_path if ep.state else None)

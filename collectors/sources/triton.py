@@ -18,6 +18,8 @@ from collectors.sources.prom_text import LineMemo, PromTextSource, json_version,
 from runstore.records import Sample
 
 SOURCE_NAME = "triton"
+# the engine family of a target this source reads (each of a run's targets records it)
+FAMILY = "triton"
 
 NAMES: dict[str, str] = {
     "nv_inference_pending_request_count": "triton_pending_requests",

@@ -34,6 +34,9 @@ CACHE_CONFIG_METRIC = "vllm:cache_config_info"
 
 
 SOURCE_NAME = "vllm"
+# the engine family of a target this source reads: each of a run's targets records its family, which analysis
+# judges it by
+FAMILY = "vllm"
 
 
 # One C-speed pass picks the vLLM sample lines out of a ~50 KB body; HELP/TYPE lines are not needed
