@@ -177,3 +177,40 @@ def test_a_bad_import_is_caught(tmp_path, where, line, says):
     (tmp_path / where).write_text(line + "\n")
     (found,) = violations(tmp_path)
     assert where in found and says in found
+
+
+MAX_FUNCTION_LINES = 80  # a function past this holds several steps that want names of their own
+
+
+def function_lengths(path: Path) -> list[tuple[int, str]]:
+    """(lines, name) of every function in a file, a nested function counted on its own, not in its parent."""
+    out = []
+
+    def visit(node, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                inner = [c for c in ast.walk(child) if c is not child and isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef))]
+                outermost = [c for c in inner if not any(d is not c and d.lineno <= c.lineno and c.end_lineno <= d.end_lineno
+                                                         for d in inner)]
+                own = child.end_lineno - child.lineno + 1 - sum(c.end_lineno - c.lineno + 1 for c in outermost)
+                out.append((own, prefix + child.name))
+                visit(child, prefix + child.name + ".")
+            else:
+                visit(child, prefix + (child.name + "." if isinstance(child, ast.ClassDef) else ""))
+
+    visit(ast.parse(path.read_text()), "")
+    return out
+
+
+def test_no_function_of_analysis_or_collectors_is_80_lines_long():
+    long_ones = [f"{p.relative_to(ROOT)}:{name} ({n} lines)" for package in ("analysis", "collectors")
+                 for p in sorted(ROOT.joinpath(package).rglob("*.py")) for n, name in function_lengths(p)
+                 if n >= MAX_FUNCTION_LINES]
+    assert long_ones == []
+
+
+def test_a_nested_function_counts_on_its_own(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(50))
+    inner = "\n".join(f"        y{i} = {i}" for i in range(50))
+    (tmp_path / "m.py").write_text(f"def outer():\n{body}\n    def inner():\n{inner}\n    return inner\n")
+    assert sorted(function_lengths(tmp_path / "m.py")) == [(51, "outer.inner"), (52, "outer")]

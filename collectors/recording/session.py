@@ -322,14 +322,7 @@ def record(
         except Exception as exc:  # noqa: BLE001 - recorded in the run's status below
             error = exc
             status = "failed"
-        per_source = [st.as_dict() for st in sampler.stats.values()]
-        stats = {
-            "sources": per_source,
-            "samples_taken": sum(s["samples_taken"] for s in per_source),
-            "samples_written": writer.samples_written,
-            "scrapes_written": writer.scrapes_written,
-            "store_error": str(error) if error else None,
-        }
+        stats = _run_stats(sampler, writer, error)
         try:
             finish_run(con, run_id, status, stats)
         except StoreError as exc:  # a full disk may refuse the status too: the samples stay intact
@@ -337,6 +330,18 @@ def record(
         con.close()
     code = {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED, "target_lost": EXIT_TARGET_LOST}.get(status, EXIT_FAILED)
     return RunResult(run_id, status, stats, code)
+
+
+def _run_stats(sampler: Sampler, writer: StoreWriter, error: Exception | None) -> dict:
+    """The run's stats column: per source what it read, and what the store took."""
+    per_source = [st.as_dict() for st in sampler.stats.values()]
+    return {
+        "sources": per_source,
+        "samples_taken": sum(s["samples_taken"] for s in per_source),
+        "samples_written": writer.samples_written,
+        "scrapes_written": writer.scrapes_written,
+        "store_error": str(error) if error else None,
+    }
 
 
 async def _drive(coro, sampler: Sampler, store_failed: threading.Event | None = None) -> None:
