@@ -30,6 +30,8 @@ from collectors.recording.session import (
     parse_targets,
     record,
 )
+from collectors.sources.triton import FAMILY as TRITON_FAMILY
+from collectors.sources.vllm import FAMILY as VLLM_FAMILY
 from runstore.errors import StoreError
 from runstore.records import DriveSettings
 
@@ -65,7 +67,7 @@ def record_cmd(
     """Run scripted cancels while sampling; one run holds samples, ledger and events. Prints the report."""
     import httpx
 
-    from collectors.recording.triton_session import is_triton_target
+    from collectors.families import family_for_target, refused_option
     from collectors.sources.credentials import (
         CredentialError,
         api_key,
@@ -79,6 +81,11 @@ def record_cmd(
         target, basic = split_userinfo(target)  # user:password@ is sent, never stored
     except CredentialError as exc:
         raise fail(f"--target: {exc}") from None
+    family = family_for_target(target)
+    refused = refused_option(family, {"--burst-hz": burst_hz, "--api-key-env": api_key_env, "--relay-url": relay_url,
+                                      "--prometheus": prometheus, "--http-url": http_url})
+    if refused:  # before anything is sent to the target
+        raise fail(refused)
     window_s = seconds(burst_window, "--burst-window")
     try:  # before anything is sent to the target
         check_burst(RecordSettings(targets=[], hz=hz, burst_hz=burst_hz, burst_window_s=window_s))
@@ -89,16 +96,15 @@ def record_cmd(
     except CredentialError as exc:
         raise fail(str(exc)) from None
     auth = auth_headers(key, basic)
-    if is_triton_target(target):
-        return record_triton(target, metrics_url, http_url, scenario, hz, nvml, store, name, pid, lost_after,
-                             engine_log, grace)
+    if family.name != VLLM_FAMILY:
+        return RECORDERS[family.name](target, metrics_url, http_url, scenario, hz, nvml, store, name, pid, lost_after,
+                                      engine_log, grace, family.scheduler_source)
 
     from collectors.cancels.driver import Driver
     from collectors.cancels.load import served_model
     from collectors.cancels.scenarios import ScenarioError, resolve
     from collectors.recording.session import scheduler_reader
     from collectors.sources.process_memory import ProcessMemorySource
-    from collectors.sources.vllm import FAMILY as VLLM_FAMILY
     from collectors.sources.vllm import VllmMetricsSource
 
     try:
@@ -187,14 +193,12 @@ def record_cmd(
 
 def record_triton(target: str, metrics_url: str | None, http_url: str | None, scenario: str, hz: float, nvml: str,
                   store: Path, name: str | None, pid: list[int] | None, lost_after: float, engine_log: Path | None,
-                  grace: float) -> None:
+                  grace: float, scheduler_source: str) -> None:
     """`record` against Triton: the Triton scenarios over gRPC (and HTTP for the timeout case)."""
     from collectors.cancels.triton_driver import TritonDriver, resolve_triton
     from collectors.recording.session import scheduler_reader
     from collectors.recording.triton_session import build_triton_sources, endpoints
 
-    if scenario == "default":
-        scenario = "triton"
     try:
         scenarios = resolve_triton(scenario)
     except ValueError as exc:
@@ -212,7 +216,7 @@ def record_triton(target: str, metrics_url: str | None, http_url: str | None, sc
         sources, facts = build_triton_sources(settings, ep, models)
 
         def driver_factory(writer, sampler):
-            return TritonDriver(ep.grpc, ep.http, writer.put, scheduler_reader(sampler, targets[0].label, "triton"),
+            return TritonDriver(ep.grpc, ep.http, writer.put, scheduler_reader(sampler, targets[0].label, scheduler_source),
                                 grace_s=grace, metrics_target=targets[0].label).run(scenarios)
 
         result = record(settings, sources, facts, driver_factory=driver_factory)
@@ -221,6 +225,10 @@ def record_triton(target: str, metrics_url: str | None, http_url: str | None, sc
     except StoreError as exc:
         raise fail(str(exc)) from None
     report_recorded(store, result, grace)
+
+
+# how each family other than vLLM (recorded above) is recorded
+RECORDERS = {TRITON_FAMILY: record_triton}
 
 
 def seconds(value: str, option: str) -> float:

@@ -86,3 +86,22 @@ def test_a_run_of_two_families_is_one_line(tmp_path):
     store, _ = with_families(tmp_path / "one", VLLM, VLLM)
     assert family_of(load_run(store, "latest")) == VLLM
     assert judge_run(load_run(store, "latest"))
+
+
+@pytest.mark.parametrize("target, option, value, why", [
+    ("grpc://127.0.0.1:9", "--burst-hz", "100", "do not raise the sampling rate"),
+    ("grpc://127.0.0.1:9", "--api-key-env", "MY_KEY", "no API key"),
+    ("grpc://127.0.0.1:9", "--relay-url", "http://127.0.0.1:9", "relay app serves vLLM's AsyncLLM"),
+    ("grpc://127.0.0.1:9", "--prometheus", "http://127.0.0.1:9", "replica discovery"),
+    ("http://127.0.0.1:9", "--http-url", "http://127.0.0.1:9", "Triton's HTTP endpoint"),
+])
+def test_a_record_option_that_does_not_apply_to_the_family_is_refused_in_one_line(tmp_path, target, option, value,
+                                                                                    why):
+    """Before, Triton's record dropped --burst-hz and --api-key-env in silence. Refused before anything is sent
+    (port 9 answers nothing: a refusal that reached for it would say so instead)."""
+    store = tmp_path / "cw.db"
+    res = cli("record", "--target", target, option, value, "--store", str(store))
+    said = [line for line in (res.stdout + res.stderr).splitlines() if line.strip()]
+    assert res.returncode == 2, said
+    assert len(said) == 1 and option in said[0] and why in said[0] and "leave it out" in said[0], said
+    assert not store.exists()  # nothing was recorded
