@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+RUNNER = "collectors.cancels.runner"
 DRIVER = "collectors.cancels.driver"
 TRITON_DRIVER = "collectors.cancels.triton_driver"
 ENGINE_LOG = "collectors.sources.engine_log"
@@ -49,13 +50,13 @@ class EventKind:
 
 
 _KINDS = (
-    EventKind("scenario_start", (DRIVER, TRITON_DRIVER), "a scenario's repeat begins", "", (
+    EventKind("scenario_start", (RUNNER,), "a scenario's repeat begins", "", (
         ("scenario", "the scenario's name"),
         ("repeat", "index of this repeat, from 0"),
         ("proves", "what the scenario is built to show, in words"),
         ("expect", "Triton only: the verdict the scenario is built to show"),
         METRICS_TARGET)),
-    EventKind("scenario_end", (DRIVER, TRITON_DRIVER),
+    EventKind("scenario_end", (RUNNER,),
               "a scenario's repeat is over: its requests ended and the grace window was sampled", "", (
                   ("scenario", "the scenario's name"),
                   ("repeat", "index of this repeat, from 0"),
@@ -113,11 +114,11 @@ _KINDS = (
                   ("source", "client: who measured it"),
                   ("client_saw", "Triton only: how the call ended for the client (CANCELLED, a deadline, ...)"),
                   METRICS_TARGET)),
-    EventKind("probe_sent", (DRIVER, TRITON_DRIVER), "the probe goes out into the capacity the cancel freed",
+    EventKind("probe_sent", (RUNNER,), "the probe goes out into the capacity the cancel freed",
               "the probe's client id", (
                   ("scenario", "the scenario's name"),
                   METRICS_TARGET)),
-    EventKind("engine_not_idle", (DRIVER, TRITON_DRIVER),
+    EventKind("engine_not_idle", (RUNNER,),
               "the wait for an idle engine ran out: the next scenario starts beside work the client does not know",
               "", (
                   ("waited_s", "seconds waited"),

@@ -92,7 +92,7 @@ def test_what_the_run_stores_of_a_target_has_no_credentials():
     from dataclasses import asdict
 
     (t,) = parse_targets([f"http://ops:{PASSWORD}@127.0.0.1:8000"])
-    assert asdict(t) == {"label": "t0", "url": "http://127.0.0.1:8000"}
+    assert asdict(t) == {"label": "t0", "url": "http://127.0.0.1:8000", "family": None}  # the family: set by its sources
 
 
 def test_encoded_credentials_are_decoded_and_an_unsplittable_url_is_refused_without_showing_it():

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from runstore.event_kinds import DRIVER, ENGINE_LOG, EVENT_KINDS, TRITON_DRIVER, TRITON_LOG, EventKind
+from runstore.event_kinds import DRIVER, ENGINE_LOG, EVENT_KINDS, RUNNER, TRITON_DRIVER, TRITON_LOG, EventKind
 from runstore.records import EventRecord
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,8 +30,8 @@ WRITERS = ("collectors", "cancelwatch")  # the packages that write runs
 SYNTHETIC = ("bench",)  # runs built in one go for benchmarks: their kinds must be known, they write none of their own
 RECORD = "EventRecord"
 # the README's words for the writers
-README_WRITERS = {"driver": DRIVER, "Triton driver": TRITON_DRIVER, "engine log": ENGINE_LOG,
-                  "Triton log": TRITON_LOG}
+README_WRITERS = {"scenario runner": RUNNER, "driver": DRIVER, "Triton driver": TRITON_DRIVER,
+                  "engine log": ENGINE_LOG, "Triton log": TRITON_LOG}
 
 
 @dataclass
@@ -246,6 +246,7 @@ def test_every_kind_written_is_in_the_table_and_every_entry_is_written(project_s
     # the scan saw the writers it must see: the drivers' wrapper calls and both engine logs' variable kinds
     written = project_scan.kinds()
     assert {DRIVER, TRITON_DRIVER} <= written["user_stop"]
+    assert written["scenario_start"] == {RUNNER}  # the steps every family shares, written once
     assert written["engine_added"] == {ENGINE_LOG, TRITON_LOG}
     assert written["engine_finished"] == {TRITON_LOG}
 

@@ -1,5 +1,7 @@
 """Drives scenarios against an OpenAI-compatible server and records the ledger and the cancel trace.
 
+The scenario's steps are the runner's (runner.py); this module holds what is vLLM's: requests over
+HTTP/SSE (streams.py), the triggers, the three ways to stop, the relay app for via_relay scenarios.
 Per cancel it stores three of the five timepoints as events (the other two come from the samples
 and the ledger, in analysis): `user_stop` (the driver decides to cancel), `app_received` (the
 cancel reached the request's task), `engine_abort` (the connection to the engine is closed).
@@ -9,13 +11,14 @@ Every request loop is bounded in count and time.
 from __future__ import annotations
 
 import asyncio
-import time
+import contextlib
 import uuid
 
 import httpx
 
 from collectors.cancels.load import make_prompt
 from collectors.cancels.pace import FLOOR_S, IdleWait, idle_wait
+from collectors.cancels.runner import ScenarioRunner, event_record, until
 from collectors.cancels.scenarios import Scenario
 from collectors.cancels.streams import (
     REQUEST_TIMEOUT_S,
@@ -26,48 +29,34 @@ from collectors.cancels.streams import (
     now_ns,
     run_request,
 )
-from runstore.records import EventRecord, LedgerRecord
+from runstore.records import LedgerRecord
+
+# event_record and until live in runner.py now; importers of this module keep finding them here
+__all__ = ["IDLE_WAIT_S", "Driver", "event_record", "until"]
 
 # before the first scenario the engine must be idle; between scenarios the wait follows the pace the
 # scenario measured (collectors/cancels/pace.py): a request whose cancel was lost runs to its end first
 IDLE_WAIT_S = FLOOR_S
 
 
-def event_record(kind: str, request_id: str | None, at_ns: int | None, metrics_target: str, data: dict) -> EventRecord:
-    """A trace or scenario event at `at_ns` (monotonic; now when None), its wall time derived from now."""
-    data.setdefault("metrics_target", metrics_target)
-    mono = at_ns or now_ns()
-    wall = time.time_ns() - (now_ns() - mono)
-    return EventRecord(kind=kind, wall_ns=wall, mono_ns=mono, request_id=request_id, data=data)
-
-
-async def until(cond, timeout_s: float) -> bool:
-    """Poll `cond` every 5 ms for at most `timeout_s`; its last value."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        await asyncio.sleep(0.005)
-    return cond()
-
-
-class Driver:
+class Driver(ScenarioRunner):
     """Runs scenarios one after another; `emit` receives EventRecords and LedgerRecords.
 
     `scheduler_now()` returns the latest sampled (running, waiting) of the metrics target, used by
     the `while_queued` trigger and to wait for the engine to go idle between scenarios.
     """
 
+    IDLE_WAIT_S = IDLE_WAIT_S
+    NEIGHBOUR_WAIT_S = 30
+    REQUEST_TIMEOUT_S = REQUEST_TIMEOUT_S
+
     def __init__(self, base_url: str, model: str, emit, scheduler_now, grace_s: float = 2.0,
                  metrics_target: str = "t0", relay: "Driver | None" = None, relay_factory=None, relay_cleanup=None,
                  auth: dict[str, str] | None = None):
+        super().__init__(emit, scheduler_now, grace_s=grace_s, metrics_target=metrics_target)
         self.base_url = base_url.rstrip("/")
         self.auth = dict(auth or {})  # the Authorization header of base_url's server, sent to it alone
         self.model = model
-        self.emit = emit
-        self.scheduler_now = scheduler_now
-        self.grace_s = grace_s
-        self.metrics_target = metrics_target
         self.relay = relay  # the driver of the relay app, for scenarios with via_relay
         # started on first need and stopped at the end: an idle second engine costs CPU all run long
         self.relay_factory = relay_factory
@@ -77,9 +66,47 @@ class Driver:
         # called just before each stop (the recorder lifts the scheduler source to its burst rate)
         self.stop_soon = None
 
-    # ------------------------------------------------------------------ events
-    def event(self, kind: str, request_id: str | None = None, at_ns: int | None = None, **data) -> None:
-        self.emit(event_record(kind, request_id, at_ns, self.metrics_target, data))
+    # ------------------------------------------------------------------ the run
+    @contextlib.asynccontextmanager
+    async def session(self):
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
+        timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=5.0)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            self.client = client
+            try:
+                yield
+            finally:
+                for d in (self, self.relay):
+                    if d is not None and d.open:
+                        await d.write_open_rows()
+                if self.relay_cleanup is not None:
+                    await self.relay_cleanup()
+
+    async def runner_for(self, s: Scenario) -> "Driver":
+        if not s.via_relay:
+            return self
+        if self.relay is None and self.relay_factory is not None:
+            self.relay = await self.relay_factory()
+        if self.relay is None:
+            raise RuntimeError(f"scenario {s.name} needs the relay app (--relay-url)")
+        self.relay.client = self.client
+        await self.relay.wait_idle()
+        return self.relay
+
+    async def write_open_rows(self, why: str = "run interrupted") -> None:
+        """The ledger rows of requests still open when the run ends early (Ctrl-C, the target lost, the
+        store failed): written, so a cancel already made keeps its row. A request the run's end cut
+        off, not a cancel of the scenario's, says so."""
+        reqs, self.open = self.open, []
+        for r in reqs:
+            if r.task is not None and not r.task.done():
+                r.task.cancel()
+        await asyncio.gather(*(r.task for r in reqs if r.task is not None), return_exceptions=True)
+        for r in reqs:
+            # not stopped by the scenario yet (a timeout still before its deadline counts too)
+            if r.row.cancel_mono_ns is None and r.row.terminal_state != "completed":
+                r.row.terminal_state, r.row.reason = "interrupted", why
+            self.emit(r.row)
 
     # ------------------------------------------------------------------ requests
     def new_request(self, scenario: Scenario, role: str, prompt_tokens: int, max_tokens: int, seed: int,
@@ -98,9 +125,54 @@ class Driver:
         self.open.append(req)
         return req
 
+    def ended(self, req: Request) -> bool:
+        return req.task.done()
+
+    def ending(self, req: Request) -> asyncio.Task:
+        return req.task
+
+    def send_neighbour(self, s: Scenario, seed: int) -> Request:
+        return self.send(self.new_request(s, "neighbour", 200, s.neighbour_max_tokens, seed + 1))
+
+    async def send_fillers(self, s: Scenario, seed: int, reqs: list[Request]) -> None:
+        for i in range(s.fillers):
+            reqs.append(self.send(self.new_request(s, "filler", 100, s.filler_max_tokens, seed + 10 + i)))
+        if s.fillers:
+            await until(lambda: all(r.chunks > 0 or r.task.done() for r in reqs), 30)
+
+    def send_targets(self, s: Scenario, seed: int) -> tuple[list[Request], list[Request]]:
+        targets = [
+            self.send(self.new_request(s, "target", s.prompt_tokens, s.max_tokens, seed + 100 + i, n=s.n, api=s.api,
+                                       stream=s.stream, timeout_s=s.timeout_s if s.mode == "timeout" else REQUEST_TIMEOUT_S))
+            for i in range(s.concurrency)
+        ]
+        return targets, targets[: s.cancel_count]
+
+    def send_probe(self, s: Scenario, seed: int, chosen: list[Request]) -> Request:
+        probe_prompt = chosen[0].body.get("prompt") if s.resubmit else None
+        return self.send(self.new_request(s, "probe", s.prompt_tokens if s.resubmit else 100,
+                                          s.probe_max_tokens, seed + 999, prompt=probe_prompt))
+
+    async def give_up(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            if not r.task.done():
+                r.task.cancel()
+        await asyncio.gather(*(r.task for r in reqs), return_exceptions=True)
+
+    def write_rows(self, reqs: list[Request]) -> None:
+        super().write_rows(reqs)
+        self.open = [r for r in self.open if r not in reqs]
+
+    def idle_after(self, reqs: list[Request]) -> IdleWait:
+        return idle_wait(reqs)
+
     def _stopping(self) -> None:
         if self.stop_soon is not None:
             self.stop_soon()
+
+    # ------------------------------------------------------------------ client timeouts
+    def stops_at_client_deadline(self, s: Scenario) -> bool:
+        return s.mode == "timeout"
 
     async def _stopping_before_deadline(self, chosen: list[Request], lead_s: float = 0.1) -> None:
         """Client timeouts: the stop is each one's deadline, known in advance."""
@@ -110,23 +182,29 @@ class Driver:
             await asyncio.sleep(max(0.0, (min(deadlines) - now_ns()) / 1e9 - lead_s))
         self._stopping()
 
-    async def write_open_rows(self, why: str = "run interrupted") -> None:
-        """The ledger rows of requests still open when the run ends early (Ctrl-C, the target lost, the
-        store failed): written, so a cancel already made keeps its row. A request the run's end cut
-        off, not a cancel of the scenario's, says so."""
-        reqs, self.open = self.open, []
-        for r in reqs:
-            if r.task is not None and not r.task.done():
-                r.task.cancel()
-        await asyncio.gather(*(r.task for r in reqs if r.task is not None), return_exceptions=True)
-        for r in reqs:
-            # not stopped by the scenario yet (a timeout still before its deadline counts too)
-            if r.row.cancel_mono_ns is None and r.row.terminal_state != "completed":
-                r.row.terminal_state, r.row.reason = "interrupted", why
-            self.emit(r.row)
+    async def await_deadlines(self, s: Scenario, chosen: list[Request]) -> None:
+        for t in chosen:
+            t.cancel_requested = True
+        t_stop = chosen[0].row.sent_mono_ns or now_ns()
+        burst = asyncio.create_task(self._stopping_before_deadline(chosen))
+        await asyncio.gather(*(asyncio.shield(t.task) for t in chosen), return_exceptions=True)
+        burst.cancel()
+        for t in chosen:
+            cid = uuid.uuid4().hex[:8]
+            # the stop is the client's deadline. Not the instant httpx raised: it closes the
+            # connection before it raises, and a loaded machine let the engine log the abort
+            # milliseconds before that stamp
+            stop_at = t.deadline_ns or t_stop + int(s.timeout_s * 1e9)
+            t.row.cancel_mono_ns = stop_at
+            # a non-streaming client sees no tokens: the request was somewhere in the engine
+            self.event("user_stop", t.row.request_id, stop_at, scenario=s.name, phase="in_flight",
+                       cancel_id=cid, mode=s.mode, tokens_at_cancel=0,
+                       raised_after_deadline_ms=None if t.timeout_fired_ns is None
+                       else round((t.timeout_fired_ns - stop_at) / 1e6, 1))
+            self._trace_after_stop(t, cid)
 
-    # ------------------------------------------------------------------ triggers
-    async def _wait_trigger(self, s: Scenario, targets: list[Request]) -> None:
+    # ------------------------------------------------------------------ triggers and cancels
+    async def trigger(self, s: Scenario, targets: list[Request]) -> None:
         first = targets[0]
         v = s.trigger_value
         hit = True
@@ -164,6 +242,10 @@ class Driver:
             return "queued"
         return "prefill"
 
+    async def cancel(self, s: Scenario, chosen: list[Request]) -> None:
+        self._stopping()
+        await asyncio.gather(*(self._cancel(s, t, uuid.uuid4().hex[:8]) for t in chosen))
+
     async def _cancel(self, s: Scenario, req: Request, cancel_id: str) -> None:
         phase = self._phase(s, req)
         t_stop = now_ns()
@@ -199,119 +281,3 @@ class Driver:
             self.event("engine_abort", rid, req.engine_abort_ns, cancel_id=cancel_id, source="relay")
         if req.client_closed_ns:
             self.event("client_closed", rid, req.client_closed_ns, cancel_id=cancel_id, source="client")
-
-    async def wait_idle(self, wait: IdleWait | float = IDLE_WAIT_S) -> bool:
-        """Until the scheduler shows nothing running or waiting, for at most `wait` (an IdleWait derived
-        from a scenario's pace, or seconds)."""
-        timeout_s = wait.timeout_s if isinstance(wait, IdleWait) else wait
-
-        def idle() -> bool:
-            running, waiting = self.scheduler_now()
-            return running == 0 and waiting == 0
-        await asyncio.sleep(0.2)
-        ok = await until(idle, timeout_s)
-        if not ok:
-            # the next scenario starts beside work the client does not know of: the run says so, with
-            # what the wait was derived from
-            running, waiting = self.scheduler_now()
-            derived = {} if not isinstance(wait, IdleWait) else {
-                "token_s": wait.token_s, "first_token_s": wait.first_token_s, "left_tokens": wait.left_tokens}
-            self.event("engine_not_idle", None, waited_s=round(timeout_s, 1), running=running, waiting=waiting,
-                       **derived)
-        return ok
-
-    # ------------------------------------------------------------------ scenarios
-    async def run_scenario(self, s: Scenario, repeat: int) -> list[Request]:
-        self.event("scenario_start", None, scenario=s.name, repeat=repeat, proves=s.proves)
-        seed = hash((s.name, repeat, uuid.uuid4().hex)) % 10_000
-        reqs: list[Request] = []
-        neighbour = self.send(self.new_request(s, "neighbour", 200, s.neighbour_max_tokens, seed + 1))
-        reqs.append(neighbour)
-        await until(lambda: neighbour.chunks > 0 or neighbour.task.done(), 30)
-        for i in range(s.fillers):
-            reqs.append(self.send(self.new_request(s, "filler", 100, s.filler_max_tokens, seed + 10 + i)))
-        if s.fillers:
-            await until(lambda: all(r.chunks > 0 or r.task.done() for r in reqs), 30)
-        targets = [
-            self.send(self.new_request(s, "target", s.prompt_tokens, s.max_tokens, seed + 100 + i, n=s.n, api=s.api,
-                                       stream=s.stream, timeout_s=s.timeout_s if s.mode == "timeout" else REQUEST_TIMEOUT_S))
-            for i in range(s.concurrency)
-        ]
-        reqs += targets
-        chosen = targets[: s.cancel_count]
-        if s.mode == "timeout":
-            for t in chosen:
-                t.cancel_requested = True
-            t_stop = chosen[0].row.sent_mono_ns or now_ns()
-            burst = asyncio.create_task(self._stopping_before_deadline(chosen))
-            await asyncio.gather(*(asyncio.shield(t.task) for t in chosen), return_exceptions=True)
-            burst.cancel()
-            for t in chosen:
-                cid = uuid.uuid4().hex[:8]
-                # the stop is the client's deadline. Not the instant httpx raised: it closes the
-                # connection before it raises, and a loaded machine let the engine log the abort
-                # milliseconds before that stamp
-                stop_at = t.deadline_ns or t_stop + int(s.timeout_s * 1e9)
-                t.row.cancel_mono_ns = stop_at
-                # a non-streaming client sees no tokens: the request was somewhere in the engine
-                self.event("user_stop", t.row.request_id, stop_at, scenario=s.name, phase="in_flight",
-                           cancel_id=cid, mode=s.mode, tokens_at_cancel=0,
-                           raised_after_deadline_ms=None if t.timeout_fired_ns is None
-                           else round((t.timeout_fired_ns - stop_at) / 1e6, 1))
-                self._trace_after_stop(t, cid)
-        else:
-            await self._wait_trigger(s, targets)
-            self._stopping()
-            await asyncio.gather(*(self._cancel(s, t, uuid.uuid4().hex[:8]) for t in chosen))
-        # the probe: must be admitted into the capacity the cancel freed. It is sent once the server's
-        # count matches the client's in-flight requests (or the grace is over), so that while the
-        # verdict is open no request of unknown whereabouts stands in for one that never left
-        def reconciled() -> bool:
-            running, waiting = self.scheduler_now()
-            return running + waiting <= sum(r.row.n for r in reqs if r not in chosen and not r.task.done())
-
-        await until(reconciled, self.grace_s)
-        probe_prompt = chosen[0].body.get("prompt") if s.resubmit else None
-        probe = self.send(self.new_request(s, "probe", s.prompt_tokens if s.resubmit else 100,
-                                           s.probe_max_tokens, seed + 999, prompt=probe_prompt))
-        reqs.append(probe)
-        self.event("probe_sent", probe.row.request_id, scenario=s.name)
-        rest = [r.task for r in reqs if r not in chosen]
-        await asyncio.wait(rest, timeout=REQUEST_TIMEOUT_S)
-        for r in reqs:
-            if not r.task.done():
-                r.task.cancel()
-        await asyncio.gather(*(r.task for r in reqs), return_exceptions=True)
-        for r in reqs:
-            self.emit(r.row)
-        self.open = [r for r in self.open if r not in reqs]
-        await self.wait_idle(idle_wait(reqs))
-        await asyncio.sleep(max(0.0, self.grace_s - 0.2))  # the verdict's grace window is sampled, not guessed
-        self.event("scenario_end", None, scenario=s.name, repeat=repeat)
-        return reqs
-
-    async def run(self, scenarios: list[Scenario]) -> None:
-        limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
-        timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=5.0)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-            self.client = client
-            try:
-                await self.wait_idle()
-                for s in scenarios:
-                    driver = self
-                    if s.via_relay:
-                        if self.relay is None and self.relay_factory is not None:
-                            self.relay = await self.relay_factory()
-                        if self.relay is None:
-                            raise RuntimeError(f"scenario {s.name} needs the relay app (--relay-url)")
-                        self.relay.client = client
-                        driver = self.relay
-                        await driver.wait_idle()
-                    for repeat in range(s.repeats):
-                        await driver.run_scenario(s, repeat)
-            finally:
-                for d in (self, self.relay):
-                    if d is not None and d.open:
-                        await d.write_open_rows()
-                if self.relay_cleanup is not None:
-                    await self.relay_cleanup()

@@ -1,18 +1,21 @@
 """Scripted cancels against Triton Inference Server: the scenarios, and the driver that runs them.
 
-Same pattern as the vLLM driver: a neighbour on its own stream that must keep going, the target(s)
-cancelled by the scenario's call (triton_calls), then a probe that must be served. Events and
-ledger rows are the same records; the verdict comes from the server's evidence (analysis), never
-from the client's CANCELLED. Every request loop is bounded in count and time.
+The scenario's steps are the runner's (runner.py), as for vLLM: a neighbour on its own stream that
+must keep going, the target(s) cancelled by the scenario's call (triton_calls), then a probe that
+must be served. This module holds what is Triton's: the scenario table, the requests and their
+calls, the trigger, what a stop event carries. Events and ledger rows are the same records; the
+verdict comes from the server's evidence (analysis), never from the client's CANCELLED. Every
+request loop is bounded in count and time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from dataclasses import dataclass
 
-from collectors.cancels.driver import event_record, until
+from collectors.cancels.runner import ScenarioRunner, until
 from collectors.cancels.streams import now_ns
 from collectors.cancels.triton_calls import CALL_OBJECTS, REQUEST_TIMEOUT_S, Calls, SharedStream, TritonRequest
 from runstore.records import LedgerRecord
@@ -84,23 +87,30 @@ def resolve_triton(spec: str) -> list[TritonScenario]:
     return out
 
 
-class TritonDriver:
+class TritonDriver(ScenarioRunner):
     """Runs Triton scenarios one after another; `emit` receives EventRecords and LedgerRecords.
 
     `scheduler_now()` returns the latest sampled (running, waiting) of the Triton target: the models'
     active requests and the core's pending ones."""
 
+    IDLE_WAIT_S = IDLE_WAIT_S
+    NEIGHBOUR_WAIT_S = 10
+    REQUEST_TIMEOUT_S = REQUEST_TIMEOUT_S
+
     def __init__(self, grpc_url: str, http_url: str, emit, scheduler_now, grace_s: float = 2.0,
                  metrics_target: str = "t0"):
+        super().__init__(emit, scheduler_now, grace_s=grace_s, metrics_target=metrics_target)
         self.calls = Calls(grpc_url, http_url)
-        self.emit = emit
-        self.scheduler_now = scheduler_now
-        self.grace_s = grace_s
-        self.metrics_target = metrics_target
 
-    def event(self, kind: str, request_id: str | None = None, at_ns: int | None = None, **data) -> None:
-        self.emit(event_record(kind, request_id, at_ns, self.metrics_target, data))
+    @contextlib.asynccontextmanager
+    async def session(self):
+        await self.calls.open()
+        try:
+            yield
+        finally:
+            await self.calls.close()
 
+    # ------------------------------------------------------------------ requests
     def new(self, s: TritonScenario, role: str, model: str, call: str, inputs: dict,
             stream: SharedStream | None = None) -> TritonRequest:
         rid = f"cw-{s.name}-{role}-{uuid.uuid4().hex[:8]}"
@@ -115,13 +125,11 @@ class TritonDriver:
         self.calls.send(req)
         return req
 
-    async def wait_idle(self, timeout_s: float = IDLE_WAIT_S) -> bool:
-        await asyncio.sleep(0.2)
-        ok = await until(lambda: self.scheduler_now() == (0, 0), timeout_s)
-        if not ok:
-            running, waiting = self.scheduler_now()
-            self.event("engine_not_idle", None, waited_s=timeout_s, running=running, waiting=waiting)
-        return ok
+    def ended(self, req: TritonRequest) -> bool:
+        return req.done.is_set()
+
+    def ending(self, req: TritonRequest) -> asyncio.Task:
+        return asyncio.create_task(req.done.wait())
 
     def _target_inputs(self, s: TritonScenario) -> dict:
         if s.model == "slow":
@@ -133,61 +141,47 @@ class TritonDriver:
             return inputs
         return {"N": s.tokens}
 
-    async def run_scenario(self, s: TritonScenario, repeat: int) -> list[TritonRequest]:
-        self.event("scenario_start", None, scenario=s.name, repeat=repeat, proves=s.proves, expect=s.expect)
-        reqs: list[TritonRequest] = []
-        neighbour = self.send(self.new(s, "neighbour", "generator", "stream", {"N": NEIGHBOUR_TOKENS}))
-        reqs.append(neighbour)
-        await until(lambda: neighbour.chunks > 0 or neighbour.done.is_set(), 10)
+    def send_neighbour(self, s: TritonScenario, seed: int) -> TritonRequest:
+        return self.send(self.new(s, "neighbour", "generator", "stream", {"N": NEIGHBOUR_TOKENS}))
+
+    async def send_fillers(self, s: TritonScenario, seed: int, reqs: list[TritonRequest]) -> None:
         for i in range(s.fillers):
             reqs.append(self.send(self.new(s, "filler", "slow", "unary", {"MS": s.filler_ms})))
             await asyncio.sleep(0.05)  # in order: the target queues behind all of them
+
+    def send_targets(self, s: TritonScenario, seed: int) -> tuple[list[TritonRequest], list[TritonRequest]]:
         stream = SharedStream(self.calls) if s.call == "stream_wide" else None
         targets = [self.send(self.new(s, "target", s.model, s.call, self._target_inputs(s), stream=stream),
                              protocol="http" if s.call == "http_timeout" else "grpc")
                    for _ in range(s.targets)]
-        reqs += targets
-        if s.call in ("deadline", "http_timeout"):
-            # the client's own timeout is the stop: wait for it to fire (or the request to end)
-            await asyncio.wait([asyncio.create_task(t.done.wait()) for t in targets], timeout=REQUEST_TIMEOUT_S)
-            for t in targets:
-                self._stop_events(s, t, t.row.cancel_mono_ns or now_ns(), uuid.uuid4().hex[:8])
-        else:
-            await self._trigger(s, targets)
-            t_stop = now_ns()
-            ids = [uuid.uuid4().hex[:8] for _ in targets]
-            for t in targets:
-                t.cancel_requested = True
-                t.row.cancel_mono_ns = t_stop
-            if s.call == "stream_wide":
-                await self.calls.cancel(targets[0])  # one call: the whole stream goes
-            else:
-                await asyncio.gather(*(self.calls.cancel(t) for t in targets))
-            await asyncio.wait([asyncio.create_task(t.done.wait()) for t in targets], timeout=5)
-            for t, cid in zip(targets, ids):
-                self._stop_events(s, t, t_stop, cid)
-        # the probe is sent once the server counts no more than the client's live requests (or the grace is over)
-        live = lambda: sum(1 for r in reqs if r not in targets and not r.done.is_set())  # noqa: E731
-        await until(lambda: sum(self.scheduler_now()) <= live(), self.grace_s)
+        return targets, targets  # every target is stopped
+
+    def send_probe(self, s: TritonScenario, seed: int, chosen: list[TritonRequest]) -> TritonRequest:
         probe_inputs = {"MS": 50} if s.model == "slow" else {"N": 3}
-        probe = self.send(self.new(s, "probe", "slow" if s.model == "slow" else "generator",
-                                   "unary" if s.model == "slow" else "stream", probe_inputs))
-        reqs.append(probe)
-        self.event("probe_sent", probe.row.request_id, scenario=s.name)
-        rest = [asyncio.create_task(r.done.wait()) for r in reqs if r not in targets]
-        await asyncio.wait(rest, timeout=REQUEST_TIMEOUT_S)
+        return self.send(self.new(s, "probe", "slow" if s.model == "slow" else "generator",
+                                  "unary" if s.model == "slow" else "stream", probe_inputs))
+
+    async def give_up(self, reqs: list[TritonRequest]) -> None:
         for r in reqs:
             if not r.done.is_set():
                 r.end("error", None, "the driver's time for the scenario ran out")
                 if isinstance(r.handle, asyncio.Task):
                     r.handle.cancel()
-            self.emit(r.row)
-        await self.wait_idle()
-        await asyncio.sleep(max(0.0, self.grace_s - 0.2))  # the grace window is sampled, not guessed
-        self.event("scenario_end", None, scenario=s.name, repeat=repeat)
-        return reqs
 
-    async def _trigger(self, s: TritonScenario, targets: list[TritonRequest]) -> None:
+    def idle_after(self, reqs: list[TritonRequest]) -> float:
+        return IDLE_WAIT_S
+
+    # ------------------------------------------------------------------ stops
+    def stops_at_client_deadline(self, s: TritonScenario) -> bool:
+        return s.call in ("deadline", "http_timeout")
+
+    async def await_deadlines(self, s: TritonScenario, chosen: list[TritonRequest]) -> None:
+        # the client's own timeout is the stop: wait for it to fire (or the request to end)
+        await asyncio.wait([asyncio.create_task(t.done.wait()) for t in chosen], timeout=REQUEST_TIMEOUT_S)
+        for t in chosen:
+            self._stop_events(s, t, t.row.cancel_mono_ns or now_ns(), uuid.uuid4().hex[:8])
+
+    async def trigger(self, s: TritonScenario, targets: list[TritonRequest]) -> None:
         if s.model == "slow":
             await asyncio.sleep(s.trigger_ms / 1000.0)
             hit = not any(t.done.is_set() for t in targets)
@@ -201,6 +195,20 @@ class TritonDriver:
                        if s.model != "slow" else "after_ms", chunks=[t.chunks for t in targets],
                        done=[t.done.is_set() for t in targets], running=running, waiting=waiting)
 
+    async def cancel(self, s: TritonScenario, chosen: list[TritonRequest]) -> None:
+        t_stop = now_ns()
+        ids = [uuid.uuid4().hex[:8] for _ in chosen]
+        for t in chosen:
+            t.cancel_requested = True
+            t.row.cancel_mono_ns = t_stop
+        if s.call == "stream_wide":
+            await self.calls.cancel(chosen[0])  # one call: the whole stream goes
+        else:
+            await asyncio.gather(*(self.calls.cancel(t) for t in chosen))
+        await asyncio.wait([asyncio.create_task(t.done.wait()) for t in chosen], timeout=5)
+        for t, cid in zip(chosen, ids):
+            self._stop_events(s, t, t_stop, cid)
+
     def _stop_events(self, s: TritonScenario, t: TritonRequest, t_stop: int, cancel_id: str) -> None:
         rid = t.row.request_id
         # what the request would have done on its own, for telling a release from a natural end
@@ -212,13 +220,3 @@ class TritonDriver:
             # the client's own view of its end (CANCELLED, a deadline, a timeout): never server evidence
             self.event("client_closed", rid, t.client_closed_ns, cancel_id=cancel_id, source="client",
                        client_saw=t.row.reason)
-
-    async def run(self, scenarios: list[TritonScenario]) -> None:
-        await self.calls.open()
-        try:
-            await self.wait_idle()
-            for s in scenarios:
-                for repeat in range(s.repeats):
-                    await self.run_scenario(s, repeat)
-        finally:
-            await self.calls.close()
