@@ -62,6 +62,11 @@ test-fast: venv
 fuzz: venv
 	CANCELWATCH_FUZZ=1 $(VENV)/bin/python -m pytest -q -rs tests/test_fuzz.py
 
+# The page serves until Ctrl-C, so its end is an interrupt: 130 either way. Streamlit catches the SIGINT and
+# exits 0, and bash then skips its INT trap (it takes a child that handled the signal as having ended
+# it), so the recipe would end 0 or 130 by a race (CI saw 0 once)
+PAGE_ENDED = rc=$$?; [ $$rc -ne 0 ] || rc=130; exit $$rc
+
 # Engine up, a 30 s sampling run under a small load with its summary, then the scripted cancels of the
 # default suite with their report; the engine is stopped, and the dashboard serves the runs just
 # recorded on 127.0.0.1 until Ctrl-C. (`record` exits 1 when a cancel was not released: still shown.)
@@ -74,7 +79,7 @@ demo: venv engine-venv
 	$(CW) record --target http://127.0.0.1:$(PORT) --scenario default --store $(STORE) --name demo-cancels; \
 	rc=$$?; [ $$rc -le 1 ] || exit $$rc; \
 	echo "dashboard: http://127.0.0.1:$(DASHBOARD_PORT)/?store=$(STORE)&run=latest  (the engine stays up on port $(PORT) for the page's 'Record from this page'; Ctrl-C stops both)"; \
-	$(VENV)/bin/streamlit run dashboard/app.py --server.port $(DASHBOARD_PORT)
+	$(VENV)/bin/streamlit run dashboard/app.py --server.port $(DASHBOARD_PORT); $(PAGE_ENDED)
 
 # The Triton suite on the embedded Triton (HTTP on TRITON_PORT, gRPC and metrics on the two after), then the
 # dashboard on its run until Ctrl-C; the server is stopped on the way out.
@@ -84,7 +89,7 @@ demo-triton: venv triton-venv
 	$(CW) record --target grpc://127.0.0.1:$$(($(TRITON_PORT) + 1)) --scenario triton --store $(TRITON_STORE) \
 	  --name demo-triton; rc=$$?; [ $$rc -le 1 ] || exit $$rc; \
 	echo "dashboard: http://127.0.0.1:$(DASHBOARD_PORT)/?store=$(TRITON_STORE)&run=latest  (Ctrl-C stops it and the server)"; \
-	$(VENV)/bin/streamlit run dashboard/app.py --server.port $(DASHBOARD_PORT)
+	$(VENV)/bin/streamlit run dashboard/app.py --server.port $(DASHBOARD_PORT); $(PAGE_ENDED)
 
 bench: venv engine-venv
 	$(VENV)/bin/python bench/sampler.py
