@@ -92,16 +92,17 @@ def run_facts(run: Run) -> dict:
     stats = sampling_stats(run)
     model = next((e.get("model") for e in engines.values() if e.get("model")), None)
     served = next((c.get("model_names") for c in info.get("cache", {}).values() if c.get("model_names")), None)
+    family = family_of(run)
     return {
         "run_id": run.id,
         "name": info.get("name"),
         "status": info["status"],
         "started_utc": started.strftime("%Y-%m-%d %H:%M:%S"),
         "duration_s": (ended - info["started_wall_ns"]) / 1e9 if ended else None,
-        "family": family_of(run),
+        "family": family,
         "targets": [{"label": t["label"], "url": t.get("url"), "family": t.get("family")} for t in info.get("targets", [])],
         "driven_target": DriveSettings.of_run(settings).driven_target,
-        "engine": _engine_label(family_of(run), info.get("engine") or {}, engines),
+        "engine": _engine_label(family, info.get("engine") or {}, engines),
         "version": ", ".join(dict.fromkeys(str(e["version"]) for e in engines.values() if e.get("version"))) or None,
         "model": model,
         "served_model": ", ".join(served) if served else None,

@@ -74,7 +74,7 @@ def open_store(path: str | Path) -> sqlite3.Connection:
     while True:
         try:
             return _open_once(p)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             if _locked(exc) and time.monotonic() < deadline:
                 time.sleep(pause)
                 pause = min(0.1, pause * 2)
@@ -83,9 +83,6 @@ def open_store(path: str | Path) -> sqlite3.Connection:
                 raise StoreError(f"the run store at {p} stayed locked by another process for over {OPEN_WAIT_S:g} s "
                                  "while opening: stop the other writer or record into another file with --store") \
                     from exc
-            raise StoreError(f"cannot write the run store at {p} ({exc}): choose a writable path with --store") \
-                from exc
-        except OSError as exc:
             raise StoreError(f"cannot write the run store at {p} ({exc}): choose a writable path with --store") \
                 from exc
 

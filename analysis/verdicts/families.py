@@ -72,6 +72,7 @@ def report_document(run: Run, grace_s: float | None = None, verdicts: list[Cance
     verdicts = judge_run(run, grace_s) if verdicts is None else verdicts
     stats = sampling_stats(run)
     driven = DriveSettings.of_run(run.info.get("settings")).driven_target
+    family = family_of(run)
     return {
         "run_id": run.id,
         "name": run.info.get("name"),
@@ -80,7 +81,7 @@ def report_document(run: Run, grace_s: float | None = None, verdicts: list[Cance
         "status": run.info["status"],
         "neighbours_ok": neighbours_ok(run),
         "sampling": json.loads(stats.to_json(orient="records")) if not stats.empty else [],
-        "family": family_of(run),
+        "family": family,
         "cancels": [v.as_json() for v in verdicts],
-        **FAMILIES[family_of(run)].report_fields(run),
+        **FAMILIES[family].report_fields(run),
     }
