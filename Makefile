@@ -50,8 +50,8 @@ prometheus:
 	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends prometheus; }
 
 test: venv engine-venv triton-venv browser prometheus
-	$(VENV)/bin/python -m pytest -v -rs --durations=30 tests
-	$(ENGINE_VENV)/bin/python -m pytest -v -rs -p no:cacheprovider tests_engine
+	$(VENV)/bin/python -m pytest -v -rfEs --durations=30 tests
+	$(ENGINE_VENV)/bin/python -m pytest -v -rfEs -p no:cacheprovider tests_engine
 
 # Everyday subset: no engine, no browser (the tests marked engine/browser are left out).
 test-fast: venv

@@ -75,9 +75,19 @@ def memory_story(run: Run, verdicts: list[CancelVerdict], cancel: CancelVerdict 
                 "The request was still waiting in the queue when it was cancelled, so it held no KV-cache space: "
                 f"the share of the pool in use stayed at {_percent(kv_before)}, and its place in the queue went to the next request.")
         elif kv_before is not None and not math.isnan(kv_before):
-            sentences.append(
-                f"Inside that reserved pool, the share holding requests went from {_percent(kv_before)} to {_percent(kv_after)}: "
-                "the cancelled request's space went back to the pool, ready for the next request.")
+            went = (f"Inside that reserved pool, the share holding requests went from {_percent(kv_before)} to "
+                    f"{_percent(kv_after)}")
+            if cancel.verdict == "released" and cancel.evidence.foreign_requests:
+                # beside other traffic the share moves with requests the run does not know: its level is
+                # theirs as much as the cancelled one's
+                went += (f", with {cancel.evidence.foreign_requests} request(s) of other traffic taking and "
+                         "giving back space too: the cancelled request left the scheduler (below), and what the "
+                         "share shows is everyone's.")
+            elif cancel.verdict == "released":
+                went += ": the cancelled request's space went back to the pool, ready for the next request."
+            else:
+                went += ": this run does not show the cancelled request's space going back (below)."
+            sentences.append(went)
         sentences.append(_verdict_sentence(cancel))
         return sentences
 
@@ -123,13 +133,33 @@ def _verdict_sentence(v: CancelVerdict) -> str:
                      "is not seen)")
         return f"{who} left the engine {ev.release_ms or 0:.0f} ms after {since}{tail}."
     if v.verdict == "leaked":
+        if ev.model is not None and v.rule == "model_kept_buffer":
+            return (f"{who} was NOT released: {ev.why}. The model stopped working on it, but kept the memory it "
+                    "held.")
         if ev.model is not None:  # Triton: the why names the cause (HTTP, a deaf backend, a lost cancel)
             return f"{who} was NOT released: {ev.why}. The server worked for nobody."
-        if ev.kept_running_ms is not None or v.rule in LOST_CANCEL:
+        if v.rule in LOST_CANCEL:
             return (f"{who} was NOT released: {ev.why}. The engine generated for nobody; the cancel was lost on "
                     "the way (a proxy or app that does not pass it on).")
+        if v.rule == "app_lost_cancel":
+            if (ev.app_answer or "").startswith(("no answer", "HTTP ")):
+                return (f"{who} was NOT released: {ev.why}. The cancel call to the app failed, and the engine "
+                        "generated for nobody until the request's end.")
+            return (f"{who} was NOT released: {ev.why}. The Stop reached the app, and the app said so, but the "
+                    "engine was never made to let the request go: the app lost the cancel.")
+        if v.rule == "abort_after_grace":
+            return (f"{who} was NOT released in time: {ev.why}. The cancel was not lost but late: something on "
+                    "the way held it (a proxy or app slow to pass it on), or the engine was slow to act on it.")
+        if v.rule == "resubmitted_after_stop":
+            return (f"{who} was NOT released: {ev.why}. The cancel itself reached the engine; the copy sent after "
+                    "it is what kept the engine busy.")
+        if v.rule == "abort_logged_still_generating":
+            return (f"{who} was NOT released: the engine logged the abort, yet still counted the request "
+                    f"{ev.grace_s:g} s later and kept generating. The cancel reached the engine; the engine did "
+                    "not let the request go.")
         return (f"{who} was NOT released: the engine still counted it {ev.grace_s:g} s after the cancel and "
-                "kept generating for nobody; the cancel was lost on the way (a proxy or app that does not pass it on).")
+                "kept generating for nobody. Without the engine's log this run cannot tell whether the cancel was "
+                "lost on the way or reached an engine that kept the request: record with --engine-log.")
     if v.verdict == "stale_gauge":
         return (f"{who} looks held only because the engine's gauges had not refreshed: no tokens were generated, "
                 "so the numbers were stale rather than the request still running.")

@@ -6,7 +6,7 @@ import math
 from datetime import datetime, timezone
 
 from analysis.summary import sampling_stats
-from analysis.verdicts import TRITON, family_of
+from analysis.verdicts import TRITON, VLLM, family_of, log_clocks
 from runstore.reader import Run
 from runstore.records import DriveSettings
 
@@ -114,4 +114,6 @@ def run_facts(run: Run) -> dict:
         "memory_source": memory_source(run),
         "sampling": stats.to_dict("records") if not stats.empty else [],
         "gap_ticks": int(stats["gap_ticks"].sum()) if not stats.empty else 0,
+        # where the engine log's lines sit on the run's clock (the verdicts move them by offset_s)
+        "engine_log_clock": [c.as_json() for c in log_clocks(run).values()] if family == VLLM else [],
     }

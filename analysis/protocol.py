@@ -27,6 +27,7 @@ from analysis.verdicts import (
     RULES,
     SOURCE_LABELS,
     TIMEPOINTS,
+    RACE_RULES,
     TRITON,
     VERDICTS,
     latency_key,
@@ -78,21 +79,43 @@ DASH = "—"
 
 
 # ------------------------------------------------------------------------------------------ helpers
+def is_race(c: Mapping) -> bool:
+    """A cancel whose evidence concluded a race the completion won (its rule says so; a race flag noted on
+    the way down the ladder is not a conclusion)."""
+    return c.get("verdict") == "inconclusive" and (c.get("evidence") or {}).get("rule") in RACE_RULES
+
+
+def is_expected(c: Mapping) -> bool:
+    """A cancel with the verdict its scenario is built to show (Triton's deaf backend and HTTP timeout leak)."""
+    expected = (c.get("evidence") or {}).get("expected")
+    return expected not in (None, "released") and c.get("verdict") == expected
+
+
 def accepted(doc: Mapping) -> bool:
-    """The acceptance rule (and `cancelwatch report`'s exit 0): at least one cancel, every cancel
-    released (or inconclusive only because the completion won a race at the very end, which the
-    report says as such, or the verdict its scenario is built to show: Triton's deaf backend and
-    HTTP timeout leak), every neighbour completed, and no server counting more requests than the
-    client sent (a silent resubmit)."""
+    """The acceptance rule (and `cancelwatch report`'s exit 0): at least one cancel released (or showing the
+    verdict its scenario is built to show), every other one a race the completion won (counted apart), every
+    neighbour completed, and no server counting more requests than the client sent (a silent resubmit). A run
+    of races alone shows nothing of cancels reaching the engine: not accepted."""
     cancels = doc.get("cancels", [])
-
-    def ok(c) -> bool:
-        ev = c.get("evidence") or {}
-        return (c["verdict"] == "released" or (c["verdict"] == "inconclusive" and bool(ev.get("race")))
-                or (ev.get("expected") not in (None, "released") and c["verdict"] == ev.get("expected")))
-
+    shown = [c for c in cancels if c["verdict"] == "released" or is_expected(c)]
     no_resubmit = all(r["ok"] for r in doc.get("server_requests", []))
-    return bool(doc.get("neighbours_ok")) and bool(cancels) and all(ok(c) for c in cancels) and no_resubmit
+    return (bool(doc.get("neighbours_ok")) and bool(shown) and len(shown) + sum(map(is_race, cancels)) == len(cancels)
+            and no_resubmit)
+
+
+def _accepted_counts(cancels: list[Mapping]) -> str:
+    """`all 12 cancels released`, or `10 of 12 cancels released, 2 completions won the race` (a race is
+    never counted as a release), and the verdicts scenarios are built to show."""
+    released = sum(c["verdict"] == "released" for c in cancels)
+    races, expected = sum(map(is_race, cancels)), sum(map(is_expected, cancels))
+    if released == len(cancels):
+        return f"all {len(cancels)} cancels released"
+    parts = [f"{released} of {len(cancels)} cancels released"]
+    if races:
+        parts.append(f"{races} {'completion' if races == 1 else 'completions'} won the race")
+    if expected:
+        parts.append(f"{expected} leaked as their scenario is built to show")
+    return ", ".join(parts)
 
 
 def _cell(value) -> str:
@@ -472,7 +495,7 @@ def _source_summary(cancels: list[dict], point: str) -> tuple[str, list[str]]:
     return cell, reasons
 
 
-def _measurement_section(run: Run, recs: list[ScenarioRecord]) -> list[str]:
+def _measurement_section(run: Run, recs: list[ScenarioRecord], doc: Mapping) -> list[str]:
     lines = ["## 5. How release was measured", "", "Each cancel is traced through five timepoints:", ""]
     lines += [f"{i}. **{POINT_LABELS[p]}**: {POINT_TEXT[p]}." for i, p in enumerate(TIMEPOINTS, 1)]
     lines += ["", "### Engine log", ""]
@@ -492,6 +515,7 @@ def _measurement_section(run: Run, recs: list[ScenarioRecord]) -> list[str]:
     if isinstance(logs, Mapping) and any(isinstance(e, Mapping) and e.get("path") for e in logs.values()):
         lines += ["", (f"Per-request engine log lines read: {counts['engine_added']} added, "
                        f"{counts['engine_aborted']} aborted.")]
+        lines += [line for note in doc.get("engine_log_notes") or [] for line in ("", note)]  # the report's
     lines.append("")
     cancels = [c for r in recs for c in r.cancels]
     lines += ["### Evidence behind each timepoint", ""]
@@ -655,16 +679,14 @@ def protocol_markdown(run: Run, doc: Mapping, builtin: Mapping[str, Mapping] | N
     if not cancels:
         result = "**not accepted**: no cancel was recorded"
     elif accepted(doc):
-        expected = sum(1 for c in cancels if c["verdict"] != "released" and c["verdict"] ==
-                       (c.get("evidence") or {}).get("expected"))
-        result = (f"**accepted**: all {len(cancels)} cancels released, every neighbour completed" if not expected else
-                  f"**accepted**: {len(cancels) - expected} of {len(cancels)} cancels released and {expected} "
-                  f"{'leaked' if expected > 1 else 'leaked'} as their scenario is built to show, every neighbour "
-                  "completed, no silent resubmit")
+        result = f"**accepted**: {_accepted_counts(cancels)}, every neighbour completed, no silent resubmit"
     else:
         parts = ", ".join(f"{counts[v]} {v.replace('_', ' ')}" for v in VERDICTS if counts[v])
         result = f"**not accepted**: {parts} of {_plural(len(cancels), 'cancel')}" + \
             ("" if doc.get("neighbours_ok") else "; not every neighbour completed")
+        if not any(c["verdict"] == "released" or is_expected(c) for c in cancels) and all(map(is_race, cancels)):
+            result += ("; every one a race the completion won, which shows nothing of cancels reaching the engine: "
+                       "record scenarios that cancel well before the end")
     lines = [title, "",
              (f"Run status: {facts['status']} · started {facts['started_utc']} UTC · duration {duration} · "
               f"{_plural(len(recs), 'scenario')}, {_plural(len(cancels), 'cancel')}."), "",
@@ -673,7 +695,7 @@ def protocol_markdown(run: Run, doc: Mapping, builtin: Mapping[str, Mapping] | N
     lines += _concurrency_section(run, recs)
     lines += _scenario_section(recs, triton=doc.get("family") == TRITON)
     lines += _delay_section(run, doc, facts)
-    lines += _measurement_section(run, recs)
+    lines += _measurement_section(run, recs, doc)
     lines += _outcome_section(doc, recs)
     lines += _coverage_section(recs, doc)
     return "\n".join(lines).rstrip() + "\n"

@@ -9,7 +9,7 @@ import pandas as pd
 from runstore.reader import Run
 
 SERIES_COLUMNS = ["scrape_id", "t_s", "source", "target", "value"]
-SCHEDULER_COLUMNS = ["t_s", "running", "waiting", "count", "kv", "gen_tokens"]
+SCHEDULER_COLUMNS = ["t_s", "running", "waiting", "count", "kv", "gen_tokens", "prefix_hits", "preemptions"]
 
 
 def series_frame(run: Run, metric: str, target: str | None = None) -> pd.DataFrame:
@@ -28,13 +28,17 @@ def series_frame(run: Run, metric: str, target: str | None = None) -> pd.DataFra
 
 def scheduler_frame(run: Run, target: str | None = None) -> pd.DataFrame:
     """Per scrape: t_s, running, waiting, count (= running + waiting), kv (KV-cache usage ratio,
-    0..1), gen_tokens (generation_tokens_total, a counter)."""
+    0..1), gen_tokens (generation_tokens_total, a counter), prefix_hits and preemptions (counters: prompt
+    tokens found in the prefix cache, requests preempted); a series the engine does not serve is NaN."""
     parts = {}
     for col, metric in (("running", "requests_running"), ("waiting", "requests_waiting"),
-                        ("kv", "kv_cache_usage_ratio"), ("gen_tokens", "generation_tokens_total")):
+                        ("kv", "kv_cache_usage_ratio"), ("gen_tokens", "generation_tokens_total"),
+                        ("prefix_hits", "prefix_cache_hits_tokens_total"), ("preemptions", "preemptions_total")):
         df = series_frame(run, metric, target)
         parts[col] = df.set_index("t_s")["value"] if not df.empty else pd.Series(dtype=float)
     frame = pd.DataFrame(parts).sort_index()
+    # counters the scheduler's scrape carries beside its gauges: a stray instant of theirs alone adds no row
+    frame = frame[frame[["running", "waiting", "kv", "gen_tokens"]].notna().any(axis=1)]
     frame.index.name = "t_s"
     frame = frame.reset_index()
     if frame.empty:

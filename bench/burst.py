@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from analysis.series import series_frame  # noqa: E402
 from collectors.engines import lifecycle  # noqa: E402
 from collectors.engines import vllm_server as engine_mod  # noqa: E402
+from collectors.sources.vllm import SOURCE_NAME as VLLM_SOURCE  # noqa: E402
 from runstore.reader import load_run  # noqa: E402
 
 MODES = [("20 Hz flat", ["--hz", "20"]), ("100 Hz flat", ["--hz", "100"]),
@@ -89,7 +90,7 @@ def one_mode(url: str, home: Path, args_: list[str], scen: Path, store: Path, en
     led = run.ledger[run.ledger["role"] == "neighbour"]
     steps = [(r.closed_mono_ns - r.first_token_mono_ns) / 1e6 / max(1, r.chunks - 1) for r in led.itertuples()
              if r.first_token_mono_ns and r.closed_mono_ns and r.chunks > 1]
-    sc = run.scrapes[(run.scrapes["source"] == "vllm") & (run.scrapes["ok"] == 1)]
+    sc = run.scrapes[(run.scrapes["source"] == VLLM_SOURCE) & (run.scrapes["ok"] == 1)]
     span = (sc["t_s"].max() - sc["t_s"].min()) if len(sc) > 1 else float("nan")
     gen = series_frame(run, "generation_tokens_total")
     tokens = float(gen["value"].max() - gen["value"].min()) if len(gen) else float("nan")

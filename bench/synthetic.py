@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from collectors.sources.vllm import SOURCE_NAME as VLLM_SOURCE
 from runstore.records import EventRecord, GapRecord, LedgerRecord
 from runstore.writer import (
     create_run,
@@ -75,7 +76,7 @@ def write_synthetic_run(path: str | Path, *, duration_s: float = 3600.0, hz: flo
     for g in range(gaps):
         i = int((g + 0.5) * n / max(gaps, 1))
         missing[i:i + 3] = True
-        gap_rows.append(GapRecord("vllm", "t0", "missed", WALL0_NS + int(t[i] * 1e9), T0_NS + int(t[i] * 1e9),
+        gap_rows.append(GapRecord(VLLM_SOURCE, "t0", "missed", WALL0_NS + int(t[i] * 1e9), T0_NS + int(t[i] * 1e9),
                                   T0_NS + int(t[min(i + 3, n - 1)] * 1e9), 3, "synthetic"))
     gen = np.cumsum(st["running"] * 20.0)
     queries = np.cumsum(((st["u"] >= 1.5) & (st["u"] < 1.55)) * 600.0 + ((st["u"] >= 5.3) & (st["u"] < 5.35)) * 100.0)
@@ -100,7 +101,7 @@ def write_synthetic_run(path: str | Path, *, duration_s: float = 3600.0, hz: flo
         ("gpu_memory_reserved_bytes", gpu): np.full(n, 0.55 * GiB),
         ("gpu_memory_free_bytes", gpu): 13.05 * GiB - rng.normal(0, 1e5, n),
     }
-    sources = [("vllm", "t0", vllm_series, missing), ("process", "engine", proc_series, np.zeros(n, dtype=bool))]
+    sources = [(VLLM_SOURCE, "t0", vllm_series, missing), ("process", "engine", proc_series, np.zeros(n, dtype=bool))]
     if nvml:
         sources.append(("nvml", "gpu", nvml_series, np.zeros(n, dtype=bool)))
 

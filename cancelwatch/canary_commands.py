@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from cancelwatch.console import DEFAULT_STORE, err, fail, home_dir, out
+from cancelwatch.console import DEFAULT_STORE, ENGINE_LOG_TZ_HELP, engine_log_zone, err, fail, home_dir, out
 
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 MAX_ROUND_S = 600.0  # one round's scenarios, bounded
@@ -49,26 +49,28 @@ class CanaryMetrics:
                 self.ttft.observe((first - sent) / 1e9)
 
 
-def one_round(target: str, scenarios, store: Path, hz: float, grace: float, name: str,
-              metrics_url: str | None = None, engine_log: Path | None = None, auth: dict | None = None):
-    """Record the scenarios once against `target`; (run id, verdicts, exit status of the recording)."""
+def one_round(family, target: str, scenarios, store: Path, hz: float, grace: float, name: str,
+              metrics_url: str | None = None, engine_log: Path | None = None, auth: dict | None = None,
+              engine_log_tz: str | None = None):
+    """Record the scenarios once against `target`, of `family` (collectors/families.py); (run id, verdicts,
+    exit status of the recording)."""
     from analysis.verdicts import judge_run
-    from collectors.cancels.driver import Driver
     from collectors.cancels.load import served_model
-    from collectors.recording.session import RecordSettings, build_sources, parse_targets, record, scheduler_reader
+    from collectors.recording.session import RecordSettings, parse_targets, record, scheduler_reader
     from runstore.reader import load_run
     from runstore.records import DriveSettings
 
     targets = parse_targets([metrics_url or target])
     model = served_model(target, auth=auth)
     settings = RecordSettings(targets=targets, store=store, hz=hz, duration_s=None, nvml="auto", name=name,
-                              home=home_dir(), engine_log=engine_log, drive=DriveSettings(driven_target=target,
+                              home=home_dir(), engine_log=engine_log, engine_log_tz=engine_log_tz,
+                              drive=DriveSettings(driven_target=target,
                                                                    scenarios=[s.name for s in scenarios],
                                                                    grace_s=grace, model=model))
-    sources, facts = build_sources(settings)
-    result = record(settings, sources, facts, driver_factory=lambda writer, sampler: Driver(
-        target, model, writer.put, scheduler_reader(sampler, targets[0].label), grace_s=grace,
-        metrics_target=targets[0].label, auth=auth).run(scenarios))
+    sources, facts = family.sources(settings)
+    result = record(settings, sources, facts, driver_factory=lambda writer, sampler: family.driver(
+        target, model, writer.put, scheduler_reader(sampler, targets[0].label, family.scheduler_source),
+        grace_s=grace, metrics_target=targets[0].label, auth=auth).run(scenarios))
     run = load_run(store, result.run_id)
     return result.run_id, judge_run(run, grace), run, result.status
 
@@ -77,6 +79,7 @@ def canary(
     target: str = typer.Option(..., help="The live endpoint (engine, gateway or proxy) the cancels go to."),
     metrics_url: Optional[str] = typer.Option(None, help="The vLLM whose /metrics is sampled; default: --target."),
     engine_log: Optional[Path] = typer.Option(None, help="The engine's log (vLLM with --enable-log-requests)."),
+    engine_log_tz: Optional[str] = typer.Option(None, help=ENGINE_LOG_TZ_HELP),
     every: str = typer.Option("10m", help="Time between the starts of two rounds (30s, 10m, 1h)."),
     scenario: str = typer.Option("decode,disconnect", help="Built-in scenarios of each round (no inproc)."),
     listen: str = typer.Option("127.0.0.1:9464", help="Where /metrics is served (HOST:PORT)."),
@@ -100,15 +103,20 @@ def canary(
     except CredentialError as exc:
         raise fail(str(exc)) from None
 
-    from collectors.cancels.scenarios import ScenarioError, resolve
+    from collectors.cancels.scenarios import ScenarioError
+    from collectors.families import family_for_target, refused_command
     from collectors.recording.session import PreflightError, parse_targets
     from collectors.sources.prometheus_api import parse_duration
     from runstore.reader import list_runs
     from runstore.writer import delete_runs, open_store
 
+    engine_log_zone(engine_log_tz)
+    family = family_for_target(target)
+    if refused := refused_command(family, "canary"):
+        raise fail(refused)
     try:
         period = parse_duration(every)
-        scenarios = resolve(scenario)
+        scenarios = family.scenarios(scenario)
         parse_targets([target, *([metrics_url] if metrics_url else [])])
     except (ValueError, ScenarioError, PreflightError) as exc:
         raise fail(str(exc)) from None
@@ -143,8 +151,9 @@ def canary(
             started = time.monotonic()
             metrics.rounds.inc()
             try:
-                rid, verdicts, run, status = one_round(target, scenarios, store, hz, grace, f"canary round {done + 1}",
-                                                       metrics_url or given_target, engine_log, auth)
+                rid, verdicts, run, status = one_round(family, target, scenarios, store, hz, grace,
+                                                       f"canary round {done + 1}", metrics_url or given_target,
+                                                       engine_log, auth, engine_log_tz)
                 mine.append(rid)
                 metrics.observe(verdicts, run)
                 if status != "completed":

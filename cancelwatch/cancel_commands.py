@@ -12,6 +12,8 @@ import typer
 from cancelwatch.console import (
     DEFAULT_STORE,
     ENGINE_LOG_HELP,
+    ENGINE_LOG_TZ_HELP,
+    engine_log_zone,
     fail,
     home_dir,
     model_listing_error,
@@ -25,13 +27,14 @@ from collectors.recording.session import (
     EXIT_FAILED,
     PreflightError,
     RecordSettings,
-    build_sources,
     check_burst,
     parse_targets,
     record,
+    scheduler_reader,
 )
 from collectors.sources.triton import FAMILY as TRITON_FAMILY
 from collectors.sources.vllm import FAMILY as VLLM_FAMILY
+from collectors.sources.vllm import SCRAPE_JOB
 from runstore.errors import StoreError
 from runstore.records import DriveSettings
 
@@ -47,19 +50,21 @@ def record_cmd(
     burst_hz: Optional[float] = typer.Option(None, help="Sample the scheduler at this rate (a whole multiple of "
                                              "--hz) from just before each stop to the end of --burst-window; "
                                              "--hz stays the baseline."),
-    burst_window: str = typer.Option("2s", help="How long each burst lasts from the stop, e.g. 2s or 1.5."),
+    burst_window: Optional[str] = typer.Option(None, help="With --burst-hz: how long each burst lasts from the stop, "
+                                               "e.g. 2s or 1.5 (default 2s)."),
     nvml: str = typer.Option("auto"),
     store: Path = typer.Option(DEFAULT_STORE),
     name: Optional[str] = typer.Option(None),
     pid: Optional[list[int]] = typer.Option(None),
     lost_after: float = typer.Option(10.0),
     engine_log: Optional[Path] = typer.Option(None, help=ENGINE_LOG_HELP),
+    engine_log_tz: Optional[str] = typer.Option(None, help=ENGINE_LOG_TZ_HELP),
     grace: float = typer.Option(2.0, help="Seconds the scheduler has to reconcile after an abort."),
     relay_url: Optional[str] = typer.Option(None, help="Relay app for in-process scenarios (inproc); default: start one."),
     http_url: Optional[str] = typer.Option(None, help="Triton only: its HTTP endpoint (default HOST:8000)."),
     prometheus: Optional[str] = typer.Option(None, help="A Prometheus whose active targets of --job are the replicas "
                                              "to sample (instead of --metrics-url); the cancels go to --target."),
-    job: str = typer.Option("vllm", help="With --prometheus: the scrape job of the replicas."),
+    job: Optional[str] = typer.Option(None, help=f"With --prometheus: the scrape job of the replicas (default {SCRAPE_JOB})."),
     api_key_env: Optional[str] = typer.Option(None, help="Environment variable holding the API key of an engine "
                                               "started with --api-key (default: VLLM_API_KEY, then OPENAI_API_KEY). "
                                               "Sent to --target only; never stored."),
@@ -82,11 +87,17 @@ def record_cmd(
     except CredentialError as exc:
         raise fail(f"--target: {exc}") from None
     family = family_for_target(target)
-    refused = refused_option(family, {"--burst-hz": burst_hz, "--api-key-env": api_key_env, "--relay-url": relay_url,
-                                      "--prometheus": prometheus, "--http-url": http_url})
+    refused = refused_option(family, {"--burst-hz": burst_hz, "--burst-window": burst_window, "--api-key-env": api_key_env,
+                                      "--relay-url": relay_url, "--prometheus": prometheus, "--job": job,
+                                      "--http-url": http_url, "user:password@ in --target": basic,
+                                      "--engine-log-tz": engine_log_tz})
+    refused = refused or needs_option({"--burst-window": ("--burst-hz", burst_hz), "--job": ("--prometheus", prometheus)},
+                                      {"--burst-window": burst_window, "--job": job})
     if refused:  # before anything is sent to the target
         raise fail(refused)
-    window_s = seconds(burst_window, "--burst-window")
+    window_s = seconds(burst_window or "2s", "--burst-window")
+    engine_log_zone(engine_log_tz)
+    job = job or SCRAPE_JOB
     try:  # before anything is sent to the target
         check_burst(RecordSettings(targets=[], hz=hz, burst_hz=burst_hz, burst_window_s=window_s))
     except PreflightError as exc:
@@ -96,22 +107,20 @@ def record_cmd(
     except CredentialError as exc:
         raise fail(str(exc)) from None
     auth = auth_headers(key, basic)
-    if family.name != VLLM_FAMILY:
-        return RECORDERS[family.name](target, metrics_url, http_url, scenario, hz, nvml, store, name, pid, lost_after,
-                                      engine_log, grace, family.scheduler_source)
-
-    from collectors.cancels.driver import Driver
-    from collectors.cancels.load import served_model
-    from collectors.cancels.scenarios import ScenarioError, resolve
-    from collectors.recording.session import scheduler_reader
-    from collectors.sources.process_memory import ProcessMemorySource
-    from collectors.sources.vllm import VllmMetricsSource
+    from collectors.cancels.scenarios import ScenarioError
 
     try:
-        scenarios = resolve(scenario)
-    except ScenarioError as exc:
+        scenarios = family.scenarios(scenario)
+    except (ScenarioError, ValueError) as exc:
         raise fail(str(exc)) from None
+    if family.name != VLLM_FAMILY:
+        return RECORDERS[family.name](family, scenarios, target, metrics_url, http_url, hz, nvml, store, name, pid,
+                                      lost_after, engine_log, grace)
+
+    from collectors.cancels.load import served_model
     from collectors.recording.session import discover_targets
+    from collectors.sources.process_memory import ProcessMemorySource
+    from collectors.sources.vllm import VllmMetricsSource
 
     found: list[str] = []
     try:
@@ -128,11 +137,12 @@ def record_cmd(
     try:
         settings = RecordSettings(targets=targets, store=store, hz=hz, duration_s=None, nvml=nvml, name=name,
                                   pids=list(pid or []), lost_after_s=lost_after, home=home_dir(),
-                                  engine_log=engine_log, burst_hz=burst_hz, burst_window_s=window_s,
+                                  engine_log=engine_log, engine_log_tz=engine_log_tz, burst_hz=burst_hz,
+                                  burst_window_s=window_s,
                                   drive=DriveSettings(driven_target=target, scenarios=[s.name for s in scenarios],
                                                       grace_s=grace, model=model,
                                                       relay_url=strip_userinfo(relay_url) if relay_url else None))
-        sources, facts = build_sources(settings)
+        sources, facts = family.sources(settings)
         if prometheus:
             facts["discovery"] = {"prometheus": strip_userinfo(prometheus), "job": job, "found": found}
         # where the credentials came from, never what they are
@@ -158,9 +168,10 @@ def record_cmd(
                                {"label": "relay", "url": strip_userinfo(url), "family": VLLM_FAMILY,
                                 "role": "relay app"}]
                 writer.set_run_json("targets", all_targets)
-                relay_driver = Driver(url, await asyncio.to_thread(served_model, url), writer.put,
-                                      scheduler_reader(sampler, "relay"), grace_s=grace, metrics_target="relay")
-                relay_driver.stop_soon = lambda: sampler.burst(window_s, target="relay")
+                relay_driver = family.driver(url, await asyncio.to_thread(served_model, url), writer.put,
+                                             scheduler_reader(sampler, "relay", family.scheduler_source),
+                                             grace_s=grace, metrics_target="relay")
+                relay_driver.stop_soon = lambda: sampler.burst(window_s, family.burst_sources, target="relay")
                 return relay_driver
 
             async def stop_relay():
@@ -171,10 +182,10 @@ def record_cmd(
 
             # the replica the cancels go to judges them (a discovered one by its URL), else the first
             judged = next((t.label for t in targets if t.url == target.rstrip("/")), targets[0].label)
-            driver = Driver(target, model, writer.put, scheduler_reader(sampler, judged), grace_s=grace,
-                            metrics_target=judged, relay_factory=start_relay,
-                            relay_cleanup=stop_relay, auth=auth)
-            driver.stop_soon = lambda: sampler.burst(window_s, target=judged)
+            driver = family.driver(target, model, writer.put, scheduler_reader(sampler, judged, family.scheduler_source),
+                                   grace_s=grace, metrics_target=judged, relay_factory=start_relay,
+                                   relay_cleanup=stop_relay, auth=auth)
+            driver.stop_soon = lambda: sampler.burst(window_s, family.burst_sources, target=judged)
             return driver.run(scenarios)
 
         result = record(settings, sources, facts, driver_factory=driver_factory)
@@ -191,18 +202,12 @@ def record_cmd(
 
 
 
-def record_triton(target: str, metrics_url: str | None, http_url: str | None, scenario: str, hz: float, nvml: str,
-                  store: Path, name: str | None, pid: list[int] | None, lost_after: float, engine_log: Path | None,
-                  grace: float, scheduler_source: str) -> None:
+def record_triton(family, scenarios: list, target: str, metrics_url: str | None, http_url: str | None, hz: float,
+                  nvml: str, store: Path, name: str | None, pid: list[int] | None, lost_after: float,
+                  engine_log: Path | None, grace: float) -> None:
     """`record` against Triton: the Triton scenarios over gRPC (and HTTP for the timeout case)."""
-    from collectors.cancels.triton_driver import TritonDriver, resolve_triton
-    from collectors.recording.session import scheduler_reader
-    from collectors.recording.triton_session import build_triton_sources, endpoints
+    from collectors.recording.triton_session import endpoints
 
-    try:
-        scenarios = resolve_triton(scenario)
-    except ValueError as exc:
-        raise fail(str(exc)) from None
     try:
         ep = endpoints(target, metrics_url, http_url, home_dir())
         targets = parse_targets([ep.metrics])
@@ -213,11 +218,12 @@ def record_triton(target: str, metrics_url: str | None, http_url: str | None, sc
                                   engine_log=engine_log,
                                   drive=DriveSettings(driven_target=target, scenarios=[s.name for s in scenarios],
                                                       grace_s=grace, model=",".join(models)))
-        sources, facts = build_triton_sources(settings, ep, models)
+        sources, facts = family.sources(settings, ep, models)
 
         def driver_factory(writer, sampler):
-            return TritonDriver(ep.grpc, ep.http, writer.put, scheduler_reader(sampler, targets[0].label, scheduler_source),
-                                grace_s=grace, metrics_target=targets[0].label).run(scenarios)
+            reader = scheduler_reader(sampler, targets[0].label, family.scheduler_source)
+            return family.driver(ep.grpc, ep.http, writer.put, reader, grace_s=grace,
+                                 metrics_target=targets[0].label).run(scenarios)
 
         result = record(settings, sources, facts, driver_factory=driver_factory)
     except PreflightError as exc:
@@ -227,8 +233,18 @@ def record_triton(target: str, metrics_url: str | None, http_url: str | None, sc
     report_recorded(store, result, grace)
 
 
-# how each family other than vLLM (recorded above) is recorded
+# the command-line wiring of each family's recording other than vLLM's (above); what it wires (sources, driver,
+# scenarios, scheduler source) comes from the family's entry in collectors/families.py
 RECORDERS = {TRITON_FAMILY: record_triton}
+
+
+def needs_option(needs: dict[str, tuple[str, object]], given: dict[str, object]) -> str | None:
+    """The one-line refusal of an option given without the one it only works with (option -> (that
+    option, its value)); None when each given option has its partner."""
+    for option, (partner, value) in needs.items():
+        if given.get(option) is not None and value is None:
+            return f"{option} works only with {partner}: add {partner}, or leave {option} out"
+    return None
 
 
 def seconds(value: str, option: str) -> float:

@@ -16,6 +16,19 @@ err = Console(stderr=True, soft_wrap=True)
 DEFAULT_STORE = Path("runs/cancelwatch.db")
 ENGINE_LOG_HELP = ("The log of an engine you run yourself (vLLM with --enable-log-requests), followed for its "
                    "per-request lines; the embedded engine's is read on its own.")
+ENGINE_LOG_TZ_HELP = ("The time zone the engine log's stamps are in (an IANA name, e.g. UTC for an engine in a "
+                      "container), when it is not this machine's; without it the run finds the log's offset itself.")
+
+
+def engine_log_zone(name: str | None) -> str | None:
+    """--engine-log-tz checked before anything is recorded (one line naming the fix), passed on as given."""
+    from collectors.sources.engine_log import log_zone
+
+    try:
+        log_zone(name)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    return name
 
 
 def home_dir() -> Path:

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from cancelwatch.console import ENGINE_CPUS_ENV, engine_cpu_cores, err, fail, home_dir, out
-from collectors.engines import lifecycle
+from collectors.engines import lifecycle, triton_server
 from collectors.engines import vllm_server as engine_mod
 from collectors.recording.session import EXIT_FAILED, EXIT_USAGE
 
@@ -16,7 +16,8 @@ engine_app = typer.Typer(no_args_is_help=True, help="The embedded engines: vLLM 
 
 @engine_app.command("up")
 def engine_up(
-    engine: str = typer.Option("vllm", help="vllm, or triton (HTTP on --port, gRPC and metrics on the two after)."),
+    engine: str = typer.Option(engine_mod.KIND, help="vllm, or triton (HTTP on --port, gRPC and metrics on the two "
+                               "after)."),
     port: Optional[int] = typer.Option(None, help="Port on 127.0.0.1; default 8000 (vllm), 8100 (triton)."),
     model: Optional[str] = typer.Option(None, help="Model directory; default: build the tiny Llama."),
     max_num_seqs: int = typer.Option(4, help="Scheduler batch size (--max-num-seqs)."),
@@ -29,12 +30,12 @@ def engine_up(
     extra: Optional[list[str]] = typer.Argument(None, help="Extra vLLM flags, after --."),
 ):
     """Start the engine on 127.0.0.1 and wait until /health answers."""
-    if engine == "triton":
+    if engine == triton_server.KIND:
         if engine_cpu_cores():  # the models pace themselves (50 ms steps): a quota would slow nothing they judge
             err.print(f"note: {ENGINE_CPUS_ENV} slows the embedded vLLM only; Triton runs unlimited", highlight=False)
         return _triton_up(port or 8100, timeout)
-    if engine != "vllm":
-        raise fail(f"--engine {engine!r}: use vllm or triton", EXIT_USAGE)
+    if engine != engine_mod.KIND:
+        raise fail(f"--engine {engine!r}: use {engine_mod.KIND} or {triton_server.KIND}", EXIT_USAGE)
     port = port or 8000
     shape = engine_mod.EngineShape(max_num_seqs=max_num_seqs, num_gpu_blocks=num_gpu_blocks or None, block_size=block_size)
     if gpu:
@@ -52,8 +53,6 @@ def engine_up(
 
 
 def _triton_up(port: int, timeout: float) -> None:
-    from collectors.engines import triton_server
-
     try:
         state = triton_server.start(home_dir(), port=port, timeout_s=min(timeout, 300.0))
     except lifecycle.PortBusy as exc:
@@ -76,6 +75,8 @@ def engine_down(port: Optional[int] = typer.Option(None, help="Port of the engin
 @engine_app.command("status")
 def engine_status():
     """Say which embedded engines run, with pid, URL, health and log."""
+    from collectors.families import family_of_state
+
     states = lifecycle.all_states(home_dir())
     if not states:
         out.print("no embedded engine is running (start one with: cancelwatch engine up)")
@@ -85,18 +86,22 @@ def engine_status():
         alive = lifecycle.is_alive(s)
         any_alive |= alive
         health = "healthy" if alive and _healthy(s) else ("starting/unhealthy" if alive else "dead")
-        extra = f" grpc {s.urls['grpc']} metrics {s.urls['metrics']}" if s.kind == "triton" else ""
-        out.print(f"{s.kind} {s.url}{extra} pid {s.pid} {health} model {s.served_model_name} log {s.log_path}")
+        extra = f" grpc {s.urls['grpc']} metrics {s.urls['metrics']}" if s.urls.get("grpc") else ""
+        family = family_of_state(s)
+        out.print(f"{family.name if family else s.kind} {s.url}{extra} pid {s.pid} {health} model {s.served_model_name} log {s.log_path}")
     raise typer.Exit(0 if any_alive else 1)
 
 
 def _healthy(state: lifecycle.EngineState) -> bool:
     import httpx
 
-    from collectors.engines import triton_server
+    from collectors.families import family_of_state
 
-    # each launcher names its family's health check
-    path = triton_server.HEALTH_PATH if state.kind == "triton" else engine_mod.HEALTH_PATH
+    # each launcher names its family's health check; a kind no launcher here owns is not judged healthy
+    family = family_of_state(state)
+    if family is None:
+        return False
+    path = family.launcher.HEALTH_PATH
     try:
         return httpx.get(state.url + path, timeout=2.0).status_code == 200
     except httpx.HTTPError:

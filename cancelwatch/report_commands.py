@@ -44,6 +44,8 @@ def print_report(doc: dict, verdicts: list[CancelVerdict]) -> None:
         table.add_row(v.scenario, v.request_id[-8:], v.phase_at_cancel,
                       f"[{colours.get(v.verdict, 'white')}]{v.verdict}[/]", *fmt, abort_from or "", why)
     out.print(table)
+    for note in doc.get("engine_log_notes") or []:  # what to know of the engine log before the verdicts
+        out.print(f"note: {note}", highlight=False)
     out.print(f"neighbours ok: {doc['neighbours_ok']}")
 
 

@@ -15,6 +15,8 @@ from rich.table import Table
 from cancelwatch.console import (
     DEFAULT_STORE,
     ENGINE_LOG_HELP,
+    ENGINE_LOG_TZ_HELP,
+    engine_log_zone,
     err,
     fail,
     home_dir,
@@ -26,11 +28,12 @@ from collectors.recording.session import (
     EXIT_FAILED,
     PreflightError,
     RecordSettings,
-    build_sources,
     parse_targets,
     record,
 )
 from collectors.sources.credentials import strip_userinfo
+from collectors.sources.vllm import SCRAPE_JOB
+from collectors.sources.vllm import SOURCE_NAME as VLLM_SOURCE
 from runstore.errors import StoreError
 
 
@@ -41,7 +44,7 @@ def _progress(run_id: int, sampler, started: float) -> Table:
     cells = [f"run {run_id}", f"{time.monotonic() - started:5.1f} s"]
     for st in sampler.stats.values():
         latest = {s.metric: s.value for s in sampler.latest.get((st.source, st.target), [])}
-        if st.source == "vllm":
+        if st.source == VLLM_SOURCE:
             extra = (f"running {latest.get('requests_running', float('nan')):.0f} "
                      f"waiting {latest.get('requests_waiting', float('nan')):.0f} "
                      f"kv {latest.get('kv_cache_usage_ratio', float('nan')):.2f}")
@@ -59,7 +62,7 @@ def sample(
     target: Optional[list[str]] = typer.Option(None, help="vLLM server URL, or LABEL=URL; repeat for replicas."),
     prometheus: Optional[str] = typer.Option(None, help="A Prometheus whose active targets of --job are the "
                                              "replicas to sample (each labelled by its instance)."),
-    job: str = typer.Option("vllm", help="With --prometheus: the scrape job of the replicas."),
+    job: Optional[str] = typer.Option(None, help=f"With --prometheus: the scrape job of the replicas (default {SCRAPE_JOB})."),
     hz: float = typer.Option(20.0, help="Samples per second per source."),
     duration: float = typer.Option(30.0, help="Seconds to sample; 0 runs until Ctrl-C."),
     nvml: str = typer.Option("auto", help="auto: only where a driver answers; on: required; off."),
@@ -68,12 +71,22 @@ def sample(
     pid: Optional[list[int]] = typer.Option(None, help="Engine pid(s) for process memory; default: the embedded engine's."),
     lost_after: float = typer.Option(10.0, help="Seconds a target may fail before the run ends as target_lost."),
     engine_log: Optional[Path] = typer.Option(None, help=ENGINE_LOG_HELP),
+    engine_log_tz: Optional[str] = typer.Option(None, help=ENGINE_LOG_TZ_HELP),
 ):
     """Sample the scheduler and memory only; prints the run id. Ctrl-C ends the run as interrupted."""
     import time
 
-    from collectors.recording.session import discover_targets
+    from collectors.families import discovered_family, family_for_target, refused_command
+    from collectors.recording.session import discover_targets, split_label
 
+    # every target's family samples (today: vLLM's); one that does not is refused before anything is read
+    families = [family_for_target(split_label(v)[1]) for v in target or []]
+    refused = next((r for r in (refused_command(f, "sample") for f in families) if r), None)
+    if refused or (job is not None and prometheus is None):
+        raise fail(refused or "--job works only with --prometheus: add --prometheus, or leave --job out")
+    job = job or SCRAPE_JOB
+    engine_log_zone(engine_log_tz)  # before anything is read, as record and canary check it
+    family = families[0] if families else discovered_family()
     try:
         if not target and not prometheus:
             raise PreflightError("no --target given: pass the vLLM server's URL, or --prometheus URL --job NAME "
@@ -81,8 +94,8 @@ def sample(
         found = discover_targets(prometheus, job) if prometheus else []
         settings = RecordSettings(targets=parse_targets([*(target or []), *found]), store=store, hz=hz, duration_s=duration or None,
                                   nvml=nvml, name=name, pids=list(pid or []), lost_after_s=lost_after, home=home_dir(),
-                                  engine_log=engine_log)
-        sources, facts = build_sources(settings)
+                                  engine_log=engine_log, engine_log_tz=engine_log_tz)
+        sources, facts = family.sources(settings)
         if prometheus:
             facts["discovery"] = {"prometheus": strip_userinfo(prometheus), "job": job, "found": found}
     except PreflightError as exc:

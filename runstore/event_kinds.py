@@ -97,6 +97,14 @@ _KINDS = (
                   ("running", "the scheduler's running requests, last sampled"),
                   ("waiting", "the scheduler's waiting requests, last sampled"),
                   METRICS_TARGET)),
+    EventKind("app_answered", (DRIVER,), "the app answered the explicit cancel call (the client's clock)",
+              "the cancelled target's client id", (
+                  ("cancel_id", "the cancel's id (the user_stop's)"),
+                  ("answer", "what the app said: its `result` (relay_app: abort_sent, abort_failed, abort_unconfirmed, "
+                             "abort_pending, rejected_not_owner, kept_until_registered, not_here, already_completed, "
+                             "...), `HTTP <status>` without one, or `no answer: <error>`"),
+                  ("source", "app: who said it"),
+                  METRICS_TARGET)),
     EventKind("app_received", (DRIVER,), "the cancel reached the request's task in the relay app (its clock)",
               "the cancelled target's client id", (
                   ("cancel_id", "the cancel's id (the user_stop's)"),
@@ -136,6 +144,12 @@ _KINDS = (
               "the engine's log says it aborted a request (vLLM `Aborted request(s)`, a Triton model's cancelled)",
               "the client id read back from the engine's id (None: not cancelwatch's)",
               (*LOG_DATA, *TRITON_LOG_DATA)),
+    EventKind("engine_log_gap", (ENGINE_LOG,),
+              "the engine log was cut short in place (copytruncate, an engine restarted into it): lines written "
+              "between the last read and this instant may be lost", "None", (
+                  ("target", "label of the target whose log it is"),
+                  ("from_mono_ns", "monotonic ns of the last read before: the stretch a line may be missing from"),
+                  ("why", "what happened to the log, in words"))),
     EventKind("engine_finished", (TRITON_LOG,),
               "Triton only: a model's log says a request ended on its own (finished, or an error)",
               "the request's client id", (*LOG_DATA, *TRITON_LOG_DATA)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from collectors.cancels.load import run_streams
 from collectors.engines import lifecycle
 from collectors.engines import vllm_server as engine_mod
 from cancelwatch.console import ENGINE_CPUS_ENV
@@ -23,9 +25,25 @@ from tests.leaky_proxy import LeakyProxy
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
 
+
+def pytest_sessionstart(session):
+    """The test process hosts the proxies (tests/proxies.py, tests/leaky_proxy.py) as threads, and waits for
+    minutes on `record` in between: on these machines a kernel DAMON context pages out memory it finds cold,
+    and the proxies were seen frozen for 5-13 s (a connect timing out on loopback, a stream held back while
+    the engine ran on). Its pages are locked where the process may (root; elsewhere nothing changes)."""
+    import ctypes
+    import ctypes.util
+
+    MCL_CURRENT, MCL_FUTURE = 1, 2
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.mlockall(MCL_CURRENT | MCL_FUTURE)
+    except (OSError, AttributeError):
+        pass
+
 # Fixtures that start (or stand for) the embedded engine: a test using any of them, directly or through
 # another fixture, is marked `engine`, so `-m "not engine"` never starts one.
-ENGINE_FIXTURES = frozenset({"engine", "private_engine", "engine_home", "proxy_and_direct_runs"})
+ENGINE_FIXTURES = frozenset({"engine", "private_engine", "engine_home", "proxy_and_direct_runs", "utc_engine"})
 # the same for the embedded Triton (marked `triton`)
 TRITON_FIXTURES = frozenset({"triton", "triton_home", "triton_run"})
 
@@ -177,6 +195,15 @@ def triton(triton_home):
     yield state
     left = _stop_engine(triton_home, state)
     assert not left, f"engine down left Triton processes behind: {left}"
+
+
+def decode_rate(url: str, model: str) -> float:
+    """Tokens per second the engine makes for one of two streams of 600-token prompts (a target and its
+    neighbour), from each stream's first chunk to its last; the slower stream's."""
+    results = asyncio.run(run_streams(url, model, streams=2, prompt_tokens=600, max_tokens=120))
+    assert all(r.error is None and r.chunks == 120 for r in results), results
+    return min((r.chunks - 1) / (r.total_s - r.first_chunk_s) for r in results)
+
 
 
 def cli(*args: str, home: Path | None = None, timeout: float = 120, **kw) -> subprocess.CompletedProcess:

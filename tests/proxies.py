@@ -10,15 +10,29 @@ connection, and watches each client: the client went when its socket reads EOF o
   id) only the FIRST such request whose client goes leaks; every other one is passed on;
 - `late_s`: upstream is read at full speed into a queue and each chunk is handed to the client only
   `late_s` after it arrived, each SSE event `LATE_PACE_S` after the one before, so a short request is finished
-  in the engine long before the client sees its tokens;
+  in the engine long before the client sees its tokens; with `late_only` (a role, as for `leak_only`) only
+  those requests are late, as a client that reads slowly is;
 - `foreign_after_stop_s`: that long after the first target's client went, ONE unrelated streamed
   completion (X-Request-Id `foreign-<hex>`) goes straight to the engine and is read to its end;
 - `metrics_down=(k, s)`: from the moment the proxy has handed the first target's k-th event to its
-  client, /metrics answers nothing (the connection is dropped without a response) for s seconds. A
+  client, /metrics answers nothing (the connection is dropped without a response) until s seconds
+  after that target's client went (or s seconds after the k-th event, if it has not gone by then). A
   client that stops after more than k tokens stops inside the outage, whatever the machine's load
-  (starting it when the proxy saw the client go began it up to 0.6 s late on a loaded machine);
+  (starting it when the proxy saw the client go began it up to 0.6 s late on a loaded machine; ending
+  it a fixed time after the k-th event let a recorder stalled for 13 s on a loaded CI machine stop
+  after the outage was over);
 - `retry_upstream_s`: a request the engine refuses (nothing listens: it is restarting) is tried again
   for up to that many seconds, as a gateway in front of a restarting engine would.
+- `mint_ids`: every request goes upstream with an X-Request-Id of the proxy's own (`gw-<12 hex>`, kept in
+  `minted` by the client's id), as gateways that mint their own ids do; the proxy's records keep the
+  client's id.
+- `drop_cancels`: an app's explicit cancel (`POST /cancel/<id>`) is answered `{"result": "cancelled"}` by
+  the proxy and never passed on, as a gateway route that swallows the call (`cancels_dropped`);
+- `cancel_upstream`: an app's explicit cancel goes to that upstream instead (another replica of the app),
+  as a balancer without affinity sends it; the answer is that replica's (`cancels_rerouted`);
+- `resubmit_after_gone`: the disconnect of the FIRST target whose client goes is passed on, and then the
+  same request (its body and headers, its `X-Request-Id`) is sent upstream once more and read to its
+  end, as a gateway retrying upstream after its client left does (`resubmitted`, `resubmit_done_at`).
 
 Everything it did is counted (`client_gone`, `leaked`, `passed_on`, `foreign_sent`, `metrics_down_at`,
 `metrics_refused`, and per request `requests[id]` with monotonic instants, the same clock as a run's
@@ -72,13 +86,17 @@ class Seen:
     chunks_down: int = 0
     events_down: int = 0  # SSE events (`data: ` lines) handed to the client
     errors: list[str] = field(default_factory=list)
+    sent: tuple | None = None  # (method, path, body, headers) as sent upstream: what a resubmit sends again
 
 
 class ProxyBehaviour:
     def __init__(self, upstream: str, port: int, *, leak: bool = False,
                  leak_only: str | Callable[[str], bool] | None = None, late_s: float = 0.0,
+                 late_only: str | None = None,
                  foreign_after_stop_s: float | None = None, foreign_max_tokens: int = 200,
-                 metrics_down: tuple[int, float] | None = None, retry_upstream_s: float = 0.0):
+                 metrics_down: tuple[int, float] | None = None, retry_upstream_s: float = 0.0,
+                 resubmit_after_gone: bool = False, mint_ids: bool = False, drop_cancels: bool = False,
+                 cancel_upstream: str | None = None):
         self.upstream = upstream.rstrip("/")
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
@@ -88,11 +106,22 @@ class ProxyBehaviour:
             leak_only = lambda rid: f"-{role}-" in rid
         self.leak_only = leak_only
         self.late_s = float(late_s)
+        self.late_only = late_only
         self.foreign_after_stop_s = foreign_after_stop_s
         self.foreign_max_tokens = foreign_max_tokens
         self.metrics_down = metrics_down
         self.retry_upstream_s = float(retry_upstream_s)
         self.upstream_retries = 0  # connection attempts the engine refused and that were tried again
+        self.resubmit_after_gone = resubmit_after_gone
+        self.mint_ids = mint_ids
+        self.drop_cancels = drop_cancels
+        self.cancel_upstream = cancel_upstream.rstrip("/") if cancel_upstream else None
+        self.cancels_dropped: list[str] = []  # paths of the cancel calls answered and not passed on
+        self.cancels_rerouted: list[tuple[str, int, str]] = []  # (path, status, body) of those sent elsewhere
+        self.minted: dict[str, str] = {}  # the client's X-Request-Id -> the one sent upstream in its place
+        self.resubmitted: list[str] = []  # ids sent upstream again after their client went
+        self.resubmit_done_at: float | None = None
+        self.resubmit_error: str | None = None
         # what happened
         self.requests: dict[str, Seen] = {}
         self.client_gone = 0
@@ -107,6 +136,7 @@ class ProxyBehaviour:
         self.foreign_error: str | None = None
         self.metrics_down_at: float | None = None
         self.metrics_down_until: float | None = None
+        self._down_for: str | None = None  # the target whose k-th event began the outage
         self.metrics_refused = 0
         self._model: str | None = None
         self._anon = 0
@@ -124,7 +154,8 @@ class ProxyBehaviour:
                 "foreign_sent": self.foreign_sent, "foreign_ids": list(self.foreign_ids),
                 "foreign_chunks": self.foreign_chunks, "foreign_error": self.foreign_error,
                 "metrics_down_at": self.metrics_down_at, "metrics_down_until": self.metrics_down_until,
-                "metrics_refused": self.metrics_refused,
+                "metrics_refused": self.metrics_refused, "cancels_dropped": list(self.cancels_dropped),
+                "cancels_rerouted": list(self.cancels_rerouted),
                 "requests": {k: vars(v) for k, v in self.requests.items()}}
 
     # ------------------------------------------------------------------ decisions
@@ -134,6 +165,11 @@ class ProxyBehaviour:
         if self.leak_only is None:
             return True
         return not self.leaked and bool(self.leak_only(rid))
+
+    def _late_for(self, seen: Seen) -> float:
+        if self.late_only is not None and f"-{self.late_only}-" not in seen.request_id:
+            return 0.0
+        return self.late_s
 
     def _metrics_down(self) -> bool:
         return self.metrics_down_until is not None and time.monotonic() < self.metrics_down_until
@@ -145,15 +181,21 @@ class ProxyBehaviour:
         if seen.events_down >= k:
             self.metrics_down_at = time.monotonic()
             self.metrics_down_until = self.metrics_down_at + duration_s
+            self._down_for = seen.request_id
 
     def _on_gone(self, seen: Seen) -> None:
         seen.client_gone_at = time.monotonic()
+        if self.metrics_down is not None and seen.request_id == self._down_for:
+            # the outage lasts past the stop however long the client took to get there
+            self.metrics_down_until = max(self.metrics_down_until, seen.client_gone_at + self.metrics_down[1])
         self.client_gone += 1
         if "-target-" not in seen.request_id or self.first_target_gone_at is not None:
             return
         self.first_target_gone_at = seen.client_gone_at
         if self.foreign_after_stop_s is not None:
             self._spawn(self._foreign())
+        if self.resubmit_after_gone and seen.sent is not None:
+            self._spawn(self._resubmit(seen))
 
     def _spawn(self, coro) -> asyncio.Task:
         task = self._loop.create_task(coro)
@@ -186,6 +228,21 @@ class ProxyBehaviour:
         except (httpx.HTTPError, TimeoutError, ValueError, KeyError, IndexError) as exc:
             self.foreign_error = f"{type(exc).__name__}: {exc}"
 
+    async def _resubmit(self, seen: Seen) -> None:
+        """The same request once more, read to its end: a gateway that retries after its client left."""
+        method, path, body, fwd = seen.sent
+        self.resubmitted.append(seen.request_id)
+        try:
+            async with asyncio.timeout(FOREIGN_DEADLINE_S):
+                async with self._client.stream(method, self.upstream + path, content=body, headers=fwd) as resp:
+                    if resp.status_code != 200:
+                        self.resubmit_error = f"HTTP {resp.status_code}"
+                    async for _ in resp.aiter_raw():
+                        pass
+            self.resubmit_done_at = time.monotonic()
+        except (httpx.HTTPError, TimeoutError) as exc:
+            self.resubmit_error = f"{type(exc).__name__}: {exc}"
+
     # ------------------------------------------------------------------ one connection
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -206,6 +263,9 @@ class ProxyBehaviour:
             self.metrics_refused += 1
             writer.transport.abort()  # no answer at all: the scrape fails as on a dead endpoint
             return
+        if method == "POST" and path.startswith("/cancel/") and (self.drop_cancels or self.cancel_upstream):
+            await self._cancel_call(path, body, headers, writer)
+            return
         rid = headers.get("x-request-id")
         if not rid:
             self._anon += 1
@@ -219,6 +279,9 @@ class ProxyBehaviour:
         fwd = {k: v for k, v in headers.items() if k not in HOP_HEADERS}
         # bodies are relayed raw, without their Content-Encoding header: ask upstream for none
         fwd["accept-encoding"] = "identity"
+        if self.mint_ids and "x-request-id" in fwd:
+            fwd["x-request-id"] = self.minted[rid] = f"gw-{uuid.uuid4().hex[:12]}"
+        seen.sent = (method, path, body, fwd)
         try:
             async with asyncio.timeout(REQUEST_DEADLINE_S):
                 await self._relay(seen, method, path, body, fwd, reader, writer)
@@ -229,6 +292,24 @@ class ProxyBehaviour:
                 writer.transport.abort()
             else:
                 writer.close()
+
+    async def _cancel_call(self, path: str, body: bytes, headers: dict, writer: asyncio.StreamWriter) -> None:
+        if self.drop_cancels:
+            status, answer = 200, json.dumps({"result": "cancelled", "status": {}}).encode()
+            self.cancels_dropped.append(path)
+        else:
+            fwd = {k: v for k, v in headers.items() if k not in HOP_HEADERS}
+            try:
+                resp = await self._client.post(self.cancel_upstream + path, content=body, headers=fwd)
+                status, answer = resp.status_code, resp.content
+            except httpx.HTTPError as exc:
+                status, answer = 502, f"proxy: upstream failed ({type(exc).__name__})".encode()
+            self.cancels_rerouted.append((path, status, answer.decode(errors="replace")))
+        writer.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                     b"Connection: close\r\n\r\n%s" % (status, b"OK" if status == 200 else b"Error", len(answer),
+                                                      answer))
+        await writer.drain()
+        writer.close()
 
     async def _relay(self, seen: Seen, method: str, path: str, body: bytes, fwd: dict,
                      reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -283,17 +364,20 @@ class ProxyBehaviour:
                 await writer.drain()
                 return
             ctype = resp.headers.get("content-type", "application/octet-stream")
+            # the app's own headers pass (the relay app's X-Relay-Request-Id: the id its cancel call needs)
+            own = "".join(f"{k}: {v}\r\n" for k, v in resp.headers.items() if k.lower().startswith("x-"))
             writer.write(f"HTTP/1.1 {resp.status_code} {resp.reason_phrase or 'OK'}\r\nContent-Type: {ctype}\r\n"
-                         "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n".encode())
+                         f"{own}Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n".encode())
             await writer.drain()
             handed = 0.0
             while (item := await queue.get()) is not None:
                 arrived, raw = item
                 # paced per SSE event: an API server that ran behind sends many events in one read, and
                 # handed over at once the client would read them all before any trigger could fire
-                for chunk in (_events(raw) if self.late_s else [raw]):
-                    wait = arrived + self.late_s - time.monotonic()
-                    if self.late_s:
+                late_s = self._late_for(seen)
+                for chunk in (_events(raw) if late_s else [raw]):
+                    wait = arrived + late_s - time.monotonic()
+                    if late_s:
                         wait = max(wait, handed + LATE_PACE_S - time.monotonic())
                     if wait > 0:
                         await asyncio.sleep(wait)

@@ -83,6 +83,7 @@ NOT_RUN = {
     "python bench/burst.py": "a benchmark (see make bench)",
     "python bench/soak.py": "a benchmark of ~20 minutes (see make bench)",
     "python bench/slow_engine.py": "a benchmark (see make bench)",
+    "python bench/other_traffic.py": "a benchmark of ~8 minutes on the embedded engine",
 }
 
 _ENV = r"(?:[A-Z][A-Z0-9_]*=\S+ )*"  # VAR=value words before a command

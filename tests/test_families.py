@@ -94,6 +94,9 @@ def test_a_run_of_two_families_is_one_line(tmp_path):
     ("grpc://127.0.0.1:9", "--relay-url", "http://127.0.0.1:9", "relay app serves vLLM's AsyncLLM"),
     ("grpc://127.0.0.1:9", "--prometheus", "http://127.0.0.1:9", "replica discovery"),
     ("http://127.0.0.1:9", "--http-url", "http://127.0.0.1:9", "Triton's HTTP endpoint"),
+    ("grpc://127.0.0.1:9", "--burst-window", "5s", "do not raise the sampling rate"),
+    ("grpc://127.0.0.1:9", "--job", "myjob", "replica discovery"),
+    ("grpc://127.0.0.1:9", "--engine-log-tz", "UTC", "stamps its log in UTC"),
 ])
 def test_a_record_option_that_does_not_apply_to_the_family_is_refused_in_one_line(tmp_path, target, option, value,
                                                                                     why):
@@ -105,3 +108,121 @@ def test_a_record_option_that_does_not_apply_to_the_family_is_refused_in_one_lin
     assert res.returncode == 2, said
     assert len(said) == 1 and option in said[0] and why in said[0] and "leave it out" in said[0], said
     assert not store.exists()  # nothing was recorded
+
+
+@pytest.mark.parametrize("command, args, why", [
+    ("sample", ["--duration", "1"], "sampling alone reads vLLM's /metrics"),
+    ("canary", ["--rounds", "1"], "the canary's rounds are vLLM's HTTP scenarios"),
+])
+def test_a_command_that_does_not_apply_to_the_family_is_refused_in_one_line(tmp_path, command, args, why):
+    """sample and canary pick the target's family from collectors/families.py like record: a Triton target
+    is refused before anything is sent or stored (port 9 answers nothing)."""
+    store = tmp_path / "cw.db"
+    res = cli(command, "--target", "grpc://127.0.0.1:9", *args, "--store", str(store))
+    said = [line for line in (res.stdout + res.stderr).splitlines() if line.strip()]
+    assert res.returncode == 2, said
+    assert len(said) == 1 and f"{command} does not apply to a {TRITON} target" in said[0] and why in said[0], said
+    assert not store.exists()
+
+
+def family_literals(root, families) -> list[str]:
+    """Every string literal equal to a family's name in the project's Python (modules and notebook code
+    cells), outside collectors/families.py, that family's own modules (its entry's `modules`) and tests."""
+    import ast
+
+    own = {name: set(f.modules) | {"collectors/families.py"} for name, f in families.items()}
+    found = []
+
+    def scan(where: str, text: str, rel: str) -> None:
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:  # a notebook cell of shell magics; the module tests parse every .py
+            return
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in own and rel not in own[node.value]:
+                found.append(f"{where}:{node.lineno}: {node.value!r}")
+
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.split("/")[0] in ("tests", "tests_engine") or any(p.startswith(".") for p in rel.split("/")):
+            continue
+        scan(rel, path.read_text(), rel)
+    for nb in sorted(root.glob("notebooks/*.ipynb")):
+        rel = nb.relative_to(root).as_posix()
+        for i, cell in enumerate(json.loads(nb.read_text())["cells"]):
+            if cell["cell_type"] == "code":
+                scan(f"{rel} cell {i}", "".join(cell["source"]), rel)
+    return found
+
+
+def test_no_family_name_is_written_outside_its_own_modules_and_the_table():
+    """A family's name spelled out in shared code is where a third family would silently get vLLM's (or
+    Triton's) behaviour: shared code reads the name from the family's constants or the table."""
+    from collectors.families import FAMILIES
+
+    assert set(FAMILIES) == {VLLM, TRITON}
+    for f in FAMILIES.values():
+        missing = [m for m in f.modules if not (ROOT / m).is_file()]
+        assert not missing, f"{f.name}'s entry names modules that are not there: {missing}"
+    assert family_literals(ROOT, FAMILIES) == []
+
+
+def test_the_family_literal_check_can_fail(tmp_path):
+    from collectors.families import FAMILIES
+
+    (tmp_path / "collectors" / "recording").mkdir(parents=True)
+    (tmp_path / "collectors" / "recording" / "shared.py").write_text(f'SOURCE = "{VLLM}"\nOTHER = "vllm:x"\n')
+    (tmp_path / "collectors" / "sources").mkdir()
+    (tmp_path / "collectors" / "sources" / "triton.py").write_text(f'FAMILY = "{TRITON}"\nWRONG = "{VLLM}"\n')
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text(f'X = "{VLLM}"\n')
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "notebooks" / "n.ipynb").write_text(json.dumps({"cells": [
+        {"cell_type": "code", "source": ["!make demo\n"]},
+        {"cell_type": "code", "source": [f"run = pick('{TRITON}')\n"]}]}))
+    assert family_literals(tmp_path, FAMILIES) == [
+        "collectors/recording/shared.py:1: 'vllm'", "collectors/sources/triton.py:2: 'vllm'",
+        "notebooks/n.ipynb cell 1:1: 'triton'"]
+
+
+def test_engine_status_names_each_engines_family_from_its_launcher(tmp_path):
+    """`engine status` asks the table which launcher owns each state file: a Triton's says triton, a vLLM's
+    vllm, and one written before state files held a kind is a vLLM's. The pids are gone: each is dead."""
+    from dataclasses import asdict
+
+    from collectors.engines import lifecycle, triton_server, vllm_server
+
+    gone = 2**22 + 12345  # above the kernel's pid_max default: no such process
+    common = dict(pid=gone, log_path="x.log", model="m", served_model_name="tiny", command=["x"], started_wall_ns=1)
+    lifecycle.write_state(tmp_path, lifecycle.EngineState(port=8000, url="http://127.0.0.1:8000", kind=vllm_server.KIND,
+                                                          **common))
+    lifecycle.write_state(tmp_path, lifecycle.EngineState(port=8100, url="http://127.0.0.1:8100",
+                                                          kind=triton_server.KIND, urls={"grpc": "127.0.0.1:8101",
+                                                          "metrics": "http://127.0.0.1:8102"}, **common))
+    legacy = {k: v for k, v in asdict(lifecycle.EngineState(port=8200, url="http://127.0.0.1:8200", **common)).items()
+              if k not in ("kind", "urls", "cgroup")}
+    (tmp_path / "engine-8200.json").write_text(json.dumps(legacy))
+    # a kind no launcher here writes (a newer cancelwatch's family): said as it is, never judged healthy
+    lifecycle.write_state(tmp_path, lifecycle.EngineState(port=8300, url="http://127.0.0.1:8300", kind="sglang",
+                                                          **common))
+    res = cli("engine", "status", home=tmp_path)
+    lines = res.stdout.splitlines()
+    assert res.returncode == 1, res.stdout + res.stderr  # none alive
+    assert [line.split()[0] for line in lines] == [VLLM, TRITON, VLLM, "sglang"], lines
+    assert "grpc 127.0.0.1:8101" in lines[1] and all(" dead " in line for line in lines), lines
+
+
+@pytest.mark.parametrize("command, args, said_part", [
+    ("record", ["--target", "grpc://u:secret@127.0.0.1:9"], "user:password@ in --target does not apply to a triton"),
+    ("record", ["--target", "http://127.0.0.1:9", "--burst-window", "5s"], "--burst-window works only with --burst-hz"),
+    ("record", ["--target", "http://127.0.0.1:9", "--job", "myjob"], "--job works only with --prometheus"),
+    ("sample", ["--target", "http://127.0.0.1:9", "--job", "myjob"], "--job works only with --prometheus"),
+])
+def test_an_option_that_would_do_nothing_is_refused_in_one_line(tmp_path, command, args, said_part):
+    """Given alone, these did nothing at all (credentials Triton never gets, a burst window with no burst, a
+    scrape job with no Prometheus to ask): refused before anything is sent, never dropped in silence."""
+    store = tmp_path / "cw.db"
+    res = cli(command, *args, "--store", str(store))
+    said = [line for line in (res.stdout + res.stderr).splitlines() if line.strip()]
+    assert res.returncode == 2 and len(said) == 1 and said_part in said[0], said
+    assert "secret" not in said[0] and not store.exists()

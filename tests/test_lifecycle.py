@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from collectors.engines import cpu_limit, lifecycle
+from collectors.engines import cpu_limit, lifecycle, triton_server, vllm_server
 from collectors.engines.lifecycle import EngineError, EngineState, PortBusy
 from tests.conftest import wait_gone
 
@@ -138,7 +138,8 @@ def test_the_state_file_keeps_its_format(home):
     old = {k: v for k, v in asdict(state).items() if k not in ("kind", "urls", "cgroup")}
     (home / "engine-8001.json").write_text(json.dumps(old | {"port": 8001}))
     (home / "engine-8002.json").write_text("{not json")
-    assert lifecycle.read_state(home, 8001).kind == "vllm" and lifecycle.read_state(home, 8002) is None
+    legacy = lifecycle.read_state(home, 8001)
+    assert vllm_server.owns(legacy) and not triton_server.owns(legacy) and lifecycle.read_state(home, 8002) is None
     assert [s.port for s in lifecycle.all_states(home)] == [8000, 8001]  # the unreadable one is skipped
 
 

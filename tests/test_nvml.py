@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from collectors.engines.lifecycle import free_port
-from collectors.recording.session import PreflightError, RecordSettings, Target, build_sources
+from collectors.recording.session import PreflightError, RecordSettings, Target
+from collectors.recording.vllm_session import build_vllm_sources as build_sources
 from collectors.sources.base import SourceError
 from collectors.sources.nvml import NvmlSource
 from tests.conftest import FIXTURES

@@ -136,7 +136,7 @@ def test_a_burst_lifts_only_the_scheduler_source_for_its_window_and_keeps_the_ba
     sampler.start()
     time.sleep(1.0)
     t_burst = time.monotonic_ns()
-    assert sampler.burst(0.5, target="x") == 1  # the vllm source only
+    assert sampler.burst(0.5, {"vllm"}, target="x") == 1  # the vllm source only
     time.sleep(1.5)
     sampler.stop()
     t0 = sampler.t0_mono_ns
@@ -172,7 +172,7 @@ def test_a_burst_rate_that_is_not_a_multiple_of_the_rate_is_refused():
 
     with pytest.raises(ValueError, match="whole multiple"):
         Sampler([TimedSource("vllm")], [].append, hz=20.0, burst_hz=70.0)
-    assert Sampler([TimedSource("vllm")], [].append, hz=20.0).burst(1.0) == 0  # no --burst-hz: nothing lifted
+    assert Sampler([TimedSource("vllm")], [].append, hz=20.0).burst(1.0, {"vllm"}) == 0  # no --burst-hz: nothing lifted
 
 
 def test_timing_statistics_are_bounded():

@@ -54,6 +54,10 @@ def test_every_triton_scenario_gives_its_expected_verdict_with_evidence_named(tr
             assert c["timepoints"]["engine_abort"] >= c["timepoints"]["user_stop"] - 0.05
             assert c["latencies_ms"]["engine_abort->left_scheduler_ms"] is not None
             assert c["timepoints"]["reusable"] is not None, f"{c['scenario']}: the probe was not served"
+        elif c["scenario"] == "triton_hoard":
+            # the model's own word (its cancel line) and its active gauge said released; its buffer did not
+            assert src["engine_abort"]["source"] == "engine_log" and ev["rule"] == "model_kept_buffer", c
+            assert ev["buffer_kept_bytes"] >= 4 << 20, ev  # at least half the 8 MiB the request held
         else:
             assert c["timepoints"]["engine_abort"] is None and ev["kept_running_ms"] > 0
     (http,) = by_scenario(doc, "triton_http_timeout")
@@ -106,7 +110,7 @@ def test_stream_wide_cancels_every_request_of_its_stream_and_no_neighbour(triton
 def test_no_silent_resubmit_and_the_run_says_what_it_tested(triton_run):
     _, doc, run, _, _ = triton_run
     counts = {r["model"]: r for r in doc["server_requests"]}
-    assert set(counts) == {"generator", "generator_deaf", "slow"}
+    assert set(counts) == {"generator", "generator_deaf", "generator_hoard", "slow"}
     for r in counts.values():
         assert r["ok"] and r["server_counted"] == r["sent"], r
     assert [t["family"] for t in run.info["targets"]] == ["triton"] and doc["family"] == "triton"

@@ -113,6 +113,58 @@ def test_the_neighbour_ending_does_not_stand_in_for_a_target_that_stayed(run):
     assert v.verdict == "stale_gauge" and v.rule == "gauge_did_not_fall", v.rule
 
 
+def test_without_the_server_log_the_models_other_requests_are_counted_from_the_ledger(run):
+    # the executing target's unit of the gauge never comes back, and its neighbour (same model, another
+    # stream) ends inside a 6 s grace: the gauge falls by one, the neighbour's. Counted from the ledger the
+    # neighbour is gone then, so that fall is not the target's; a constant "others at the stop" read it as one
+    stops = run.events[run.events["kind"] == "user_stop"]
+    t_stop = float(stops[stops["data"].str.contains("triton_executing")]["t_s"].iloc[0])
+    s = run.samples.copy()
+    held = (s["metric"] == "model_active_requests") & (s["labels"].astype(str) == '{"model": "generator"}') & \
+        (s["t_s"] > t_stop) & (s["t_s"] < t_stop + 7.0)
+    s.loc[held, "value"] += 1.0
+    run.samples = s
+    ledger = run.ledger[run.ledger["scenario"] == "triton_executing"]
+    nb = ledger[ledger["role"] == "neighbour"]
+    t0 = run.info["started_mono_ns"]
+    assert len(nb) == 1 and t_stop < (float(nb["closed_mono_ns"].iloc[0]) - t0) / 1e9 < t_stop + 6.0, nb
+    (v,) = verdicts(without_log(run), grace_s=6.0)["triton_executing"]
+    assert v.verdict != "released", (v.verdict, v.rule)
+
+
+def test_a_model_that_logs_the_cancel_but_keeps_its_buffer_is_not_released(run):
+    stops = run.events[run.events["kind"] == "user_stop"]
+    t_stop = float(stops[stops["data"].str.contains("triton_executing")]["t_s"].iloc[0])
+    s = run.samples.copy()
+    buf = (s["metric"] == "model_buffer_bytes") & (s["labels"].astype(str) == '{"model": "generator"}')
+    assert buf.any()
+    s.loc[buf & (s["t_s"] > t_stop), "value"] += float(8 << 20)  # the target's 8 MiB never given back
+    run.samples = s
+    (v,) = verdicts(run)["triton_executing"]
+    assert (v.verdict, v.rule) == ("leaked", "model_kept_buffer"), (v.verdict, v.rule)
+    assert v.evidence.buffer_kept_bytes >= 4 << 20 and v.timepoints["engine_abort"] is not None
+    # as recorded, the buffer gave the share back: released
+    (v,) = verdicts(load_run(RUN, "latest"))["triton_executing"]
+    assert v.verdict == "released", v.rule
+
+
+def test_a_buffer_read_right_is_no_leak_for_targets_stopped_together_or_a_reading_missing(run):
+    # stream_wide: two targets of one model stopped at once, a byte of the buffer that is no request's; and
+    # the executing target's buffer with its last reading before the stop missing (NaN, never read as 0)
+    s = run.samples.copy()
+    buf = (s["metric"] == "model_buffer_bytes") & (s["labels"].astype(str) == '{"model": "generator"}')
+    s.loc[buf, "value"] += 1.0
+    stops = run.events[run.events["kind"] == "user_stop"]
+    t_exec = float(stops[stops["data"].str.contains("triton_executing")]["t_s"].iloc[0])
+    last = s[buf & (s["t_s"] < t_exec)]["t_s"].max()
+    s.loc[buf & (s["t_s"] == last), "value"] = float("nan")
+    run.samples = s
+    got = verdicts(run)
+    assert [v.verdict for v in got["triton_stream_wide"]] == ["released", "released"], \
+        [(v.verdict, v.rule) for v in got["triton_stream_wide"]]
+    assert [v.verdict for v in got["triton_executing"]] == ["released"], [v.rule for v in got["triton_executing"]]
+
+
 def test_triton_log_stamps_are_utc_whatever_the_host_zone():
     line = 'I1130 09:29:13.588560 18307 model.py:31] "cancelwatch model=slow request=r event=started ms=800 poll=true"'
     old = os.environ.get("TZ")

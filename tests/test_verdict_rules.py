@@ -20,6 +20,7 @@ from analysis.cancel_table import cancel_table
 from analysis.protocol import protocol_markdown
 from analysis.verdicts import RULES, VERDICTS, judge_run, report_document
 from runstore.reader import load_run
+from tests.test_app_lost import answered
 from tests.test_triton_verdicts import RUN, without_log
 from tests.test_verdicts import ADDED, T0, build_run, steady_gen
 
@@ -63,18 +64,49 @@ def restarted(value):
     return lambda t: value(t) if t < 2.3 else 0.0
 
 
+def with_max_tokens(run, tokens: int = 500):
+    """Every request of the run asked for `tokens` (the neighbour's 500 outlast the run)."""
+    run.ledger["max_tokens"] = tokens
+    return run
+
+
+def alone_first(count):
+    """The neighbour alone in the engine until the target is sent at 0.5 s (the run's one sequence alone:
+    steady_gen's 20 tokens a second), then `count(t)`."""
+    return lambda t: 1.0 if t < 0.5 else count(t)
+
+
 DROP = (step(2.0, 1.0, 2.05), step(0.4, 0.1, 2.05))  # count and KV usage fall 50 ms after the stop
 # rule -> a hand-built vLLM run (test_verdicts.build_run: a stop at 2 s, a neighbour beside the target)
 VLLM_RUNS = {
+    # the app answered the explicit cancel; the engine counted the target and kept generating to its end at 5 s
+    "app_lost_cancel": lambda: answered(build_run(step(2.0, 1.0, 5.0), lambda t: 0.4, steady_gen)),
+    # ... but the engine was done with it at 1.8 s, before the stop: the tokens came from a buffer
+    "app_lost_unconfirmed": lambda: answered(build_run(step(2.0, 1.0, 1.8), lambda t: 0.4, steady_gen)),
     "trigger_never_reached": lambda: completed(build_run(step(2.0, 1.0, 1.5), lambda t: 0.4, steady_gen,
                                                          engine_log=ADDED), missed_trigger=True),
     "completion_won_race": lambda: completed(build_run(step(2.0, 1.0, 1.5), lambda t: 0.4, steady_gen,
                                                        engine_log=ADDED)),
+    # the neighbour's Added line where its send puts it, the target's 3 s after its first token: no one offset
+    "log_clock_disagrees": lambda: build_run(*DROP, steady_gen, engine_log=[("engine_added", "nb", 0.1),
+                                                                            ("engine_added", "tg", 3.8), ABORT]),
+    # no abort line for the target, but the log was cut short in place across its stop: it may be lost
+    "engine_log_gap": lambda: build_run(lambda t: 2.0, lambda t: 0.4, steady_gen, engine_log=ADDED, extra_events=[
+        {"request_id": None, "kind": "engine_log_gap", "mono_ns": ns(2.3),
+         "data": json.dumps({"target": "t0", "from_mono_ns": ns(1.9), "why": "the log was cut short in place"})}]),
     "no_samples": lambda: build_run(lambda t: 2.0, lambda t: 0.4, steady_gen, missing=(0.9, 5.0),
                                     engine_log=[*ADDED, ABORT]),
-    "too_few_samples": lambda: build_run(lambda t: 2.0, lambda t: 0.4, steady_gen, missing=(1.15, 6.0)),
-    "other_traffic_logged": lambda: build_run(*DROP, steady_gen,
-                                              engine_log=[*ADDED, ABORT, ("engine_added", "stranger", 2.1)]),
+    "too_few_samples": lambda: build_run(lambda t: 2.0, lambda t: 0.4, steady_gen, hz=1.0),  # sampled slowly
+    # a stranger enters as the target leaves: the count never falls to the ledger's
+    "other_traffic_logged": lambda: with_max_tokens(build_run(
+        alone_first(lambda t: 2.0), lambda t: 0.4, steady_gen, engine_log=[*ADDED, ABORT, ("engine_added", "stranger", 2.04)])),
+    # the count falls to the ledger's before the stranger comes
+    "released_beside_traffic": lambda: with_max_tokens(build_run(
+        alone_first(lambda t: 2.0 if t < 2.05 or t >= 2.1 else 1.0), lambda t: 0.4, steady_gen,
+        engine_log=[*ADDED, ABORT, ("engine_added", "stranger", 2.1)])),
+    # no abort, a stranger in the window, and 500 tokens at 25 a second (20 alone, a quarter added) take 20 s
+    "no_abort_beside_traffic": lambda: with_max_tokens(build_run(
+        alone_first(lambda t: 2.0), lambda t: 0.4, steady_gen, engine_log=[*ADDED, ("engine_added", "stranger", 2.1)])),
     "other_traffic_counted": lambda: build_run(step(3.0, 2.0, 2.05), step(0.4, 0.1, 2.05), steady_gen),
     "engine_restarted": lambda: build_run(restarted(lambda t: 2.0), restarted(lambda t: 0.4), restarted(steady_gen),
                                           probe_first_s=3.0),
@@ -83,6 +115,16 @@ VLLM_RUNS = {
     "abort_stamp_straddles_grace": lambda: build_run(step(2.0, 1.0, 3.95), step(0.4, 0.1, 3.95), steady_gen, stop_s=1.5,
                                                      abort_s=1.502, resolution_s=1.0,
                                                      engine_log=[*ADDED, ("engine_aborted", "tg", 3.0)]),
+    # the log was read and holds not one per-request line: vLLM without --enable-log-requests
+    "log_names_no_requests": lambda: build_run(step(2.0, 1.0, 3.0), lambda t: 0.4, steady_gen, engine_log=[]),
+    # the target aborted at its stop, then sent again by something on the path: a second Added line
+    # (the copy is an engine request of its own: another engine id under the same client id)
+    "resubmitted_after_stop": lambda: build_run(lambda t: 2.0, lambda t: 0.4, steady_gen, engine_log=[*ADDED, ABORT],
+                                                extra_events=[{"request_id": "tg", "kind": "engine_added",
+                                                               "mono_ns": ns(2.03), "data": json.dumps({
+                                                                   "engine_request_id": "cmpl-tg-0-fedcba98",
+                                                                   "clock": "engine_log", "resolution_s": 0.001,
+                                                                   "target": "t0"})}]),
     "never_added": lambda: build_run(step(2.0, 1.0, 3.0), lambda t: 0.4, steady_gen,
                                      engine_log=[("engine_added", "nb", 0.1)]),
     "aborted_before_stop": lambda: build_run(step(2.0, 1.0, 1.5), step(0.4, 0.1, 1.5), steady_gen, probe_first_s=2.2,
@@ -187,6 +229,20 @@ def gauge_held(scenario: str, model: str):
     return change
 
 
+def buffer_held(scenario: str, model: str):
+    """The model's buffer gauge 8 MiB (a request's buffer) higher from the scenario's stop on: the model let
+    the request go by its word and its active gauge, and kept what it held."""
+    def change(run):
+        t = float(run.events[stop_of(run, scenario)]["t_s"].iloc[0])
+        s = run.samples.copy()
+        held = (s["metric"] == "model_buffer_bytes") & (s["labels"].astype(str) == json.dumps({"model": model})) \
+            & (s["t_s"] > t)
+        assert held.any(), "the recorded run has no buffer gauge after the stop"
+        s.loc[held, "value"] += float(8 << 20)
+        run.samples = s
+    return change
+
+
 EXEC, DEAF, HTTP = "triton_executing", "triton_deaf", "triton_http_timeout"
 # rule -> (the scenario whose target reaches it, the changes to the recorded suite)
 TRITON_RUNS = {
@@ -196,6 +252,7 @@ TRITON_RUNS = {
     "too_few_samples": (EXEC, [scrapes_kept(EXEC, 3)]),
     "finished_before_stop": (DEAF, [stop_at(DEAF, 40.0)]),  # its `finished` line is at 39.84 s
     "abort_after_grace": (EXEC, [model_lines(EXEC, "engine_aborted", shift_s=3.0)]),
+    "model_kept_buffer": (EXEC, [buffer_held(EXEC, "generator")]),
     "model_cancelled_before_stop": (EXEC, [stop_at(EXEC, 7.2)]),  # its `cancelled` line is at 6.96 s
     "model_ended_with_error": (HTTP, [model_lines(HTTP, "engine_finished", detail="error: boom")]),
     "natural_end_with_stop": (HTTP, [stop_at(HTTP, 33.15)]),  # its `finished` line is at 33.20 s
@@ -219,7 +276,9 @@ TRITON_RUNS = {
                                     no_series("triton_request_failure_total")]),
 }
 # rule -> where it is reached, for a rule no run built here reaches (none today: keep it so)
-UNREACHED: dict[str, str] = {}
+UNREACHED: dict[str, str] = {
+    "renamed_untold": "tests/test_log_ids.py: the shipped sample's burst targets, its engine lines renamed",
+}
 
 
 @pytest.fixture(scope="module")

@@ -19,18 +19,19 @@ HZ = 20
 
 
 def build_run(count, kv, gen, *, stop_s=2.0, abort_s=2.002, probe_first_s=None, extra_ledger=(), missing=None,
-              engine_log=None, extra_events=(), resolution_s=0.001):
-    """A 6 s run at 20 Hz: `count(t)`, `kv(t)`, `gen(t)` give running(+0 waiting), KV usage and tokens;
-    no scrape answered in the stretch `missing` (from, to) in s. `engine_log`: the engine log was read,
+              engine_log=None, extra_events=(), resolution_s=0.001, waiting=lambda t: 0.0, series=None, hz=None):
+    """A 6 s run at 20 Hz (or `hz`): `count(t)`, `kv(t)`, `gen(t)` give running(+0 waiting), KV usage and tokens;
+    no scrape answered in the stretch `missing` (from, to) in s; `series`: more metrics, name -> f(t). `engine_log`: the engine log was read,
     and these (kind, request id, instant) lines are in it; None: a run without an engine log, whose
     driver stamped app_received and engine_abort on the client (as runs before engine logs did)."""
-    times = np.arange(0, 6, 1 / HZ)
+    times = np.arange(0, 6, 1 / (hz or HZ))
     rows = []
     for i, t in enumerate(times):
         if missing is not None and missing[0] <= t < missing[1]:
             continue
-        for metric, value in (("requests_running", count(t)), ("requests_waiting", 0.0),
-                              ("kv_cache_usage_ratio", kv(t)), ("generation_tokens_total", gen(t))):
+        more = tuple((metric, f(t)) for metric, f in (series or {}).items())
+        for metric, value in (("requests_running", count(t) - waiting(t)), ("requests_waiting", waiting(t)),
+                              ("kv_cache_usage_ratio", kv(t)), ("generation_tokens_total", gen(t)), *more):
             rows.append({"source": "vllm", "target": "t0", "metric": metric, "labels": "{}", "value": value,
                          "wall_ns": 0, "mono_ns": T0 + int(t * 1e9), "duration_ns": 1, "scrape_id": i, "t_s": t})
     samples = pd.DataFrame(rows)
@@ -71,7 +72,10 @@ def build_run(count, kv, gen, *, stop_s=2.0, abort_s=2.002, probe_first_s=None, 
     events = pd.DataFrame([*events, *extra_events]).sort_values("mono_ns")
     events["wall_ns"] = 0
     events["t_s"] = (events["mono_ns"] - T0) / 1e9
-    return Run(id=1, info=info, samples=samples, scrapes=pd.DataFrame(), gaps=pd.DataFrame(), events=events,
+    # the sampler's record of the hole: failed scrapes over `missing`
+    gaps = pd.DataFrame([{"source": "vllm", "target": "t0", "kind": "error", "t_s": missing[0], "end_t_s": missing[1]}]
+                        if missing is not None else [])
+    return Run(id=1, info=info, samples=samples, scrapes=pd.DataFrame(), gaps=gaps, events=events,
                ledger=pd.DataFrame(ledger))
 
 
@@ -148,6 +152,20 @@ def test_a_scrape_outage_across_the_grace_is_inconclusive_not_a_stale_gauge():
     assert v.timepoints["left_scheduler"] is None
 
 
+def test_a_few_samples_before_an_outage_across_the_grace_say_the_outage_not_the_rate():
+    # three scrapes answered in the second before the stop, then none until well past the grace (an engine
+    # frozen right after its abort): too few to judge on, and what is missing is the grace
+    run = build_run(lambda t: 2.0, lambda t: 0.4, steady_gen, missing=(1.15, 6.0))
+    (v,) = judge_run(run)
+    assert (v.verdict, v.rule, v.evidence.samples_in_window) == ("inconclusive", "no_samples_in_grace", 3), v
+    # sampled at 1 Hz all along: two samples in the grace, four in the window: the rate is the reason
+    (v,) = judge_run(build_run(lambda t: 2.0, lambda t: 0.4, steady_gen, hz=1.0))
+    assert (v.verdict, v.rule, v.evidence.samples_in_window) == ("inconclusive", "too_few_samples", 4), v
+    # at 0.5 Hz one sample in the grace, and no hole recorded: the rate, still, never "an outage"
+    (v,) = judge_run(build_run(lambda t: 2.0, lambda t: 0.4, steady_gen, hz=0.5))
+    assert (v.verdict, v.rule) == ("inconclusive", "too_few_samples"), v
+
+
 def test_an_engine_restart_inside_the_window_is_inconclusive_not_released():
     # the engine died and came back right after the abort: its gauges and counters start again at 0
     def restarted(value):
@@ -220,13 +238,50 @@ def test_an_engine_that_aborted_the_request_before_the_stop_says_so():
     assert v.timepoints["engine_abort"] is None  # an abort before the stop is not this cancel's
 
 
-def test_a_request_the_ledger_does_not_know_in_the_window_is_other_traffic_not_a_leak():
-    # a clean abort, then an unrelated stream 100 ms after the stop that the server counts
-    run = build_run(lambda t: 2.0 if t < 2.05 or t >= 2.1 else 1.0, lambda t: 0.4 if t < 2.05 else 0.1, steady_gen,
-                    engine_log=[*ADDED, ("engine_aborted", "tg", 2.01), ("engine_added", "stranger", 2.1)])
+def beside(count, log, tokens=500):
+    """The neighbour alone until the target's send at 0.5 s (one sequence alone: 20 tokens a second),
+    then `count(t)`; every request asked for `tokens`."""
+    run = build_run(lambda t: 1.0 if t < 0.5 else count(t), lambda t: 0.4, steady_gen, engine_log=[*ADDED, *log])
+    run.ledger["max_tokens"] = tokens
+    return run
+
+
+def test_a_request_the_ledger_does_not_know_in_the_window_is_weighed_never_read_as_a_leak():
+    # a clean abort, then an unrelated stream 100 ms after the stop that the server counts: the count was
+    # at the ledger's between the two, so the target was not in it
+    run = beside(lambda t: 2.0 if t < 2.05 or t >= 2.1 else 1.0,
+                 [("engine_aborted", "tg", 2.01), ("engine_added", "stranger", 2.1)])
+    (v,) = judge_run(run)
+    assert v.verdict == "released" and v.rule == "released_beside_traffic", v
+    assert v.evidence.foreign_requests == 1 and v.timepoints["left_scheduler"] == pytest.approx(2.05)
+    # the stranger comes before the count shows the target gone: the count never falls to the ledger's,
+    # and which of the two it holds cannot be told
+    run = beside(lambda t: 2.0, [("engine_aborted", "tg", 2.01), ("engine_added", "stranger", 2.04)])
     (v,) = judge_run(run)
     assert v.verdict == "inconclusive" and v.rule == "other_traffic_logged", v
-    assert v.evidence.foreign_requests == 1
+
+
+def test_a_count_at_the_ledgers_beside_traffic_is_no_release_where_a_held_request_may_have_left():
+    # the abort is logged but the engine keeps the target; the neighbour, 40 tokens (2 s alone, 1.6 s at
+    # the quarter faster bound), may have ended by 2.05 s while its client reads on: the count at the
+    # ledger's could be the target standing in for it
+    run = beside(lambda t: 2.0 if t < 2.05 or t >= 2.1 else 1.0,
+                 [("engine_aborted", "tg", 2.01), ("engine_added", "stranger", 2.1)], tokens=40)
+    (v,) = judge_run(run)
+    assert v.verdict == "inconclusive" and v.rule == "other_traffic_logged", v
+
+
+def test_a_lost_cancel_beside_traffic_is_leaked_only_where_its_tokens_outlast_the_grace():
+    # no abort line and a stranger in the window; one sequence alone makes 20 tokens a second (25 with the
+    # quarter added): 500 tokens outlast the grace by far, 30 could have ended before the stop
+    for tokens, verdict, rule in ((500, "leaked", "no_abort_beside_traffic"), (30, "inconclusive", "other_traffic_logged")):
+        (v,) = judge_run(beside(lambda t: 2.0, [("engine_added", "stranger", 2.1)], tokens=tokens))
+        assert (v.verdict, v.rule) == (verdict, rule), (tokens, v)
+    # without a stretch of one sequence alone no rate bounds it: never leaked on a guess
+    run = build_run(lambda t: 2.0, lambda t: 0.4, steady_gen, engine_log=[*ADDED, ("engine_added", "stranger", 2.1)])
+    run.ledger["max_tokens"] = 500
+    (v,) = judge_run(run)
+    assert (v.verdict, v.rule) == ("inconclusive", "other_traffic_logged"), v
 
 
 def test_a_burst_is_judged_per_id_so_one_leak_marks_one_cancel():
@@ -342,3 +397,97 @@ def test_an_outage_over_the_whole_window_says_no_samples():
     (v,) = judge_run(run)
     assert v.verdict == "inconclusive" and v.evidence.samples_in_window == 0, v
     assert v.rule == "no_samples"
+
+
+def test_still_counted_is_judged_at_the_grace_end_not_on_the_largest_excess_inside_it():
+    # the abort at 2.002 s; the engine's next steps keep counting the target until 3.9 s, then the count is
+    # reconciled inside the 2 s grace (KV usage stays: blocks still cached). Judged on the largest excess
+    # inside the grace this read as a leak; at the grace's end the server counts no more than the ledger
+    abort = ("engine_aborted", "tg", 2.01)
+    run = build_run(lambda t: 2.0 if t < 3.9 else 1.0, lambda t: 0.4, steady_gen, engine_log=[*ADDED, abort])
+    (v,) = judge_run(run)
+    assert v.verdict == "inconclusive" and v.evidence.rule == "kv_did_not_fall", v
+    assert v.evidence.excess_max == 1.0 and v.evidence.excess_at_grace_end == 0.0
+    # still counted at the grace's end, while the engine steps: leaked, as before
+    (v,) = judge_run(build_run(lambda t: 2.0 if t < 4.5 else 1.0, lambda t: 0.4, steady_gen,
+                               engine_log=[*ADDED, abort]))
+    assert v.verdict == "leaked" and v.evidence.excess_at_grace_end == 1.0, v
+
+
+def test_a_target_still_waiting_at_its_stop_owes_no_kv_back():
+    # max_num_seqs 1: the neighbour runs, the target waits behind it (the gauges: 1 running, 1 waiting)
+    # until its stop; the abort takes it from the queue. It held no KV, so KV usage does not fall: the
+    # count reconciled is its release, whatever its phase's name says
+    def waiting(t):
+        return 1.0 if t < 2.05 else 0.0
+
+    run = build_run(lambda t: 2.0 if t < 2.05 else 1.0, lambda t: 0.4, steady_gen, waiting=waiting,
+                    engine_log=[*ADDED, ("engine_aborted", "tg", 2.01)])
+    (v,) = judge_run(run)
+    assert v.verdict == "released", v
+    # the same gauges with the target running at its stop (the neighbour waiting): its KV must come back
+    run = build_run(lambda t: 2.0 if t < 2.05 else 1.0, lambda t: 0.4, steady_gen, waiting=waiting,
+                    engine_log=[("engine_added", "tg", 0.05), ("engine_added", "nb", 0.5),
+                                ("engine_aborted", "tg", 2.01)])
+    run.ledger.loc[run.ledger["request_id"] == "tg", ["sent_mono_ns", "first_token_mono_ns"]] = [T0 + int(0.05e9),
+                                                                                                  T0 + int(0.3e9)]
+    run.ledger.loc[run.ledger["request_id"] == "nb", ["sent_mono_ns", "first_token_mono_ns"]] = [T0 + int(0.5e9),
+                                                                                                  T0 + int(0.8e9)]
+    (v,) = judge_run(run)
+    assert v.verdict == "inconclusive" and v.evidence.rule == "kv_did_not_fall", v
+
+
+def test_an_n2_request_waiting_is_two_of_the_waiting_sequences():
+    # the target runs; the neighbour, an n=2 request sent after it, waits with both its sequences (W=2):
+    # the target is not among the waiting, and its KV must come back (it does not: KV stays)
+    run = build_run(lambda t: 3.0 if t < 2.05 else 2.0, lambda t: 0.4, steady_gen, waiting=lambda t: 2.0,
+                    engine_log=[("engine_added", "tg", 0.05), ("engine_added", "nb", 0.5),
+                                ("engine_aborted", "tg", 2.01)])
+    run.ledger.loc[run.ledger["request_id"] == "tg", ["sent_mono_ns", "first_token_mono_ns"]] = [T0 + int(0.05e9),
+                                                                                                  T0 + int(0.3e9)]
+    run.ledger.loc[run.ledger["request_id"] == "nb", ["sent_mono_ns", "first_token_mono_ns", "n"]] = [
+        T0 + int(0.5e9), T0 + int(0.8e9), 2]
+    (v,) = judge_run(run)
+    assert v.verdict == "inconclusive" and v.evidence.rule == "kv_did_not_fall", v
+
+
+def test_an_engine_that_comes_back_after_the_horizon_is_still_a_restart():
+    # killed 50 ms after the stop, back only 75 s later (a slow engine: 74 s under a 0.3-CPU quota): the
+    # first sample after the scrape outage, past the 60 s horizon, is what shows the counter gone back
+    run = build_run(lambda t: 2.0, lambda t: 0.4, steady_gen, engine_log=[*ADDED, ("engine_aborted", "tg", 2.01)])
+    s = run.samples
+    run.samples = s[s["t_s"] < 2.05]
+    back = run.samples[run.samples["t_s"] == run.samples["t_s"].max()].copy()
+    rows = []
+    for k in range(20):  # the new engine: 1 running (the probe), KV 0.1, its token counter from 0
+        for metric, value in (("requests_running", 1.0), ("requests_waiting", 0.0), ("kv_cache_usage_ratio", 0.1),
+                              ("generation_tokens_total", 5.0 * k)):
+            row = back.iloc[0].to_dict() | {"metric": metric, "value": value, "t_s": 77.0 + 0.05 * k,
+                                            "mono_ns": T0 + int((77.0 + 0.05 * k) * 1e9), "scrape_id": 10_000 + k}
+            rows.append(row)
+    run.samples = pd.concat([run.samples, pd.DataFrame(rows)], ignore_index=True)
+    run.gaps = pd.DataFrame([{"source": "vllm", "target": "t0", "kind": "error", "t_s": 2.05, "end_t_s": 77.0,
+                              "ticks": 1500, "detail": "connection refused"}])
+    (v,) = judge_run(run)
+    assert (v.verdict, v.evidence.rule) == ("inconclusive", "engine_restarted"), v
+
+
+@pytest.mark.parametrize("series, waived", [
+    # the scheduler preempted a request a moment before the stop: this one's blocks may have gone back then
+    ({"preemptions_total": lambda t: 0.0 if t < 1.5 else 1.0}, "preempted"),
+    # the prefix cache gave the target 512 prompt tokens as it was admitted (0.5-0.8 s), the neighbour running
+    ({"prefix_cache_hits_tokens_total": lambda t: 0.0 if t < 0.6 else 512.0}, "prefix_shared"),
+    # hits long before it was admitted are another request's
+    ({"prefix_cache_hits_tokens_total": lambda t: 0.0 if t < 0.2 else 512.0}, None),
+    ({}, None),
+])
+def test_no_kv_drop_is_asked_of_a_preempted_or_prefix_sharing_request(series, waived):
+    # the count falls with the abort; KV usage does not (the neighbour took as many blocks as were freed)
+    run = build_run(lambda t: 2.0 if t < 2.05 else 1.0, lambda t: 0.4, steady_gen,
+                    engine_log=[*ADDED, ("engine_aborted", "tg", 2.01)],
+                    series=series)
+    (v,) = judge_run(run)
+    if waived:
+        assert (v.verdict, v.rule, v.evidence.kv_drop_waived) == ("released", "released", waived), v
+    else:
+        assert (v.verdict, v.rule) == ("inconclusive", "kv_did_not_fall"), v

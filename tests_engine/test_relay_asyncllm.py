@@ -127,9 +127,14 @@ def test_a_cancel_before_registration_is_kept_and_the_request_never_starts(loop,
         with pytest.raises(RequestCancelled, match="before it started"):
             await consume(relay, "early-1", "alice", (prompt(50), 50))
         assert eng.generated == [] and eng.aborts == []  # the engine never saw it
-        assert ("cancelled", "early-1") in events and relay.entries["early-1"].released
+        entry = relay.entries["early-1"]
+        assert ("cancelled", "early-1") in events and entry.state == "cancelled" and entry.abort is None
+        # rejected, and still never started: a client told "rejected" must not see its request run
         strict, _ = make_relay(eng, early_cancel="reject")
         assert await strict.cancel("early-2", "alice") == "rejected_unknown"
+        with pytest.raises(RequestCancelled, match="before it started"):
+            await consume(strict, "early-2", "alice", (prompt(50), 50))
+        assert eng.generated == [] and eng.aborts == []
     loop.run_until_complete(go())
 
 
@@ -176,7 +181,7 @@ def test_the_finally_path_awaits_abort_and_closes_the_iterator(loop, llm):
             await task
         entry = relay.entries["fin-1"]
         # by the time the serving task is done, abort() has returned and the engine dropped it
-        assert eng.aborts == [engine_id] and entry.abort_ok and entry.released
+        assert eng.aborts == [engine_id] and entry.abort_ok and entry.abort == "sent"
         assert entry.engine_abort_ns >= entry.app_received_ns
         assert not eng.in_engine(engine_id)
         assert ("abort_returned", "fin-1") in events
@@ -195,15 +200,15 @@ def test_a_failing_abort_is_retried_alerted_and_never_released(loop, llm, caplog
         relay, events = make_relay(eng, max_abort_attempts=3, abort_retry_s=0.01)
         await cancel_mid_stream(relay, "fail-1")
         entry = relay.entries["fail-1"]
-        assert entry.abort_attempts == 3 and entry.abort_ok is False and not entry.released
-        assert relay.status("fail-1")["released"] is False
+        assert entry.abort_attempts == 3 and entry.abort_ok is False and entry.abort == "failed"
+        assert relay.status("fail-1")["abort"] == "failed" and "released" not in relay.status("fail-1")
         assert ("abort_failed", "fail-1") in events
         await llm.abort(entry.engine_request_id)  # clean up behind the injected failure
-        # a transient failure: retried until it goes through, then released
+        # a transient failure (raised, nothing half done): retried until it goes through, then sent
         eng2 = Engine(llm, abort_failures=2)
         relay2, _ = make_relay(eng2, max_abort_attempts=3, abort_retry_s=0.01)
         await cancel_mid_stream(relay2, "fail-2")
-        assert relay2.entries["fail-2"].abort_attempts == 3 and relay2.entries["fail-2"].released
+        assert relay2.entries["fail-2"].abort_attempts == 3 and relay2.entries["fail-2"].abort == "sent"
     with caplog.at_level(logging.WARNING, logger="cancelwatch.relay"):
         loop.run_until_complete(go())
     assert any("ALERT" in r.message for r in caplog.records if r.levelno == logging.ERROR)
@@ -284,17 +289,114 @@ class TrackedEngine(Engine):
         await super().abort(engine_id)
 
 
-def test_an_abort_that_hangs_is_cut_off_and_retried(loop, llm, caplog):
+def scheduled() -> float | None:
+    """Running + waiting requests on the engine core's scheduler, as its stats reach this process's own
+    gauges (what relay_app serves on /metrics): the scheduler itself, not the front end's state."""
+    from collectors.engines.relay_app import scheduler_count
+
+    return scheduler_count()
+
+
+async def beside_a_neighbour(relay, rid, seen=None):
+    """`rid` cancelled while a long neighbour runs beside it (its steps keep the gauges fresh); the
+    neighbour is cancelled after. Returns its entry; `seen["count"]`: the scheduler's count at the cancel."""
+    got = []
+    neighbour = asyncio.create_task(consume(relay, f"{rid}-nb", "bob", (prompt(40, 7), 3000), got=got))
+    assert await until(lambda: len(got) >= 3), f"{len(got)} neighbour outputs within {ENGINE_WAIT_S:.0f} s"
+    assert await until(lambda: (scheduled() or 0) >= 1), scheduled()
+    try:
+        got_tg = []
+        task = asyncio.create_task(consume(relay, rid, "alice", (prompt(50), 400), got=got_tg))
+        assert await until(lambda: len(got_tg) >= 3 and (scheduled() or 0) >= 2), (len(got_tg), scheduled())
+        if seen is not None:
+            seen["count"] = scheduled()
+        await relay.cancel(rid, "alice")
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, ENGINE_WAIT_S)
+        return relay.entries[rid]
+    finally:
+        await relay.cancel(f"{rid}-nb", "bob")
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(neighbour, ENGINE_WAIT_S)
+
+
+def test_an_abort_that_hangs_is_cut_off_retried_and_sent_once_the_scheduler_lets_it_go(loop, llm, caplog):
     async def go():
         eng = TrackedEngine(llm, abort_hangs=1)
-        relay, events = make_relay(eng, abort_timeout_s=0.3, abort_retry_s=0.01)
-        await cancel_mid_stream(relay, "hang-1")
-        entry = relay.entries["hang-1"]
-        assert entry.abort_attempts == 2 and entry.released and not eng.in_engine(entry.engine_request_id)
-        assert eng.streams[-1].closed
+        relay, events = make_relay(eng, abort_timeout_s=0.3, abort_retry_s=0.01, scheduler_count=scheduled,
+                                   confirm_s=ENGINE_WAIT_S / 4)
+        entry = await beside_a_neighbour(relay, "hang-1")
+        assert entry.abort_attempts == 2 and entry.abort == "sent" and not eng.in_engine(entry.engine_request_id)
+        assert eng.streams[0].closed
     with caplog.at_level(logging.WARNING, logger="cancelwatch.relay"):
         loop.run_until_complete(go())
     assert any("no answer within 0.3 s" in r.message for r in caplog.records)
+    assert not any("ALERT" in r.message for r in caplog.records), [r.message for r in caplog.records]
+
+
+class HollowEngine(TrackedEngine):
+    """An abort whose first attempt drops the request from AsyncLLM's front end and then hangs before the
+    engine core is told: the retry's abort() finds nothing left to abort there and returns."""
+
+    async def abort(self, engine_id):
+        self.aborts.append(engine_id)
+        if len(self.aborts) == 1:
+            self.llm.output_processor.abort_requests([engine_id], False)
+            await asyncio.sleep(3600)
+        await self.llm.abort(engine_id)
+
+
+def test_a_retry_behind_a_half_done_abort_is_sent_only_on_the_schedulers_word(loop, llm, caplog):
+    # the retry itself is hollow here; on this vLLM the request still leaves the scheduler (the generator's
+    # own cancellation aborts it in the core): the relay says `sent` because the gauges show it gone, not
+    # because abort() returned. Where they do not, it says `unconfirmed` (tests/test_relay_contract.py)
+    async def go():
+        eng = HollowEngine(llm)
+        relay, _ = make_relay(eng, abort_timeout_s=0.3, abort_retry_s=0.01, scheduler_count=scheduled,
+                              confirm_s=ENGINE_WAIT_S / 4)
+        before = {}
+        entry = await beside_a_neighbour(relay, "hollow-1", seen=before)
+        assert entry.abort_attempts == 2 and entry.abort == "sent", relay.status("hollow-1")
+        assert before["count"] >= 2, before  # the neighbour and the target, in the scheduler at the cancel
+    with caplog.at_level(logging.WARNING, logger="cancelwatch.relay"):
+        loop.run_until_complete(go())
+    assert not any("ALERT" in r.message for r in caplog.records), [r.message for r in caplog.records]
+
+
+def test_every_cancel_is_logged_in_arrival_order_with_its_outcome(loop, llm, caplog):
+    async def go():
+        eng = Engine(llm)
+        relay, _ = make_relay(eng)
+        got = []
+        task = asyncio.create_task(consume(relay, "log-1", "alice", (prompt(50), 400), got=got))
+        assert await until(lambda: len(got) >= 3), f"{len(got)} outputs within {ENGINE_WAIT_S:.0f} s"
+        answers = [await relay.cancel("log-1", "mallory"), await relay.cancel("log-1", "alice"),
+                   await relay.cancel("log-1", "alice"), await relay.cancel("log-2", "alice")]
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return answers
+    with caplog.at_level(logging.INFO, logger="cancelwatch.relay"):
+        answers = loop.run_until_complete(go())
+    assert answers == ["rejected_not_owner", "cancelled", "already_cancelled", "kept_until_registered"]
+    lines = [r.message for r in caplog.records if r.message.startswith("cancel ")]
+    assert lines == ["cancel log-1 from mallory: rejected_not_owner", "cancel log-1 from alice: cancelled",
+                     "cancel log-1 from alice: already_cancelled", "cancel log-2 from alice: kept_until_registered"]
+
+
+def test_a_replica_answers_not_here_for_another_replicas_request(loop, llm):
+    async def go():
+        eng = Engine(llm)
+        a, _ = make_relay(eng, replica="a")
+        b, _ = make_relay(eng, replica="b")
+        rid = a.issue_id()
+        assert rid.startswith("a-") and a.replica_of(rid) == "a"
+        got = []
+        task = asyncio.create_task(consume(a, rid, "alice", (prompt(50), 60), got=got))
+        assert await until(lambda: len(got) >= 3), f"{len(got)} outputs within {ENGINE_WAIT_S:.0f} s"
+        # never kept as an early cancel (the request would never start there: it never comes there)
+        assert await b.cancel(rid, "alice") == "not_here" and b.early == {}
+        assert await task == 60 and eng.aborts == []  # nothing reached the replica that holds it
+    loop.run_until_complete(go())
 
 
 def test_finished_entries_and_tombstones_are_pruned_but_running_ones_kept(loop, llm):
@@ -367,7 +469,7 @@ def test_a_client_that_goes_away_from_relay_app_is_aborted_and_its_iterator_clos
                 # the response is closed unread: the connection goes, nothing is sent to /cancel
             assert await until(lambda: relay.status(rid)["abort_ok"] is not None), relay.status(rid)
             st = relay.status(rid)
-            assert st["state"] == "cancelled" and st["abort_attempts"] == 2 and st["released"], st
+            assert st["state"] == "cancelled" and st["abort_attempts"] == 2 and st["abort"] == "sent", st
             engine_id = st["engine_request_id"]
             assert eng.aborts == [engine_id, engine_id] and not eng.in_engine(engine_id)
             assert await until(lambda: eng.streams[-1].closed), "the engine's iterator was never closed"

@@ -7,6 +7,7 @@ gives the verdict (released, leaked, stale_gauge, inconclusive), its `rule` code
             rules (RULES: code -> verdict and sentence, each code once), the shared guards
   vllm      vLLM's evidence: the engine log's abort, the scheduler's gauges against the ledger
   triton    Triton's evidence: the models' log lines and gauges, the core's counters
+  log_clock the engine log's clock against the run's (the offset its lines are moved by)
   families  the table of families (FAMILIES: name -> judge), judge_run, report_document
 
 `analysis.verdicts.judge_run` is the public entry (notebooks/explore.ipynb documents it); the rest of
@@ -22,6 +23,7 @@ from analysis.verdicts.core import (
     NO_APP,
     NO_LOG,
     POINT_LABELS,
+    RACE_RULES,
     RACE_TOKENS,
     RULES,
     SOURCE_LABELS,
@@ -37,14 +39,16 @@ from analysis.verdicts.core import (
     ledger_by_scenario,
     run_grace_s,
 )
+from analysis.verdicts.log_clock import LogClock, log_clocks
 from analysis.verdicts.families import FAMILIES, UnknownFamily, family_of, judge_run, neighbours_ok, report_document
 from analysis.verdicts.triton import TRITON
 from analysis.verdicts.vllm import VLLM, ledger_inflight
 
 __all__ = [
     "FAMILIES", "GRACE_S", "HORIZON_S", "LATENCIES", "LOG_SLACK_S", "MIN_SAMPLES", "NO_APP", "NO_LOG", "POINT_LABELS",
-    "RACE_TOKENS", "RULES", "SOURCES", "SOURCE_LABELS", "STOP_TO_ABORT", "TIMEPOINTS", "TRITON", "VERDICTS", "VLLM",
-    "CancelVerdict", "UnknownFamily",
-    "Rule", "engine_log_state", "family_of", "judge_run", "latency_key", "latency_label", "ledger_by_scenario",
+    "RACE_RULES", "RACE_TOKENS", "RULES", "SOURCES", "SOURCE_LABELS", "STOP_TO_ABORT", "TIMEPOINTS", "TRITON",
+    "VERDICTS", "VLLM",
+    "CancelVerdict", "LogClock", "UnknownFamily",
+    "Rule", "engine_log_state", "family_of", "judge_run", "latency_key", "latency_label", "ledger_by_scenario", "log_clocks",
     "ledger_inflight", "neighbours_ok", "report_document", "run_grace_s",
 ]

@@ -159,6 +159,7 @@ class Rule:
     verdict: str
     sentence: str
     quiet: bool = False
+    race: bool = False  # the evidence concluded a race the completion won: neither a release nor a leak
 
 
 NOTHING_TO_SHOW = "so this cancel cannot show whether cancels reach the engine"
@@ -168,13 +169,42 @@ RULES: dict[str, Rule] = {
     # the shared guards (this module)
     "trigger_never_reached": Rule(INCONCLUSIVE, "the request completed before the stop: the scenario's trigger "
                                   "({trigger}) was never reached, so there was nothing to cancel"),
+    "app_lost_cancel": Rule(LEAKED, "the app answered '{answer}' to the explicit cancel, yet the engine went on "
+                            "with the request: it still counted it and kept generating across the {grace_s:g} s "
+                            "grace, and {tokens} tokens reached the client after the stop, to its end "
+                            "{after_s:.1f} s later (a cancel endpoint that does nothing, the wrong owner, a replica "
+                            "that does not hold the request)"),
+    "app_lost_unconfirmed": Rule(INCONCLUSIVE, "the app answered '{answer}' to the explicit cancel, yet {tokens} "
+                                 "tokens reached the client after the stop, to the request's end {after_s:.1f} s "
+                                 "later: not a race the completion won, but the engine's samples cannot show it "
+                                 "still held the request across the {grace_s:g} s grace (another cancel or request "
+                                 "beside it, a gap in the evidence, or a hop that buffered tokens made before the "
+                                 "stop)"),
     "completion_won_race": Rule(INCONCLUSIVE, "the completion won the race: the client read the request's end "
-                                "before the cancel took effect, so this cancel cannot show a release"),
+                                "before the cancel took effect, so this cancel cannot show a release", race=True),
+    "log_clock_disagrees": Rule(INCONCLUSIVE, "the engine log's clock disagrees with the run's: its 'Added "
+                                "request' lines cannot all fall between their requests' sends and first tokens (one "
+                                "request puts the log {lo_s:+.3f} s off or more, another {hi_s:+.3f} s or less), so "
+                                "nothing it says can be placed against the stop; give the log's zone with "
+                                "--engine-log-tz, or check the engine host's clock"),
+    "engine_log_gap": Rule(INCONCLUSIVE, "the engine log may have lost lines inside this cancel's window ({how}): "
+                           "a missing abort or Added line proves nothing there; rotate the log by renaming it, "
+                           "not with copytruncate"),
     "no_samples": Rule(INCONCLUSIVE, "no samples from the engine from 1 s before the stop to the end of the grace: "
                        "a scrape outage, nothing to judge the release by"),
     "too_few_samples": Rule(INCONCLUSIVE, "too few samples around the cancel ({samples})"),
     "other_traffic_logged": Rule(INCONCLUSIVE, "other traffic was present: {requests} request(s) the ledger does "
                                  "not know entered the engine in this cancel's window (engine log)"),
+    "released_beside_traffic": Rule(RELEASED, "the engine logged the abort, and with other traffic in the window "
+                                    "({requests} request(s) the ledger does not know, named by the engine log) "
+                                    "the server still counted no more requests than the ledger {after_ms:.0f} ms "
+                                    "after it: the request had left the scheduler"),
+    "no_abort_beside_traffic": Rule(LEAKED, "the cancel never reached the engine: its log names the request "
+                                    "entering and no abort for it, and at the fastest this engine made tokens in "
+                                    "this cancel's stretch of the run ({rate:.0f} a second a sequence, a quarter added) it could not have run out its "
+                                    "{tokens} tokens before {finish_s:.1f} s after the stop, past the grace: it "
+                                    "kept generating for nobody (judged on the log beside {requests} request(s) "
+                                    "of other traffic)"),
     "other_traffic_counted": Rule(INCONCLUSIVE, "other traffic was present: the server counted more requests than "
                                   "the ledger before the cancel ({samples} samples)"),
     "engine_restarted": Rule(INCONCLUSIVE, "engine restarted inside this cancel's window ({how}): nothing to judge "
@@ -183,11 +213,23 @@ RULES: dict[str, Rule] = {
                                  "nothing was left to cancel"),
     "abort_after_grace": Rule(LEAKED, "the abort reached the engine only {late_s:.1f} s after the stop, past the "
                               "{grace_s:g} s grace: the request kept running for nobody until then"),
-    "abort_stamp_straddles_grace": Rule(INCONCLUSIVE, "the engine log stamps its abort line to {resolution_s:g} s "
-                                        "only: it came between {from_s:.1f} and {to_s:.1f} s after the stop, so "
-                                        "whether within the {grace_s:g} s grace cannot be told (log with "
-                                        "milliseconds)"),
+    "abort_stamp_straddles_grace": Rule(INCONCLUSIVE, "the engine log places its abort line to within "
+                                        "{resolution_s:.3g} s only (its stamps' rounding, and how closely the run "
+                                        "pins its clock down): it came between {from_s:.1f} and {to_s:.1f} s after "
+                                        "the stop, so whether within the {grace_s:g} s grace cannot be told (log "
+                                        "with milliseconds, on the recorder's clock)"),
     # vLLM (vllm.py): the engine log's lines, the scheduler's gauges against the ledger
+    "resubmitted_after_stop": Rule(LEAKED, "the request entered the engine again {after_s:.1f} s after the stop (a "
+                                   "second 'Added request' line for its id): something on the path, a gateway "
+                                   "retrying upstream after its client left, sent it once more, and the engine ran "
+                                   "it for nobody"),
+    "log_names_no_requests": Rule(INCONCLUSIVE, "the engine log names no requests (not one 'Added request' line): "
+                                  "start vLLM with --enable-log-requests; without it the log cannot show whether "
+                                  "this cancel reached the engine"),
+    "renamed_untold": Rule(INCONCLUSIVE, "the engine log names no request by this one's id, and {lines} request(s) "
+                           "it does not know entered the engine between this one's send and its first token: "
+                           "something on the path gives requests ids of its own (X-Request-Id), and which of "
+                           "them is this one cannot be told. Pass X-Request-Id through to the engine"),
     "never_added": Rule(INCONCLUSIVE, "the engine log never names this request (no 'Added request' line): the "
                         "engine may never have had it, so the cancel had nothing to act on"),
     "aborted_before_stop": Rule(INCONCLUSIVE, "the engine's log shows this request aborted {before_ms:.0f} ms "
@@ -202,7 +244,7 @@ RULES: dict[str, Rule] = {
                                 f"{NOTHING_TO_SHOW}"),
     "ran_out_its_last_tokens": Rule(INCONCLUSIVE, "the completion won the race: no abort in the engine log, and the "
                                     "request ran its last {remaining} token(s) out, leaving {after_ms:.0f} ms after "
-                                    "the stop"),
+                                    "the stop", race=True),
     "no_abort_ran_to_end": Rule(LEAKED, "the cancel never reached the engine: no abort for this request in the "
                                 "engine's log, and it kept running {kept_ms:.0f} ms after the stop and left only at "
                                 "its natural end"),
@@ -215,7 +257,7 @@ RULES: dict[str, Rule] = {
                         "the request held, so its release cannot be shown"),
     "released": Rule(RELEASED, "the server's count fell to the ledger's, and KV usage below its level at the stop "
                      "where the request held KV, within the grace after the abort", quiet=True),
-    "no_samples_in_grace": Rule(INCONCLUSIVE, "no samples from the engine across the grace ({samples} in "
+    "no_samples_in_grace": Rule(INCONCLUSIVE, "too few samples from the engine across the grace ({samples} in "
                                 "{grace_s:g} s): a scrape outage, nothing to judge the release by"),
     "gauges_not_refreshed": Rule(STALE_GAUGE, "no engine step refreshed the gauges within the grace: they are stale "
                                  "until the next step"),
@@ -234,7 +276,7 @@ RULES: dict[str, Rule] = {
     "model_ended_with_error": Rule(INCONCLUSIVE, "the model ended the request with an error ({detail}) {after_s:.2f} "
                                    "s after the stop, not on the cancel"),
     "natural_end_with_stop": Rule(INCONCLUSIVE, "the request's natural end came with the stop: a race the end may "
-                                  "have won"),
+                                  "have won", race=True),
     "http_carries_no_cancel": Rule(LEAKED, "HTTP carries no cancel for a non-streaming request: the client's timeout "
                                    "closed only its own side, and the model ran the request to its end {after_s:.1f} "
                                    "s after the stop (its log)"),
@@ -245,11 +287,15 @@ RULES: dict[str, Rule] = {
     "released_on_log_alone": Rule(RELEASED, "no model gauge: the release rests on the model's own log line alone"),
     "gauge_did_not_fall": Rule(STALE_GAUGE, "the model logged the cancel, but its active gauge did not fall to its "
                                "other requests within the grace"),
+    "model_kept_buffer": Rule(LEAKED, "the model logged the cancel and its active gauge fell, but its buffer gauge "
+                              "never gave the request's share back within the {grace_s:g} s grace ({held_mib:.1f} "
+                              "MiB still held beyond its other requests): the model's word is not a release"),
     "model_released": Rule(RELEASED, "the model logged the cancel within the grace and its active gauge fell to its "
                            "other requests", quiet=True),
     "dropped_in_queue": Rule(RELEASED, "the core dropped the request from its queue: its CANCELED failures for the "
                              "model rose within the grace", quiet=True),
-    "due_to_end_with_stop": Rule(INCONCLUSIVE, "no server log, and the request was due to end with the stop: a race"),
+    "due_to_end_with_stop": Rule(INCONCLUSIVE, "no server log, and the request was due to end with the stop: a race",
+                                 race=True),
     "gauge_fell_end_unknown": Rule(INCONCLUSIVE, "no server log: the model's active gauge fell, but nothing says "
                                    "whether the request was due to end then anyway"),
     "gauge_fell_before_natural_end": Rule(RELEASED, "no server log: the release rests on the model's active gauge "
@@ -267,6 +313,8 @@ RULES: dict[str, Rule] = {
     "still_running_at_end": Rule(LEAKED, "the model started the request and logged no cancel and no end: it was "
                                  "still running at the end of the run"),
 }
+# the rules whose evidence concluded a race the completion won (the acceptance counts them apart)
+RACE_RULES = frozenset(code for code, r in RULES.items() if r.race)
 
 
 # ------------------------------------------------------------------------------------------ the ladder
@@ -301,6 +349,32 @@ class Case:
         """How an engine restart shows inside the window, else None."""
         return None
 
+    def judged_beside_traffic(self) -> bool:
+        """Whether this cancel can be judged with other traffic in its window, on per-request evidence
+        (an engine log naming every request): its family's rules then weigh that traffic themselves."""
+        return False
+
+    def log_gap(self) -> str | None:
+        """How the engine log may have lost lines inside the window (a read error, a log cut short in
+        place), when the verdict would rest on it; None where it lost none, or no log is read."""
+        return None
+
+    def lost_in_app(self) -> dict | None:
+        """An explicit cancel the app answered while the request ran on to its end, past the grace: the
+        sentence's fields (answer, tokens, after_s, grace_s) and `confirmed`, whether the engine's evidence
+        shows it went on with the request; None otherwise, or where the family cannot tell."""
+        return None
+
+    def samples_in_grace(self) -> int | None:
+        """How many scheduler samples lie in the grace after the abort (or the stop), where the run recorded
+        a hole in the scrapes there; None where it recorded none, or the family does not say."""
+        return None
+
+    def log_clock_off(self) -> dict | None:
+        """When the verdict would rest on an engine log whose clock cannot be placed on the run's: the
+        offsets its requests allow (lo_s above hi_s); None where it can, or no log is read."""
+        return None
+
     def verdict(self, rule: str, **fields) -> CancelVerdict:
         """The verdict of `rule` (a key of RULES), its sentence filled with `fields`."""
         r = RULES[rule]
@@ -326,6 +400,19 @@ def climb(case: Case, rules: Sequence[Step]) -> CancelVerdict | None:
     return None
 
 
+def app_lost_cancel(c: Case) -> CancelVerdict | None:
+    # before the race: a request that ran to its end many tokens after an explicit cancel did not win a
+    # race, the app lost the cancel (the client keeps reading until the app ends the stream)
+    lost = c.lost_in_app() if c.completed else None
+    if lost is None:
+        return None
+    c.ev.app_answer = lost["answer"]
+    if not lost.pop("confirmed"):
+        return c.verdict("app_lost_unconfirmed", **lost)
+    c.ev.kept_running_ms = round(lost["after_s"] * 1000, 1)
+    return c.verdict("app_lost_cancel", **lost)
+
+
 def ended_before_stop(c: Case) -> CancelVerdict | None:
     if not c.completed:
         return None
@@ -336,12 +423,30 @@ def ended_before_stop(c: Case) -> CancelVerdict | None:
     return c.verdict("completion_won_race")
 
 
+def log_clock_disagrees(c: Case) -> CancelVerdict | None:
+    # an abort line, an Added line or their absence placed on a clock the run contradicts would be read
+    # hours or seconds away from the stop: no verdict rests on it
+    off = c.log_clock_off()
+    return c.verdict("log_clock_disagrees", **off) if off else None
+
+
+def engine_log_gap(c: Case) -> CancelVerdict | None:
+    # a missing abort line or a missing Added line may be one the log lost: neither says anything then
+    how = c.log_gap()
+    return c.verdict("engine_log_gap", how=how) if how else None
+
+
 def too_few_samples(c: Case) -> CancelVerdict | None:
     n = c.ev.samples_in_window
     if n >= MIN_SAMPLES:
         return None
     if not n:  # a scrape outage over the whole window, before the grace is looked at
         return c.verdict("no_samples")
+    in_grace = c.samples_in_grace()
+    if in_grace is not None and in_grace < 2:
+        # the few there are came before the abort: what is missing is the grace, the stretch a verdict
+        # reads, and that is the reason to give (an engine frozen, a scrape outage), not the rate
+        return c.verdict("no_samples_in_grace", samples=in_grace, grace_s=c.grace_s)
     return c.verdict("too_few_samples", samples=n)
 
 
@@ -349,8 +454,10 @@ def other_traffic(c: Case) -> CancelVerdict | None:
     # requests the engine log names and the ledger does not know, or the server counting more than the
     # ledger before the stop: another client's requests would be read as this one's
     logged, counted = c.foreign_traffic()
-    if logged:
+    if logged and not c.judged_beside_traffic():
         return c.verdict("other_traffic_logged", requests=logged)
+    if logged:
+        return None  # the log names every request, foreign ones too: the family's rules weigh them
     if counted >= 2:
         return c.verdict("other_traffic_counted", samples=counted)
     return None
@@ -371,8 +478,10 @@ def finished_by_its_log(c: Case) -> CancelVerdict | None:
 def abort_after_grace(c: Case) -> CancelVerdict | None:
     if c.t_abort is None:
         return None
-    # from here on the abort is this cancel's: every verdict below carries it
-    c.tp["engine_abort"] = c.t_abort
+    # from here on the abort is this cancel's: every verdict below carries it. A stamp rounded down
+    # (whole seconds), on a clock the run placed to within its spread, can read before the stop that
+    # caused the abort: reported, it came no earlier than the stop (the checks below keep the stamp)
+    c.tp["engine_abort"] = max(c.t_abort, c.t_stop)
     c.sources["engine_abort"] = (c.abort_source, None)
     late_s = c.t_abort - c.t_stop
     if late_s <= c.grace_s:
@@ -389,13 +498,15 @@ def abort_stamp_straddles_grace(c: Case) -> CancelVerdict | None:
         return c.verdict("abort_stamp_straddles_grace", resolution_s=res, from_s=c.t_abort - c.t_stop,
                          to_s=c.t_abort + res - c.t_stop, grace_s=c.grace_s)
     if res > 0.01:
-        c.sources["engine_abort"] = (c.abort_source, f"the log stamps it to {res:g} s (rounded down)")
+        c.sources["engine_abort"] = (c.abort_source, f"the log places it to within {res:.3g} s (its stamps, its clock)")
     return None
 
 
 # the rungs every cancel passes, in order, before its family's evidence rules
-GUARDS: tuple[Step, ...] = (ended_before_stop, too_few_samples, other_traffic, engine_restarted, finished_by_its_log,
-                            abort_after_grace, abort_stamp_straddles_grace)
+# (a restart comes before the log's gap: an engine restarted into its log cuts it short, and the restart
+# is the reason to give)
+GUARDS: tuple[Step, ...] = (app_lost_cancel, ended_before_stop, log_clock_disagrees, too_few_samples, other_traffic, engine_restarted,
+                            engine_log_gap, finished_by_its_log, abort_after_grace, abort_stamp_straddles_grace)
 
 
 def judge(case: Case, evidence_rules: Sequence[Step]) -> CancelVerdict:

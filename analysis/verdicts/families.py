@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from analysis.summary import sampling_stats
 from analysis.verdicts.core import CancelVerdict, run_grace_s
 from analysis.verdicts.triton import TRITON, judge_triton, report_fields
-from analysis.verdicts.vllm import VLLM, judge_vllm
+from analysis.verdicts.vllm import VLLM, judge_vllm, vllm_report_fields
 from runstore.errors import StoreError
 from runstore.reader import Run
 from runstore.records import DriveSettings
@@ -32,7 +32,7 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {
-    VLLM: Family(judge_vllm),
+    VLLM: Family(judge_vllm, vllm_report_fields),
     TRITON: Family(judge_triton, report_fields),
 }
 

@@ -17,6 +17,8 @@ Verdicts:
                 never reached it (HTTP carries none for a non-streaming request), or the backend does
                 not poll is_cancelled; or the cancel came only after the grace; or, without a log, the
                 model's active gauge stayed up and its steps kept rising through the grace
+                (a model that says so and stops counting the request but keeps the bytes it held, by its
+                buffer gauge, is leaked)
   stale_gauge   the model logged the cancel, but its active gauge did not fall within the grace
   inconclusive  the request had ended before the stop, no server evidence names it, too few samples
 
@@ -49,6 +51,9 @@ from runstore.reader import Run
 TRITON = "triton"
 # a natural end this close after the stop is a race the end may have won, not a lost cancel
 RACE_S = 0.1
+# without a log, a ledger request is counted as the server's from this long after its send to this long
+# before its client's close (a recorded probe was taken up 12 ms after its send)
+LEDGER_LAG_S = 0.1
 
 
 def model_series(run: Run, metric: str, target: str | None, **labels: str) -> tuple[np.ndarray, np.ndarray]:
@@ -62,7 +67,9 @@ def model_series(run: Run, metric: str, target: str | None, **labels: str) -> tu
         df = df[df["labels"].astype(str).isin(keep)]
         if df.empty:
             return np.array([]), np.array([])
-    g = df.groupby("scrape_id", observed=True).agg(t_s=("t_s", "first"), value=("value", "sum")).sort_values("t_s")
+    # a scrape whose values are all missing is no reading (pandas' plain sum would make it 0)
+    g = df.groupby("scrape_id", observed=True).agg(t_s=("t_s", "first"), value=("value", lambda v: v.sum(min_count=1)))
+    g = g[np.isfinite(g["value"].to_numpy(dtype=float))].sort_values("t_s")
     return g["t_s"].to_numpy(dtype=float), g["value"].to_numpy(dtype=float)
 
 
@@ -142,12 +149,16 @@ def judge_triton(run: Run, grace_s: float, metrics_target: str | None = None) ->
     for stop, data in zip(stops.itertuples(index=False), datas):
         key = (data.get("model"), round(float(stop.t_s), 4))
         together[key] = together.get(key, 0) + 1
+    models = {r.request_id: json.loads(r.data).get("model")
+              for r in ev_all[ev_all["kind"] == "request_sent"].itertuples(index=False)}
+    spans = {r: (row.get("sent_mono_ns"), row.get("closed_mono_ns")) for r, row in rows.items()}
     out = []
     for stop, data in zip(stops.itertuples(index=False), datas):
         case = _case(run, slog, rows, by_scenario.get(data.get("scenario"), NO_REQUESTS), scrape_times, data=data,
                      rid=stop.request_id, t_stop=float(stop.t_s), t0=t0, target=target, grace_s=grace_s,
                      log_state=log_state, missed=missed.get(stop.request_id),
-                     together=together[(data.get("model"), round(float(stop.t_s), 4))])
+                     together=together[(data.get("model"), round(float(stop.t_s), 4))], models=models,
+                     spans=spans)
         out.append(judge(case, EVIDENCE_RULES))
     return out
 
@@ -178,32 +189,114 @@ class TritonCase(Case):
     polls: bool  # the model polls is_cancelled (its `started` line says poll=false when not)
     together: int  # same-model requests stopped at this instant, this one included
     natural: float | None  # when the request would have ended on its own (see _natural_end)
-    series: dict[str, tuple[np.ndarray, np.ndarray]]  # active, steps, pending, canceled: (instants, values)
+    series: dict[str, tuple[np.ndarray, np.ndarray]]  # active, steps, pending, canceled, buffer: (instants, values)
+    run: Run
+    models: dict  # request id -> the model its request_sent event names
+    ledger_spans: dict  # request id -> (sent_mono_ns, closed_mono_ns)
 
     @property
     def model(self) -> str | None:
         return self.data.get("model")
 
+    def others(self, times: np.ndarray) -> np.ndarray | None:
+        """Per instant: the model's requests other than this one it should be counting: by its log (started,
+        not yet ended); without one, the ledger's requests of the model in flight (sent, not yet closed),
+        plus whatever the gauge counted at the stop beyond the ledger (traffic the client does not know,
+        taken as steady). None without a gauge reading before the stop."""
+        if self.has_log:
+            return self.slog.others_running(self.model, self.rid, times)
+        t_act, v_act = self.series["active"]
+        before = _before(t_act, v_act, self.t_stop) if len(t_act) else None
+        if before is None:
+            return None
+        if not self.models:  # a run whose sends do not name their model: the others at the stop, held steady
+            return np.full(len(times), before - self.together)
+        mine = self.ledger_in_flight(times)
+        at_stop = float(self.ledger_in_flight(np.array([self.t_stop - 1e-6]))[0])
+        # at the stop the gauge counted this request, the ledger's others (the co-stopped targets among
+        # them) and whatever the client does not know: that last part is taken as steady
+        return mine + max(0.0, before - at_stop - 1)
+
+    def ledger_in_flight(self, times: np.ndarray) -> np.ndarray:
+        """Per instant: requests of this model the ledger had in the server, this one left out: from LEDGER_LAG_S
+        after their send to LEDGER_LAG_S before their client closed them (the server takes a request up a
+        moment after the send and ends it a moment before its client reads the end). Counted short at both
+        ends: an other counted too few makes a release harder to show, never easier."""
+        t0 = self.run.info["started_mono_ns"]
+        out = np.zeros(len(times))
+        for rid, (sent_ns, closed_ns) in self.ledger_spans.items():
+            if rid == self.rid or self.models.get(rid) != self.model or pd.isna(sent_ns):
+                continue
+            end = math.inf if pd.isna(closed_ns) else (closed_ns - t0) / 1e9 - LEDGER_LAG_S
+            out += (times >= (sent_ns - t0) / 1e9 + LEDGER_LAG_S) & (times < end)
+        return out
+
+    def counted(self) -> tuple[np.ndarray, np.ndarray]:
+        """(instants, requests) the server counted for the model: executing (its active gauge), and, without
+        a log (the ledger's others include requests still queued in the core), its pending ones too."""
+        t_act, v_act = self.series["active"]
+        t_pend, v_pend = self.series["pending"]
+        if self.has_log or not len(t_pend) or not len(t_act):
+            return t_act, v_act
+        i = np.searchsorted(t_pend, t_act)
+        same = (i < len(t_pend)) & (t_pend[np.minimum(i, len(t_pend) - 1)] == t_act)
+        pend = np.where(same, v_pend[np.minimum(i, len(t_pend) - 1)], np.nan)
+        keep = ~np.isnan(pend)
+        return t_act[keep], v_act[keep] + pend[keep]
+
     def left_after(self, t_from: float) -> float | None:
         """First sample from `t_from` through the grace where the model's active gauge is no more than its
         other requests (by its log; without one, by the ledger): this request no longer counted."""
-        t_act, v_act = self.series["active"]
+        t_act, v_act = self.counted()
         if not len(t_act):
             return None
         sel = (t_act >= t_from - LOG_SLACK_S) & (t_act <= t_from + self.grace_s)
-        if self.has_log:
-            others = self.slog.others_running(self.model, self.rid, t_act)
-        else:
-            before = _before(t_act, v_act, self.t_stop)
-            if before is None:
-                return None
-            others = np.full(len(t_act), before - self.together)
+        others = self.others(t_act)
+        if others is None:
+            return None
         return _first(t_act, sel & (v_act <= others + 0.5))
+
+    def buffer_kept(self, t_left: float) -> float | None:
+        """Bytes the model's buffer gauge still held beyond its other requests' share, from `t_left` (the
+        active gauge fell) through the grace after the abort, where that stayed above half this request's
+        share at every pair of consecutive samples (one low reading, a gauge a line ahead of the log, is not
+        a give-back); None where it gave the share back, or no buffer reading can say. A request's share:
+        the buffer, less what it held with nothing running before this request was sent, over the active
+        count, both read at the same scrape before the stop."""
+        t_buf, v_buf = self.series["buffer"]
+        t_act, v_act = self.series["active"]
+        if not len(t_buf) or not len(t_act):
+            return None
+        # the scrapes that read both gauges, once: the share and the idle level each come from one scrape
+        t_both, i_buf, i_act = np.intersect1d(t_buf, t_act, return_indices=True)
+        b_both, a_both = v_buf[i_buf], v_act[i_act]
+        j = int(np.searchsorted(t_both, self.t_stop, side="left")) - 1
+        if j < 0 or t_both[j] != t_act[int(np.searchsorted(t_act, self.t_stop, side="left")) - 1] or a_both[j] <= 0:
+            return None  # no reading of both gauges at the last scrape before the stop
+        b_stop, a_stop = float(b_both[j]), float(a_both[j])
+        sent = self.ledger_spans.get(self.rid, (None, None))[0]
+        t_sent = (sent - self.run.info["started_mono_ns"]) / 1e9 if sent is not None and not pd.isna(sent) else self.t_stop
+        idle = b_both[(t_both < t_sent) & (a_both == 0)]
+        base = float(idle[-1]) if len(idle) else 0.0  # what the model holds with nothing running (a pool, a hoard)
+        share = (b_stop - base) / a_stop
+        if share <= 0:
+            return None
+        sel = (t_buf >= t_left - LOG_SLACK_S) & (t_buf <= max(t_left, self.t_abort or t_left) + self.grace_s)
+        if sel.sum() < 2:
+            return None
+        # the others at the stop and at each sample of the stretch (the co-stopped targets among them)
+        others = self.others(np.concatenate(([self.t_stop - 1e-6], t_buf[sel])))
+        if others is None:
+            return None
+        # what the buffer holds beyond this request's share given back, at each sample
+        excess = v_buf[sel] - (b_stop - share) - share * (others[1:] - others[0])
+        kept = float(np.maximum(excess[:-1], excess[1:]).min())
+        return kept if kept > 0.5 * share else None
 
 
 def _case(run: Run, slog: _ServerLog, rows: dict, same: dict, scrape_times: np.ndarray, *, data: dict, rid: str,
           t_stop: float, t0: int, target: str | None, grace_s: float, log_state: str, missed: dict | None,
-          together: int) -> TritonCase:
+          together: int, models: dict, spans: dict) -> TritonCase:
     has_log = log_state == "read"
     model, lrow = data.get("model"), rows.get(rid)
     t_added = slog.first("engine_added", rid)
@@ -226,7 +319,8 @@ def _case(run: Run, slog: _ServerLog, rows: dict, same: dict, scrape_times: np.n
     series = {"active": model_series(run, "model_active_requests", target, model=model),
               "steps": model_series(run, "model_steps_total", target, model=model),
               "pending": model_series(run, "triton_pending_requests", target, model=model),
-              "canceled": model_series(run, "triton_request_failure_total", target, model=model, reason="CANCELED")}
+              "canceled": model_series(run, "triton_request_failure_total", target, model=model, reason="CANCELED"),
+              "buffer": model_series(run, "model_buffer_bytes", target, model=model)}
     terminal = None if lrow is None else lrow["terminal_state"]
     return TritonCase(rid=rid, scenario=data.get("scenario"), phase=phase, terminal=terminal, t_stop=t_stop,
                       grace_s=grace_s, ev=ev, tp=tp, sources=sources, completed=terminal == "completed", missed=missed,
@@ -236,7 +330,8 @@ def _case(run: Run, slog: _ServerLog, rows: dict, same: dict, scrape_times: np.n
                       t_early_cancel=slog.first("engine_aborted", rid),
                       finished_detail=slog.detail.get(("engine_finished", rid), ""),
                       polls="poll=false" not in slog.detail.get(("engine_added", rid), ""), together=together,
-                      natural=_natural_end(data, t_stop, t0), series=series)
+                      natural=_natural_end(data, t_stop, t0), series=series, run=run, models=models,
+                      ledger_spans=spans)
 
 
 # ------------------------------------------------------------------------------------------ the rules
@@ -279,6 +374,11 @@ def cancel_logged(c: TritonCase) -> CancelVerdict | None:
     t_left = c.left_after(c.t_abort)
     if t_left is None:
         return c.verdict("gauge_did_not_fall")
+    kept = c.buffer_kept(t_left)
+    if kept is not None:
+        # the request stopped counting, but what it held stayed: the memory was not given back
+        c.ev.buffer_kept_bytes = kept
+        return c.verdict("model_kept_buffer", held_mib=kept / 2**20, grace_s=c.grace_s)
     c.tp["left_scheduler"] = t_left
     c.ev.count_after = float(v_act[np.searchsorted(t_act, t_left)])
     c.ev.release_ms = round(max(0.0, t_left - c.t_abort) * 1000, 1)
@@ -318,11 +418,13 @@ def metrics_alone(c: TritonCase) -> CancelVerdict | None:
     if natural is not None and natural - t_stop <= RACE_S:
         c.ev.race = "the request was due to end with the stop"
         return c.verdict("due_to_end_with_stop")
-    t_act, v_act = c.series["active"]
+    t_act, v_act = c.counted()
     has_gauge = len(t_act) > 0
     sel = (t_act >= t_stop) & (t_act <= t_stop + grace_s) if has_gauge else np.array([], dtype=bool)
     before = _before(t_act, v_act, t_stop) if has_gauge else None
-    t_fall = _first(t_act, sel & (v_act <= before - c.together + 0.5)) if before is not None else None
+    # the model's other requests at each sample, from the ledger (they come and go: never a constant)
+    others = c.others(t_act) if before is not None else None
+    t_fall = _first(t_act, sel & (v_act <= others + 0.5)) if others is not None else None
     if t_fall is not None and (natural is None or t_fall < natural - RACE_S):
         c.tp["left_scheduler"] = t_fall
         if natural is None:
@@ -330,7 +432,7 @@ def metrics_alone(c: TritonCase) -> CancelVerdict | None:
         return c.verdict("gauge_fell_before_natural_end", early_s=natural - t_fall)
     if before is not None and natural is not None:
         # the gauge stayed up to the request's natural end (or the end of the grace)
-        t_end = _first(t_act, (t_act >= natural - RACE_S) & (v_act <= before - c.together + 0.5))
+        t_end = _first(t_act, (t_act >= natural - RACE_S) & (v_act <= others + 0.5))
         c.ev.kept_running_ms = round(((t_end if t_end is not None else t_stop + grace_s) - t_stop) * 1000, 1)
         return c.verdict("gauge_up_to_natural_end" if t_end is not None else "gauge_up_through_grace")
     t_steps, v_steps = c.series["steps"]

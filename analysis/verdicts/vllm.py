@@ -17,6 +17,10 @@ still counts more than the ledger after the grace while the engine keeps steppin
 same, but generation_tokens_total is flat: gauges pinned between steps); inconclusive (the engine had
 already finished the request or a race at its last tokens, other traffic anywhere in the window, too
 few samples, no samples across the grace, an engine restart in the window).
+The ledger counts a request in the server from its send (its Added line, where the log names it) to
+its client's close; a request the client completed ends earlier where the engine's evidence says the
+engine was done with it while its client still read (engine_done.py): a slow reader beside a lost
+cancel must not stand in for the request the engine kept.
 Never judged by request_success_total{finished_reason="abort"}:
 vLLM does not count client disconnects there.
 
@@ -27,7 +31,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
@@ -35,7 +40,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.evidence import Evidence
-from analysis.series import scheduler_frame
+from analysis.series import sample_period, scheduler_frame
 from analysis.verdicts.core import (
     HORIZON_S,
     LOG_SLACK_S,
@@ -51,9 +56,14 @@ from analysis.verdicts.core import (
     judge,
     ledger_by_scenario,
 )
+from analysis.verdicts.engine_done import engine_done_at, solo_tokens_per_s
+from analysis.verdicts.log_clock import LogClock, log_evidence
+from analysis.verdicts.log_ids import LogIds
 from runstore.reader import Run
 
 VLLM = "vllm"
+ENGINE_LOG = "engine_log"  # the source name of the engine log's gaps (collectors/sources/engine_log.py)
+NAMES_NO_REQUESTS = "the engine log names no requests"
 
 
 def ledger_inflight(ledger: pd.DataFrame, t0_ns: int, times: np.ndarray, aborted_at: dict[str, float],
@@ -77,6 +87,61 @@ def ledger_inflight(ledger: pd.DataFrame, t0_ns: int, times: np.ndarray, aborted
     return counts
 
 
+def vllm_report_fields(run: Run) -> dict:
+    """What a vLLM run's report adds: each engine log's clock against the run's (log_clock.py), and what a
+    reader must know of the logs before reading the verdicts."""
+    clocks, ids = log_evidence(run)
+    return {"engine_log_clock": [c.as_json() for c in clocks.values()],
+            "engine_log_notes": engine_log_notes(run, clocks, ids)}
+
+
+def engine_log_notes(run: Run, clocks: dict[str | None, LogClock], ids: LogIds | None = None) -> list[str]:
+    """One sentence per read engine log that names no request, has no abort line for any of the run's
+    cancels, names the run's requests by ids a gateway minted (`ids`: log_ids.py), or whose clock
+    (`clocks`: log_clocks of the run) the run moved or could not place (the report says them, and the
+    protocol from it)."""
+    logs = (run.info.get("engine") or {}).get("engine_log") or {}
+    ev = run.events
+    notes = []
+    stops = int((ev["kind"] == "user_stop").sum()) if not ev.empty else 0
+    lines = ev[ev["kind"].isin(["engine_added", "engine_aborted"])] if not ev.empty else ev
+    lines_of = Counter((json.loads(d).get("target"), kind) for kind, d in zip(lines["kind"], lines["data"])) \
+        if len(lines) else Counter()
+    for target, entry in logs.items():
+        if not (isinstance(entry, dict) and entry.get("path")):
+            continue
+        added, aborted = lines_of[(target, "engine_added")], lines_of[(target, "engine_aborted")]
+        if not added:
+            notes.append(f"The engine log of {target} names no requests (not one 'Added request' line): start vLLM "
+                         "with --enable-log-requests. Without those lines no cancel is judged on it, and none is "
+                         "called lost for its silence.")
+        elif stops and not aborted:
+            notes.append(f"The engine log of {target} has no abort line for any of the run's {stops} cancel(s): "
+                         "either none reached the engine, or this vLLM writes its abort line in a form cancelwatch "
+                         "does not read (it reads 'Aborted request(s) <ids>.' and, before vLLM 0.10.1, 'Aborted "
+                         "request <id>.').")
+        renamed = sum(1 for tgt, _ in ids.renamed if tgt == target) if ids is not None else 0
+        if renamed:
+            notes.append(f"The engine log of {target} names {renamed} of the run's requests by ids the client did "
+                         "not send (something on the path replaces X-Request-Id with its own): each was matched "
+                         "to its request as the only unknown one that entered the engine between that request's "
+                         "send and its first token. Pass X-Request-Id through to the engine to name them.")
+        clock = clocks.get(target)
+        if clock is None or not clock.requests:
+            continue
+        bounds = f"{clock.requests} request(s) allow offsets from {clock.lo_s:+.3f} to {clock.hi_s:+.3f} s"
+        if not clock.agrees:
+            notes.append(f"The engine log clock of {target} disagrees with the run's: no one offset puts every "
+                         f"'Added request' line between its request's send and first token ({bounds}); every "
+                         "verdict that rests on this log is inconclusive. Give its zone with --engine-log-tz, or "
+                         "check the engine host's clock.")
+        elif clock.offset_s:
+            notes.append(f"The engine log of {target} was stamped {-clock.offset_s:+.3f} s off the run's clock "
+                         f"(another zone, or a clock off): its lines are moved by {clock.offset_s:+.3f} s ({bounds}, "
+                         f"a spread of {clock.spread_s:.3f} s; stamps to {clock.resolution_s:g} s).")
+    return notes
+
+
 def _events(run: Run, kind: str) -> pd.DataFrame:
     ev = run.events
     return ev[ev["kind"] == kind] if not ev.empty else ev
@@ -90,8 +155,14 @@ class _EngineLog:
         self.aborted: dict[tuple[str, str], list[float]] = {}
         self.added: dict[tuple[str, str], list[float]] = {}
         self.foreign: dict[str, list[float]] = {}
+        # target -> client id -> when the engine was done with a request its client was still reading
+        self.ended_early: dict[str | None, dict[str, float]] = {}
+        # (target, client id) -> engine request id -> when it entered: a client id the engine saw twice was sent twice
+        self.entered: dict[tuple[str, str], dict[str, float]] = {}
         # an abort line's stamp is its time rounded down to this (vLLM's default format: whole seconds)
         self.resolution: dict[tuple[str, str], float] = {}
+        # each target's log against the run's clock: its lines are moved by the offset the run allows
+        self.clocks, self.ids = log_evidence(run)
         ev = run.events
         if ev.empty:
             return
@@ -99,14 +170,22 @@ class _EngineLog:
         for row in logged.itertuples(index=False):
             data = json.loads(row.data)
             target = data.get("target")
-            rid = _ledger_id(row.request_id, data.get("engine_request_id"), known)
+            rid = self.ids.of(target, row.request_id, data.get("engine_request_id"))
+            at = float(row.t_s) + self.clock(target).offset_s
             if row.kind == "engine_aborted":
-                self.aborted.setdefault((target, rid), []).append(float(row.t_s))
+                self.aborted.setdefault((target, rid), []).append(at)
                 self.resolution[(target, rid)] = float(data.get("resolution_s") or 0.001)
             else:
-                self.added.setdefault((target, rid), []).append(float(row.t_s))
+                self.added.setdefault((target, rid), []).append(at)
+                # the engine request an Added line is of (n>1 children, `k_<id>`, are one request)
+                parent = str(data.get("engine_request_id") or "").split("_", 1)[-1]
+                entered = self.entered.setdefault((target, rid), {})
+                entered[parent] = min(entered.get(parent, at), at)
                 if rid not in known:
-                    self.foreign.setdefault(target, []).append(float(row.t_s))
+                    self.foreign.setdefault(target, []).append(at)
+
+    def clock(self, target: str | None) -> LogClock:
+        return self.clocks.get(target) or LogClock(target)
 
     def abort_after(self, target: str | None, rid: str, t: float) -> float | None:
         slack = max(LOG_SLACK_S, self.resolution_of(target, rid))
@@ -114,30 +193,33 @@ class _EngineLog:
         return min(times) if times else None
 
     def resolution_of(self, target: str | None, rid: str) -> float:
-        return self.resolution.get((target, rid), 0.001)
+        """How much later than its instant here an abort line of `rid` may have been written: its stamp's
+        rounding, and where the log's clock was moved, how far the offset is from pinned down."""
+        return self.resolution.get((target, rid), 0.001) + self.clock(target).uncertainty_s
 
     def was_added(self, target: str | None, rid: str) -> bool:
         return (target, rid) in self.added
 
+    def names_requests(self, target: str | None) -> bool:
+        """Whether the log names any request at all (an Added line): vLLM writes none without
+        --enable-log-requests, and then no line can be missing for one request."""
+        return any(tgt == target for tgt, _ in self.added)
+
     def foreign_between(self, target: str | None, lo: float, hi: float) -> int:
         return sum(1 for x in self.foreign.get(target, []) if lo <= x <= hi)
 
-
-def _ledger_id(client_id: str | None, engine_request_id: str | None, known: set[str]) -> str | None:
-    """The ledger's id for an engine log line. The source reads the client id back by stripping the
-    suffixes vLLM adds, but a client id may itself end like one (the driver's end in 8 hex, as vLLM's
-    chat suffix from 0.14 on does): where that reading is not in the ledger, the longest ledger id the
-    engine's id starts with is the one."""
-    if client_id in known or not engine_request_id:
-        return client_id
-    rest = engine_request_id.split("_", 1)[1] if engine_request_id[:1].isdigit() and "_" in engine_request_id \
-        else engine_request_id
-    rest = rest.split("-", 1)[1] if rest.startswith(("chatcmpl-", "cmpl-")) else rest
-    parts = rest.split("-")
-    for i in range(len(parts), 0, -1):
-        if "-".join(parts[:i]) in known:
-            return "-".join(parts[:i])
-    return client_id
+    def done_with(self, run: Run, ledger: pd.DataFrame, target: str | None, sched: dict[str, np.ndarray],
+                  gone_at: dict[str, float], added: dict[str, float]) -> dict[str, float]:
+        """Completed requests the engine was done with before their client closed them (engine_done.py):
+        only where this log names every request of the target."""
+        if not self.names_requests(target) or self.foreign.get(target):
+            return {}
+        aborts = [(x, rid) for (tgt, rid), xs in self.aborted.items() if tgt == target for x in xs]
+        slack = max([LOG_SLACK_S] + [self.resolution_of(target, rid) for _, rid in aborts])
+        self.ended_early[target] = engine_done_at(
+            ledger, run.info["started_mono_ns"], sched, sample_period(run, sched["t_s"]), gone_at, added,
+            np.array([x for x, _ in aborts], dtype=float), slack)
+        return self.ended_early[target]
 
 
 def _trace_events(run: Run) -> dict[tuple[str, str], tuple[float, str]]:
@@ -155,6 +237,12 @@ def _trace_events(run: Run) -> dict[tuple[str, str], tuple[float, str]]:
             key = (row.kind, data.get("cancel_id"))
         trace.setdefault(key, (float(row.t_s), source))
     return trace
+
+
+def _app_answers(run: Run) -> dict[str, str]:
+    """cancel id -> what the app answered the explicit cancel (the app_answered event's `answer`)."""
+    datas = (json.loads(d) for d in _events(run, "app_answered")["data"])
+    return {d.get("cancel_id"): str(d.get("answer")) for d in datas}
 
 
 def _gone_at(run: Run, stops: pd.DataFrame, englog: _EngineLog, trace: dict, target_of) -> dict[str, float]:
@@ -193,6 +281,7 @@ def judge_vllm(run: Run, grace_s: float, metrics_target: str | None = None) -> l
         return []
 
     trace = _trace_events(run)
+    answers = _app_answers(run)
     missed = {r.request_id: json.loads(r.data) for r in _events(run, "trigger_missed").itertuples(index=False)}
     known = set(ledger["request_id"])
     englog = _EngineLog(run, known)
@@ -208,9 +297,13 @@ def judge_vllm(run: Run, grace_s: float, metrics_target: str | None = None) -> l
             sched = scheduler_frame(run, target)
             times = sched["t_s"].to_numpy()
             added = {rid: min(ts) for (tgt, rid), ts in englog.added.items() if tgt == target}
-            inflight = ledger_inflight(ledger, t0, times, gone_at, added) if len(times) else np.array([])
-            cols = {c: sched[c].to_numpy(dtype=float) for c in ("t_s", "count", "kv", "gen_tokens")}
-            frames[target] = (cols, inflight)
+            cols = {c: sched[c].to_numpy(dtype=float) for c in ("t_s", "count", "waiting", "kv", "gen_tokens",
+                                                                  "prefix_hits", "preemptions")}
+            ends = {**gone_at, **englog.done_with(run, ledger, target, cols, gone_at, added)} if len(times) else gone_at
+            inflight = ledger_inflight(ledger, t0, times, ends, added) if len(times) else np.array([])
+            solo = solo_tokens_per_s(cols["t_s"], cols["count"] - np.nan_to_num(cols["waiting"]), cols["waiting"],
+                                     cols["gen_tokens"]) if len(times) else None
+            frames[target] = (cols, inflight, solo, ends)
         return frames[target]
 
     rows = {r["request_id"]: r for r in ledger.to_dict("records")}
@@ -222,6 +315,10 @@ def judge_vllm(run: Run, grace_s: float, metrics_target: str | None = None) -> l
         case = _case(run, frame_for(target), englog, trace, by_scenario.get(scenario, NO_REQUESTS), data=data,
                      rid=rid, target=target, lrow=rows.get(rid), t_stop=float(stop.t_s), grace_s=grace_s, t0=t0,
                      missed=missed.get(rid), gone_until=gone_at.get(rid, math.inf))
+        case.app_answer = answers.get(data.get("cancel_id"))
+        lagged = sorted(r for r in englog.ended_early.get(target, {}) if rows.get(r, {}).get("scenario") == scenario)
+        case.ev.lagging_clients = lagged or None
+        case.ev.log_named_as = englog.ids.renamed_as(target, rid)
         out.append(judge(case, EVIDENCE_RULES))
     return out
 
@@ -230,6 +327,9 @@ class _Baseline(NamedTuple):
     before: np.ndarray  # per sample of the case's stretch: in the second before the stop
     kv_before: float  # KV usage at the last of them; NaN when none
     ahead: bool  # the server counted fewer requests than the ledger there: the engine ran ahead
+
+
+LAG_S = 0.25  # an end the engine made reaches its client this much later through a hop, at the most assumed
 
 
 @dataclass(kw_only=True, eq=False)
@@ -248,6 +348,11 @@ class VllmCase(Case):
     lrow: dict | None
     tokens_at_cancel: int | None
     gone_until: float  # at the latest, the request left the engine then (inf: not known)
+    hits_at_admission: float | None = None  # prefix-cache hit tokens while it was admitted (None: unknown)
+    solo_rate: float | None = None  # tokens/s of one sequence running alone in the run: no sequence is faster
+    # request id -> where the ledger stops counting it, when not its client's close (ledger_inflight)
+    ledger_ends: dict[str, float] = field(default_factory=dict)
+    app_answer: str | None = None  # what the app answered an explicit cancel (None: no explicit cancel)
 
     @cached_property
     def baseline(self) -> _Baseline:
@@ -268,6 +373,56 @@ class VllmCase(Case):
     def ahead(self) -> bool:
         return self.baseline.ahead
 
+    @cached_property
+    def waiting_at_stop(self) -> bool:
+        """The request was still waiting at its stop (behind max_num_seqs), whatever its trigger's name: it
+        held no KV, and its release gives none back. vLLM admits first come, first served: with W sequences
+        waiting at the last sample before the stop, the last W sequences to enter the engine by then (an
+        n>1 request is n of them) were the waiting ones."""
+        before = np.nonzero(self.baseline.before)[0]
+        if not len(before):
+            return False
+        t_b, w = float(self.sched["t_s"][before[-1]]), float(self.sched["waiting"][before[-1]])
+        if math.isnan(w) or w < 0.5:
+            return False
+        t0, entered = self.run.info["started_mono_ns"], []
+        named = self.englog.names_requests(self.target)
+        for row in self.run.ledger.itertuples(index=False):
+            logged = self.englog.added.get((self.target, row.request_id))
+            if pd.isna(row.sent_mono_ns) or (named and not logged):
+                continue  # not sent, or (the log names this target's requests) another target's
+            t_in = min(logged) if logged else (row.sent_mono_ns - t0) / 1e9
+            gone = self.englog.aborted.get((self.target, row.request_id))
+            t_out = min(gone) if gone else (math.inf if pd.isna(row.closed_mono_ns) else (row.closed_mono_ns - t0) / 1e9)
+            if t_in <= t_b < t_out:  # in the engine at that sample
+                entered.append((t_in, row.request_id, 1 if pd.isna(row.n) else int(row.n)))
+        newest, seqs = set(), 0.0
+        for _, rid, n in sorted(entered, reverse=True):
+            if seqs >= w - 0.5:
+                break
+            newest.add(rid)
+            seqs += n
+        return self.rid in newest
+
+    def judged_beside_traffic(self) -> bool:
+        return self.has_log and self.englog.names_requests(self.target)
+
+    @cached_property
+    def kv_waived(self) -> str | None:
+        """Why no KV drop is asked of a request that held KV at its stop: the scheduler preempted a
+        request in the window (this one's blocks may have gone back before its stop), or the prefix
+        cache gave it part of its prompt while another request of the ledger ran beside it (the shared
+        blocks stay held by that one, and what this one gives back can be less than the others take)."""
+        times, pre = self.sched["t_s"], self.sched["preemptions"]
+        win = (times >= self.t_stop - 1.0) & (times <= self.t_end) & ~np.isnan(pre)
+        if win.sum() >= 2 and pre[win][-1] > pre[win][0]:
+            return "preempted"
+        before = self.baseline.before
+        others = float(self.inflight[before][-1]) - self.n if before.any() else 0.0
+        if self.hits_at_admission and self.hits_at_admission > 0 and others >= 1:
+            return "prefix_shared"
+        return None
+
     def foreign_traffic(self) -> tuple[int | None, int]:
         before = self.baseline.before
         self.ev.foreign_requests = self.englog.foreign_between(self.target, self.t_stop - 1.0, self.t_end) \
@@ -276,6 +431,26 @@ class VllmCase(Case):
 
     def restart(self) -> str | None:
         return _restart_in(self.run, self.target, self.sched, self.t_stop - 1.0, self.t_end)
+
+    def log_gap(self) -> str | None:
+        if not self.has_log:
+            return None
+        lo, hi = self.t_stop - 1.0, self.t_end
+        mine = _gaps_over(self.run, self.target, lo, hi)
+        mine = mine[(mine["source"] == ENGINE_LOG) & (mine["kind"] == "error")] if len(mine) else mine
+        if len(mine):
+            return f"it could not be read from {mine['t_s'].min():.1f} to {mine['end_t_s'].max():.1f} s"
+        t0 = self.run.info["started_mono_ns"]
+        for row in _events(self.run, "engine_log_gap").itertuples(index=False):
+            data = json.loads(row.data)
+            start = (float(data.get("from_mono_ns") or t0) - t0) / 1e9
+            if data.get("target") == self.target and start <= hi and float(row.t_s) >= lo:
+                return f"{data.get('why') or 'a possible loss'}, between {start:.1f} and {float(row.t_s):.1f} s"
+        return None
+
+    def log_clock_off(self) -> dict | None:
+        clock = self.englog.clock(self.target)
+        return None if not self.has_log or clock.agrees else {"lo_s": clock.lo_s, "hi_s": clock.hi_s}
 
     @cached_property
     def n(self) -> int:
@@ -299,6 +474,58 @@ class VllmCase(Case):
         times = self.sched["t_s"]
         return (times >= self.t_ref) & (times <= self.t_ref + self.grace_s)
 
+    def lost_in_app(self) -> dict | None:
+        # the client reads on until the app ends the stream: many tokens after the stop and an end past the
+        # grace say the cancel did not take, but tokens a buffering hop held back say nothing of the engine:
+        # `confirmed` only on the engine's word (engine_went_on)
+        lrow = self.lrow
+        if self.app_answer is None or lrow is None or pd.isna(lrow.get("closed_mono_ns")):
+            return None
+        if self.app_answer.startswith("already_"):
+            return None  # the app says the request had ended before the cancel came: the race's rule
+        tokens = 0 if pd.isna(lrow.get("tokens_after_cancel")) else int(lrow["tokens_after_cancel"])
+        after_s = (float(lrow["closed_mono_ns"]) - self.run.info["started_mono_ns"]) / 1e9 - self.t_stop
+        if tokens <= RACE_TOKENS * self.n or after_s <= self.grace_s:
+            return None
+        return {"answer": self.app_answer, "tokens": tokens, "after_s": after_s, "grace_s": self.grace_s,
+                "confirmed": self.engine_went_on()}
+
+    def engine_went_on(self) -> bool:
+        """Whether the engine's samples show it kept this request across the grace after the stop: at every
+        sample there the server counted each request the ledger had open, this one included (less those
+        whose client read their end within LAG_S after: a hop delivers an end a moment after the engine
+        made it), and its token counter rose. Never with another target stopped in the scenario (the count
+        cannot say which one the engine kept), other traffic, a restart, a hole in the engine's log or a
+        log clock that cannot be placed, or the engine ahead of the client before the stop."""
+        if self.ahead or self.restart() or self.log_gap() or self.log_clock_off():
+            return False
+        logged, counted = self.foreign_traffic()
+        if logged or counted >= 2:
+            return False
+        ledger, t0 = self.run.ledger, self.run.info["started_mono_ns"]
+        mates = ledger[(ledger["scenario"] == self.scenario) & (ledger["request_id"] != self.rid)]
+        if mates["cancel_mono_ns"].notna().any():
+            return False
+        times = self.sched["t_s"]
+        count, gen, inflight = self.sched["count"], self.sched["gen_tokens"], self.inflight
+        grace = (times >= self.t_stop) & (times <= self.t_stop + self.grace_s) & ~np.isnan(count) & ~np.isnan(gen)
+        if grace.sum() < 2 or not gen[grace][-1] > gen[grace][0]:
+            return False
+        closes = (ledger.loc[ledger["request_id"] != self.rid, "closed_mono_ns"].dropna().to_numpy(float) - t0) / 1e9
+        for t, k, f in zip(times[grace], count[grace], inflight[grace]):
+            ending = int(((closes > t) & (closes <= t + LAG_S)).sum())
+            if k < f - ending - 0.5:
+                return False
+        return True
+
+    def samples_in_grace(self) -> int | None:
+        # only where the run recorded a hole in the scheduler's scrapes across the grace (failed or missed
+        # ticks): a rate chosen slow (--hz) leaves few samples and no hole, and is not an outage
+        hole = _gaps_over(self.run, self.target, self.t_ref, self.t_ref + self.grace_s)
+        if not len(hole) or not (hole["source"] == "vllm").any():
+            return None
+        return int(self.in_grace.sum())
+
     def note_race(self) -> None:
         if self.remaining is not None and self.remaining <= RACE_TOKENS:
             self.ev.race = f"the stop came {self.remaining} token(s) before the end: the completion could win"
@@ -307,7 +534,7 @@ class VllmCase(Case):
 def _case(run: Run, frame, englog: _EngineLog, trace: dict, same: dict, *, data: dict, rid: str,
           target: str | None, lrow: dict | None, t_stop: float, grace_s: float, t0: int, missed: dict | None,
           gone_until: float) -> VllmCase:
-    cols_all, inflight_all = frame
+    cols_all, inflight_all, solo_rate, ledger_ends = frame
     cid = data.get("cancel_id")
     log_state = engine_log_state(run, target)
     has_log = log_state == "read"
@@ -346,12 +573,17 @@ def _case(run: Run, frame, englog: _EngineLog, trace: dict, same: dict, *, data:
     t_ref = max(t_ref, t_stop) if not completed else t_ref
     # each cancel looks at its own stretch of the run: an hour at 20 Hz is 72,000 samples a series
     lo = int(np.searchsorted(cols_all["t_s"], t_stop - 1.0, side="left"))
-    hi = int(np.searchsorted(cols_all["t_s"], max(t_ref, t_stop) + HORIZON_S, side="right"))
-    sched = {c: a[lo:hi] for c, a in cols_all.items()}
     t_end = max(t_ref, t_stop) + grace_s
+    # past the horizon only where a scrape outage covers the window: the first sample after it is what
+    # shows an engine restart (a slow engine takes longer than the horizon to come back)
+    horizon = max(max(t_ref, t_stop) + HORIZON_S, _outage_end(run, target, t_stop - 1.0, t_end) + 1.0)
+    hi = int(np.searchsorted(cols_all["t_s"], horizon, side="right"))
+    sched = {c: a[lo:hi] for c, a in cols_all.items()}
+    hits_at_admission = _admission_hits(cols_all, englog.added.get((target, rid)), lrow, t0, t_stop)
     window = (sched["t_s"] >= t_stop - 1.0) & (sched["t_s"] <= t_end)
     ev = Evidence(grace_s=grace_s, metrics_target=target, samples_in_window=int(window.sum()), engine_log=log_state)
-    tp = {"user_stop": t_stop, "app_received": t_app, "engine_abort": t_abort, "left_scheduler": None,
+    tp = {"user_stop": t_stop, "app_received": t_app,
+          "engine_abort": None if t_abort is None else max(t_abort, t_stop), "left_scheduler": None,
           "reusable": t_probe}
     return VllmCase(rid=rid, scenario=data.get("scenario"), phase=data.get("phase"), terminal=terminal, t_stop=t_stop,
                     grace_s=grace_s, ev=ev, tp=tp, sources=sources, completed=completed, missed=missed,
@@ -359,7 +591,25 @@ def _case(run: Run, frame, englog: _EngineLog, trace: dict, same: dict, *, data:
                     abort_resolution_s=englog.resolution_of(target, rid) if t_log_abort is not None else 0.0,
                     run=run, englog=englog, target=target, has_log=has_log, t_log_abort=t_log_abort, t_ref=t_ref,
                     t_end=t_end, sched=sched, inflight=inflight_all[lo:hi], lrow=lrow,
-                    tokens_at_cancel=data.get("tokens_at_cancel"), gone_until=gone_until)
+                    tokens_at_cancel=data.get("tokens_at_cancel"), gone_until=gone_until,
+                    hits_at_admission=hits_at_admission, solo_rate=solo_rate, ledger_ends=ledger_ends)
+
+
+def _admission_hits(cols: dict[str, np.ndarray], added: list[float] | None, lrow: dict | None, t0: int,
+                    t_stop: float) -> float | None:
+    """Prompt tokens the prefix cache gave while this request was admitted: prefix_cache_hits_total's
+    rise from the last sample before it entered (its Added line, else its send) to the first at or after
+    its first token (else its stop). The driver sends nothing else meanwhile; None where unknown."""
+    if lrow is None or pd.isna(lrow.get("sent_mono_ns")):
+        return None
+    t_in = min(added) if added else (lrow["sent_mono_ns"] - t0) / 1e9
+    first = lrow.get("first_token_mono_ns")
+    t_first = t_stop if first is None or pd.isna(first) else (first - t0) / 1e9
+    t, hits = cols["t_s"], cols["prefix_hits"]
+    i0, i1 = int(np.searchsorted(t, t_in, side="right")) - 1, int(np.searchsorted(t, t_first, side="left"))
+    if i0 < 0 or i1 >= len(t) or np.isnan(hits[i0]) or np.isnan(hits[i1]):
+        return None
+    return float(hits[i1] - hits[i0])
 
 
 # ------------------------------------------------------------------------------------------ the rules
@@ -369,15 +619,27 @@ def without_abort(c: VllmCase) -> CancelVerdict | None:
     if not c.has_log or c.t_abort is not None:
         return None
     c.note_race()
-    return climb(c, (never_added, aborted_first, left_on_its_own_or_stayed))
+    return climb(c, (names_no_requests, never_added, aborted_first, left_on_its_own_or_stayed))
+
+
+def names_no_requests(c: VllmCase) -> CancelVerdict | None:
+    if c.englog.names_requests(c.target):
+        return None
+    # no line for any request: its silence says nothing of this one (the cancel is not "lost")
+    c.sources["engine_abort"] = (None, NAMES_NO_REQUESTS)
+    return c.verdict("log_names_no_requests")
 
 
 def never_added(c: VllmCase) -> CancelVerdict | None:
-    return None if c.englog.was_added(c.target, c.rid) else c.verdict("never_added")
+    if c.englog.was_added(c.target, c.rid):
+        return None
+    untold = c.englog.ids.untold(c.target, c.rid)
+    return c.verdict("renamed_untold", lines=untold) if untold else c.verdict("never_added")
 
 
 def aborted_first(c: VllmCase) -> CancelVerdict | None:
-    early = [x for x in c.englog.aborted.get((c.target, c.rid), []) if x < c.t_stop - LOG_SLACK_S]
+    slack = max(LOG_SLACK_S, c.englog.resolution_of(c.target, c.rid))
+    early = [x for x in c.englog.aborted.get((c.target, c.rid), []) if x < c.t_stop - slack]
     if early and c.ahead:
         # the engine ended it itself before the client's stop (an error in the stream, another cancel)
         return c.verdict("aborted_before_stop", before_ms=1000 * (c.t_stop - max(early)))
@@ -436,7 +698,9 @@ def released(c: VllmCase) -> CancelVerdict | None:
     after = np.nonzero(times >= t_ref)[0]
     # a request the gauges counted at the stop held KV there, and must give it back; one they never
     # counted (the engine was mid-step when it came and went) shows its release by the count alone
-    needs_kv_drop = c.phase in ("prefill", "decode", "in_flight") and not math.isnan(kv_before) and not c.ahead
+    needs_kv_drop = (c.phase in ("prefill", "decode", "in_flight") and not math.isnan(kv_before) and not c.ahead
+                     and not c.waiting_at_stop and not c.kv_waived)
+    ev.kv_drop_waived = c.kv_waived
     below = sched["kv"] < kv_before if not math.isnan(kv_before) else np.zeros(len(times), dtype=bool)
     drop = after[below[after]]
     ev.kv_drop_s = float(times[drop[0]]) if len(drop) else None
@@ -482,9 +746,13 @@ def held(c: VllmCase) -> CancelVerdict:
     stepping = len(gen) >= 2 and gen[-1] > gen[0]
     excess = sched["count"][in_grace] - c.inflight[in_grace]
     ev.excess_max = float(excess.max()) if len(excess) else None
+    # still counted after the grace is read where the grace ends: at its last refreshed sample (one taken
+    # between the abort and the engine's next step still shows the count from before the abort)
+    refreshed = np.nonzero(c.moved[in_grace])[0]
+    ev.excess_at_grace_end = float(excess[refreshed[-1] if len(refreshed) else -1]) if len(excess) else None
     ev.engine_stepping = bool(stepping)
     ev.generation_tokens_delta = float(gen[-1] - gen[0]) if len(gen) >= 2 else None
-    if not len(excess) or excess.max() <= 0:
+    if not len(excess) or ev.excess_at_grace_end <= 0:
         ev.gauges_refreshed = bool(c.moved[in_grace].any())
         return c.verdict("kv_did_not_fall" if ev.gauges_refreshed else "gauges_not_refreshed")
     if c.t_log_abort is not None:
@@ -494,8 +762,106 @@ def held(c: VllmCase) -> CancelVerdict:
     return c.verdict("still_counted_generating" if stepping else "gauges_stale")
 
 
+def resubmitted(c: VllmCase) -> CancelVerdict | None:
+    """The engine's log names the request entering again after the stop: something on the path sent it
+    once more after its client left (a gateway retrying upstream), and the engine ran it for nobody."""
+    if not c.has_log:
+        return None
+    # a second engine request under the client's id, entering from the stop on (the first is the one
+    # cancelled; a copy sent again by a gateway gets an engine id of its own)
+    firsts = sorted(c.englog.entered.get((c.target, c.rid), {}).values())
+    again = [t for t in firsts[1:] if t >= c.t_stop - max(LOG_SLACK_S, c.englog.resolution_of(c.target, c.rid))]
+    if not again:
+        return None
+    c.ev.note = "a second 'Added request' line for this id after the stop: the request was sent again"
+    return c.verdict("resubmitted_after_stop", after_s=min(again) - c.t_stop)
+
+
+def beside_traffic(c: VllmCase) -> CancelVerdict | None:
+    """Requests the ledger does not know entered the engine in the window (its log names them): the
+    server's count holds them too, and the rules below would read them as this one. Judged only on what
+    that traffic cannot move: the count at or under the ledger's (so this request is not in it), or a
+    lost cancel whose request could not have ended by the end of the grace at the engine's fastest."""
+    if not c.ev.foreign_requests:
+        return None
+    if c.t_abort is None:
+        return never_added(c) or _lost_beside_traffic(c)
+    if c.ahead:
+        # the server counted fewer than the ledger before the stop: a request the ledger holds had left
+        # (its client lagging), and could stand in for this one in a count at the ledger's
+        return c.verdict("other_traffic_logged", requests=c.ev.foreign_requests)
+    times, sched = c.sched["t_s"], c.sched
+    window = (times >= c.t_abort) & (times <= c.t_abort + c.grace_s) & c.moved
+    # a request of the ledger entering the engine (its Added line up to its first token) may not be
+    # counted yet: a count at the ledger's then could hold this one in its place
+    entering = np.zeros(len(times), dtype=bool)
+    t0 = c.run.info["started_mono_ns"]
+    for row in c.run.ledger.itertuples(index=False):
+        added = c.englog.added.get((c.target, row.request_id))
+        if row.request_id == c.rid or not added:
+            continue
+        # up to its first token; one that never got one (stopped while queued), up to its client's close
+        end = row.first_token_mono_ns if not pd.isna(row.first_token_mono_ns) else row.closed_mono_ns
+        first = math.inf if pd.isna(end) else (end - t0) / 1e9
+        entering |= (times >= min(added) - LOG_SLACK_S) & (times < first)
+    hits = np.nonzero(window & ~entering & ~_may_stand_in(c) & (sched["count"] <= c.inflight + 1e-9))[0]
+    if not len(hits):
+        return c.verdict("other_traffic_logged", requests=c.ev.foreign_requests)
+    left = int(hits[0])
+    c.tp["left_scheduler"] = float(times[left])
+    c.ev.count_after, c.ev.ledger_after = float(sched["count"][left]), float(c.inflight[left])
+    c.ev.release_ms = round((times[left] - c.t_abort) * 1000, 1)
+    return c.verdict("released_beside_traffic", requests=c.ev.foreign_requests, after_ms=c.ev.release_ms)
+
+
+def _may_stand_in(c: VllmCase) -> np.ndarray:
+    """Per sample of the case's stretch: a request the ledger still holds may have left the engine
+    already, and a count at the ledger's could then hold this one in its place: a cancelled one with no
+    abort line, or one its client completed that, at the fastest a sequence runs (alone, a quarter
+    added), could have ended by then (a lagging client). Everywhere, where that rate is unknown."""
+    times = c.sched["t_s"]
+    out = np.zeros(len(times), dtype=bool)
+    rate = None if c.solo_rate is None else 1.25 * c.solo_rate
+    t0 = c.run.info["started_mono_ns"]
+    for row in c.run.ledger.itertuples(index=False):
+        if row.request_id == c.rid or pd.isna(row.sent_mono_ns):
+            continue
+        added = c.englog.added.get((c.target, row.request_id))
+        t_in = min(added) if added else (row.sent_mono_ns - t0) / 1e9
+        held = (times >= t_in) & (times < c.ledger_ends.get(row.request_id, math.inf))
+        if not pd.isna(row.cancel_mono_ns):
+            aborted = c.englog.aborted.get((c.target, row.request_id))
+            if not aborted:
+                out |= held & (times >= (row.cancel_mono_ns - t0) / 1e9)
+            continue
+        closed = math.inf if pd.isna(row.closed_mono_ns) else (row.closed_mono_ns - t0) / 1e9
+        tokens = getattr(row, "max_tokens", None)
+        if rate is None or tokens is None or pd.isna(tokens) or not tokens:
+            out |= (times >= t_in) & (times < closed)
+        else:
+            out |= (times >= t_in + float(tokens) / rate) & (times < closed)
+    return out
+
+
+def _lost_beside_traffic(c: VllmCase) -> CancelVerdict:
+    """No abort, the request entered: still in the engine at the end of the grace if, made at the
+    rate of one sequence running alone (no sequence is faster; a quarter added), its tokens take longer
+    than from its entry to the end of the grace. Other traffic cannot make that rate look slower."""
+    tokens = None if c.lrow is None or pd.isna(c.lrow.get("max_tokens")) else int(c.lrow["max_tokens"])
+    if c.solo_rate is None or not tokens:
+        return c.verdict("other_traffic_logged", requests=c.ev.foreign_requests)
+    rate = 1.25 * c.solo_rate
+    t_in = min(c.englog.added[(c.target, c.rid)])
+    finish_s = t_in + tokens / rate - c.t_stop
+    if finish_s <= c.grace_s + max(LOG_SLACK_S, c.englog.resolution_of(c.target, c.rid)):
+        return c.verdict("other_traffic_logged", requests=c.ev.foreign_requests)
+    return c.verdict("no_abort_beside_traffic", rate=rate, tokens=tokens, finish_s=finish_s,
+                     requests=c.ev.foreign_requests)
+
+
 # after the shared guards, in order; the last always gives a verdict
-EVIDENCE_RULES = (without_abort, ran_ahead_without_log, no_baseline, released, no_samples_in_grace, held)
+EVIDENCE_RULES = (resubmitted, beside_traffic, without_abort, ran_ahead_without_log, no_baseline, released, no_samples_in_grace,
+                  held)
 
 
 def _moved_since(sched: dict[str, np.ndarray], t: float) -> np.ndarray:
@@ -524,20 +890,31 @@ def _three_without(still: np.ndarray) -> np.ndarray:
     return out
 
 
+def _gaps_over(run: Run, target: str | None, t_from: float, t_to: float) -> pd.DataFrame:
+    """The run's gaps of `target` (any of its sources) that overlap [t_from, t_to]."""
+    gaps = run.gaps
+    if gaps.empty or "end_t_s" not in gaps:
+        return gaps.iloc[0:0]
+    return gaps[(gaps["target"] == target) & (gaps["t_s"] <= t_to) & (gaps["end_t_s"] >= t_from)]
+
+
+def _outage_end(run: Run, target: str | None, t_from: float, t_to: float) -> float:
+    """The end of the last scrape outage of `target` that overlaps [t_from, t_to]; -inf without one."""
+    outages = _gaps_over(run, target, t_from, t_to)
+    outages = outages[outages["kind"] == "error"] if len(outages) else outages
+    return float(outages["end_t_s"].max()) if len(outages) else -math.inf
+
+
 def _restart_in(run: Run, target: str | None, sched: dict[str, np.ndarray], t_from: float,
                 t_to: float) -> str | None:
     """How an engine restart shows between the instants `t_from` and `t_to`, else None: the target
     lost in between, or the engine's token counter going back (a new process counts from 0) and
     staying back. A scrape outage that covers part of the window stretches it to the first sample
     after the outage: a restart takes longer than any grace, and only that sample shows it."""
-    gaps = run.gaps
-    if not gaps.empty and "end_t_s" in gaps:
-        mine = gaps[(gaps["target"] == target) & (gaps["t_s"] <= t_to) & (gaps["end_t_s"] >= t_from)]
-        if (mine["kind"] == "lost").any():
-            return "the target was lost"
-        outages = mine[mine["kind"] == "error"]
-        if len(outages):
-            t_to = max(t_to, float(outages["end_t_s"].max()) + 0.5)
+    mine = _gaps_over(run, target, t_from, t_to)
+    if len(mine) and (mine["kind"] == "lost").any():
+        return "the target was lost"
+    t_to = max(t_to, _outage_end(run, target, t_from, t_to) + 0.5)
     times, gen = sched["t_s"], sched["gen_tokens"]
     sel = (times >= t_from) & (times <= t_to) & ~np.isnan(gen)
     vals = gen[sel]

@@ -19,7 +19,7 @@ import httpx
 from collectors.cancels.load import make_prompt
 from collectors.cancels.pace import FLOOR_S, IdleWait, idle_wait
 from collectors.cancels.runner import ScenarioRunner, event_record, until
-from collectors.cancels.scenarios import Scenario
+from collectors.cancels.scenarios import NEIGHBOUR_PROMPT_TOKENS, Scenario
 from collectors.cancels.streams import (
     REQUEST_TIMEOUT_S,
     Request,
@@ -132,7 +132,7 @@ class Driver(ScenarioRunner):
         return req.task
 
     def send_neighbour(self, s: Scenario, seed: int) -> Request:
-        return self.send(self.new_request(s, "neighbour", 200, s.neighbour_max_tokens, seed + 1))
+        return self.send(self.new_request(s, "neighbour", NEIGHBOUR_PROMPT_TOKENS, s.neighbour_max_tokens, seed + 1))
 
     async def send_fillers(self, s: Scenario, seed: int, reqs: list[Request]) -> None:
         for i in range(s.fillers):
@@ -141,9 +141,18 @@ class Driver(ScenarioRunner):
             await until(lambda: all(r.chunks > 0 or r.task.done() for r in reqs), 30)
 
     def send_targets(self, s: Scenario, seed: int) -> tuple[list[Request], list[Request]]:
+        def prompt(i: int) -> str | None:
+            # sharing: the neighbour's whole prompt, then its own words (the prefix cache hands the
+            # neighbour's blocks to the target; they stay held by the neighbour when the target goes)
+            if not s.share_prefix:
+                return None
+            own = make_prompt(s.prompt_tokens - NEIGHBOUR_PROMPT_TOKENS, seed + 100 + i)
+            return make_prompt(NEIGHBOUR_PROMPT_TOKENS, seed + 1) + " " + own
+
         targets = [
             self.send(self.new_request(s, "target", s.prompt_tokens, s.max_tokens, seed + 100 + i, n=s.n, api=s.api,
-                                       stream=s.stream, timeout_s=s.timeout_s if s.mode == "timeout" else REQUEST_TIMEOUT_S))
+                                       stream=s.stream, prompt=prompt(i),
+                                       timeout_s=s.timeout_s if s.mode == "timeout" else REQUEST_TIMEOUT_S))
             for i in range(s.concurrency)
         ]
         return targets, targets[: s.cancel_count]
@@ -275,6 +284,9 @@ class Driver(ScenarioRunner):
         own readings (app received, engine abort) in explicit mode; on the HTTP paths only the client's
         stamp of its closed connection. The engine's abort comes from the engine's log, not from here."""
         rid = req.row.request_id
+        if req.app_answer is not None:
+            self.event("app_answered", rid, req.app_answered_ns, cancel_id=cancel_id, answer=req.app_answer,
+                       source="app")
         if req.app_received_ns:
             self.event("app_received", rid, req.app_received_ns, cancel_id=cancel_id, source="relay")
         if req.engine_abort_ns:

@@ -27,6 +27,9 @@ MODES = ("cancel", "disconnect", "timeout", "explicit")
 APIS = ("completions", "chat")
 
 
+NEIGHBOUR_PROMPT_TOKENS = 200  # the neighbour's prompt: short, so that its stream starts at once
+
+
 class ScenarioError(Exception):
     """A scenario definition that cannot run; the message names the key and the fix."""
 
@@ -50,6 +53,7 @@ class Scenario:
     neighbour_max_tokens: int = 250
     probe_max_tokens: int = 8
     resubmit: bool = False  # the probe resends the cancelled prompt (prefix-cache reuse)
+    share_prefix: bool = False  # the targets' prompts begin with the neighbour's whole prompt (prefix cache)
     repeats: int = 1
     timeout_s: float = 1.0  # client timeout of mode = "timeout"
     via_relay: bool = False  # sent to the relay app (in-process AsyncLLM) instead of the target
@@ -122,6 +126,9 @@ def _check(s: Scenario, where: str) -> Scenario:
         raise bad("stream", "must be false with mode = \"timeout\" (a streaming client does not time out)")
     if not s.stream and s.trigger in ("after_tokens", "near_completion_tokens", "before_first_token"):
         raise bad("trigger", f"{s.trigger!r} needs stream = true")
+    if s.share_prefix and s.prompt_tokens <= NEIGHBOUR_PROMPT_TOKENS:
+        raise bad("prompt_tokens", f"must be more than the neighbour's {NEIGHBOUR_PROMPT_TOKENS} with share_prefix = true "
+                  "(the target's prompt is the neighbour's and more)")
     if s.repeats > 20 or s.concurrency > 16 or s.fillers > 16:
         raise bad("repeats", "/ concurrency / fillers are bounded (20 / 16 / 16) to keep a run short")
     # what tests/test_fuzz.py found a file could still carry past the checks above:

@@ -35,6 +35,8 @@ class Request:
     body_sent_ns: monotonic instant the request body was written (httpx's read timer starts there:
         the deadline is body_sent_ns + timeout_s)
     app_received_ns, engine_abort_ns: the relay app's own readings (explicit mode), on this clock
+    app_answer: what the app answered the explicit cancel (`cancelled`, `rejected_not_owner`, ... or
+        `HTTP 404`), and app_answered_ns when its answer came
     """
 
     row: LedgerRecord
@@ -52,6 +54,8 @@ class Request:
     auth: dict = field(default_factory=dict, repr=False)  # the target's Authorization header, if it wants one
     app_received_ns: int | None = None
     engine_abort_ns: int | None = None
+    app_answer: str | None = None
+    app_answered_ns: int | None = None
 
     @property
     def chunks(self) -> int:
@@ -179,9 +183,23 @@ async def disconnect(req: Request) -> None:
 
 async def cancel_in_app(client: httpx.AsyncClient, base_url: str, req: Request) -> tuple[int | None, int | None]:
     """The app's own cancel call, for the id the app issued (its `X-Relay-Request-Id` header): the relay
-    checks the owner and cancels the serving task, whose finally awaits AsyncLLM.abort(). Returns the
-    relay's (app received, engine abort) readings."""
+    checks the owner and cancels the serving task, whose finally awaits AsyncLLM.abort(). Keeps the app's
+    answer on `req` (an answer is only the app's word: the verdict weighs what the engine did after it).
+    Returns the relay's (app received, engine abort) readings."""
     app_id = req.response.headers.get("x-relay-request-id") if req.response is not None else None
-    resp = await client.post(f"{base_url}/cancel/{app_id or req.row.request_id}", headers={"X-Owner": OWNER})
-    status = (resp.json() or {}).get("status") or {}
+    try:
+        resp = await client.post(f"{base_url}/cancel/{app_id or req.row.request_id}", headers={"X-Owner": OWNER})
+    except httpx.HTTPError as exc:
+        req.app_answer, req.app_answered_ns = f"no answer: {type(exc).__name__}", now_ns()
+        return None, None
+    req.app_answered_ns = now_ns()
+    try:
+        doc = resp.json()
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or "result" not in doc:
+        req.app_answer = f"HTTP {resp.status_code}"
+        return None, None
+    req.app_answer = str(doc["result"])  # an app's refusal may come with an error status (not_here: 404)
+    status = doc.get("status") or {}
     return status.get("app_received_ns"), status.get("engine_abort_ns")

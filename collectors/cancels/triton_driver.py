@@ -70,6 +70,9 @@ TRITON_SCENARIOS: dict[str, TritonScenario] = {s.name: s for s in (
                    expect="leaked", phase="in_flight"),
     TritonScenario("triton_deaf", "a backend that never polls is_cancelled runs on for nobody after a real cancel",
                    model="generator_deaf", call="stream_wide", tokens=60, trigger_responses=10, expect="leaked"),
+    TritonScenario("triton_hoard", "a backend that sees the cancel and says so, and stops counting the request, but "
+                   "keeps its buffer: the model's word alone is not a release", model="generator_hoard",
+                   call="task_cancel", tokens=200, trigger_responses=10, expect="leaked"),
 )}
 SUITE = list(TRITON_SCENARIOS)
 

@@ -49,7 +49,9 @@ class EngineState:
     command: list[str]
     started_wall_ns: int
     shape: dict = field(default_factory=dict)
-    kind: str = "vllm"  # or "triton"; state files written before Triton came hold no kind and are vLLM's
+    # the launcher's KIND (each launcher's `owns` reads it); "" in a state file written before Triton came,
+    # when every embedded engine was a vLLM (vllm_server.owns says so)
+    kind: str = ""
     urls: dict = field(default_factory=dict)  # Triton: its gRPC address and metrics URL
     cgroup: str = ""  # the CPU-quota cgroup the engine runs in (CANCELWATCH_ENGINE_CPUS), removed at stop
 

@@ -9,6 +9,13 @@ so the engine is told then, not when the garbage collector gets to it.
 Runs under the engine's Python:
 
     python -m collectors.engines.relay_app --model DIR --port 8100 [--load-format dummy] [shape flags]
+        [--replica a --peer b=http://127.0.0.1:8101]
+
+Its answer to a cancel is never "released" (vLLM's abort() acknowledges nothing): `abort_sent` once abort()
+returned, `abort_failed`, `abort_unconfirmed` (a retry the scheduler's gauges did not bear out) or
+`abort_pending` (still retrying when /cancel stopped waiting, which is the relay's worst case); release is the
+verdict's to say. With `--replica`, a cancel for another replica's id is passed on to that replica (`--peer`)
+and its answer returned with `forwarded_to`, or answered `not_here` (HTTP 404).
 """
 # no `from __future__ import annotations` here: FastAPI reads the handlers' annotations at run time
 
@@ -16,13 +23,34 @@ Runs under the engine's Python:
 import argparse
 import asyncio
 import json
+import logging
 import time
 
 from collectors.engines.relay import Relay, RequestCancelled
 
 
-def build_app(llm, served_name: str, relay: Relay | None = None):
-    """The app around `llm`; `relay` replaces the default one (tests count its aborts)."""
+# the relay's word on an accepted cancel, once its abort settled (Entry.abort)
+ABORT_ANSWER = {"sent": "abort_sent", "failed": "abort_failed", "unconfirmed": "abort_unconfirmed", None: "abort_pending"}
+
+
+def scheduler_count() -> float | None:
+    """Running + waiting requests on this process's own vLLM gauges (what its /metrics serves); None when
+    the gauges are not there yet."""
+    from prometheus_client import REGISTRY
+
+    total, seen = 0.0, False
+    for family in REGISTRY.collect():
+        if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+            for sample in family.samples:
+                total, seen = total + sample.value, True
+    return total if seen else None
+
+
+def build_app(llm, served_name: str, relay: Relay | None = None, replica: str | None = None,
+              peers: dict[str, str] | None = None):
+    """The app around `llm`; `relay` replaces the default one (tests count its aborts). `replica`: this
+    replica's name (part of every id it issues); `peers`: the other replicas' URLs by name, where a cancel
+    for their ids is passed on."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -41,7 +69,15 @@ def build_app(llm, served_name: str, relay: Relay | None = None):
                 await self.body_iterator.aclose()
 
     relay = relay or Relay(generate=lambda engine_id, p: llm.generate(p["prompt"], p["params"], engine_id),
-                           abort=llm.abort)
+                           abort=llm.abort, replica=replica, scheduler_count=scheduler_count)
+    peers = dict(peers or {})
+    # made once, up front: importing httpx and building a client took seconds on a loaded machine, inside
+    # the very cancel it was to pass on
+    forwarder = None
+    if peers:
+        import httpx
+
+        forwarder = httpx.AsyncClient(timeout=relay.abort_worst_case_s + 5.0, trust_env=False)
     app = FastAPI()
     app.state.relay = relay
 
@@ -89,12 +125,33 @@ def build_app(llm, served_name: str, relay: Relay | None = None):
     async def cancel(rid: str, request: Request):
         owner = request.headers.get("x-owner", "anonymous")
         result = await relay.cancel(rid, owner)
+        if result == "not_here":
+            home = relay.replica_of(rid)
+            if home in peers and not request.headers.get("x-relay-forwarded"):
+                return JSONResponse(await forward(peers[home], rid, owner, home))
+            return JSONResponse({"result": "not_here", "replica": relay.replica, "status": None}, status_code=404)
         if result == "cancelled":
-            # answer once the serving task's finally has awaited abort() (bounded)
-            deadline = time.monotonic() + 5.0
+            # answer once the serving task's finally has settled abort(): every attempt and the scheduler's
+            # confirmation may take the relay's worst case, and an answer before it would guess
+            deadline = time.monotonic() + relay.abort_worst_case_s + 0.5
             while time.monotonic() < deadline and relay.status(rid)["abort_ok"] is None:
                 await asyncio.sleep(0.002)
+            result = ABORT_ANSWER[relay.status(rid)["abort"]]
         return JSONResponse({"result": result, "status": relay.status(rid)})
+
+    async def forward(url: str, rid: str, owner: str, home: str) -> dict:
+        import httpx
+
+        t0 = time.monotonic()
+        try:
+            resp = await forwarder.post(f"{url.rstrip('/')}/cancel/{rid}",
+                                        headers={"X-Owner": owner, "X-Relay-Forwarded": relay.replica or "?"})
+            doc = resp.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            doc = {"result": "forward_failed", "error": f"{type(exc).__name__}: {exc}", "status": None}
+        logging.getLogger("cancelwatch.relay").info("cancel %s passed on to %s: %s (%.0f ms)", rid, home,
+                                                    doc.get("result"), 1000 * (time.monotonic() - t0))
+        return {**doc, "forwarded_to": home}
 
     @app.get("/relay/{rid}")
     async def status(rid: str):
@@ -119,7 +176,18 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--replica", default=None, help="this replica's name: part of every id it issues")
+    ap.add_argument("--peer", action="append", default=[], metavar="NAME=URL",
+                    help="another replica, where a cancel for its ids is passed on (repeatable)")
     args = ap.parse_args()
+    peers = dict(p.split("=", 1) for p in args.peer)
+    # the relay's cancels and alerts, in arrival order, in the app's log
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    relay_log = logging.getLogger("cancelwatch.relay")
+    relay_log.setLevel(logging.INFO)
+    relay_log.addHandler(handler)
+    relay_log.propagate = False
 
     import uvicorn
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -136,7 +204,8 @@ def main() -> None:
     async def serve():
         llm = AsyncLLM.from_engine_args(engine_args)
         try:
-            config = uvicorn.Config(build_app(llm, args.served_model_name), host=args.host, port=args.port,
+            config = uvicorn.Config(build_app(llm, args.served_model_name, replica=args.replica, peers=peers),
+                                    host=args.host, port=args.port,
                                     log_level="warning")
             await uvicorn.Server(config).serve()
         finally:

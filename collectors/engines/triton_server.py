@@ -22,8 +22,9 @@ from collectors.engines.lifecycle import EngineError, EngineState, PortBusy
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 TRITON_VENV = PROJECT_ROOT / ".venv-triton"
 MODELS_DIR = Path(__file__).resolve().with_name("triton_models")
-MODEL_NAMES = ("generator", "generator_deaf", "slow")
+MODEL_NAMES = ("generator", "generator_deaf", "generator_hoard", "slow")
 STEP_MS = 50  # the generators' default step: 20 tokens a second
+KIND = "triton"  # what its state files say (lifecycle.EngineState.kind)
 HEALTH_PATH = "/v2/health/ready"  # KServe v2 readiness (strict by default: every model loaded)
 
 _GENERATOR_CONFIG = """name: "{name}"
@@ -38,6 +39,7 @@ output [ {{ name: "TOKEN" data_type: TYPE_INT32 dims: [ 1 ] }} ]
 instance_group [ {{ count: 1 kind: KIND_CPU }} ]
 parameters {{ key: "poll_cancel" value: {{ string_value: "{poll}" }} }}
 parameters {{ key: "step_ms" value: {{ string_value: "{step_ms}" }} }}
+parameters {{ key: "keep_on_cancel" value: {{ string_value: "{keep}" }} }}
 """
 
 _SLOW_CONFIG = """name: "slow"
@@ -48,6 +50,11 @@ input [ { name: "MS" data_type: TYPE_INT32 dims: [ 1 ] } ]
 output [ { name: "DONE" data_type: TYPE_INT32 dims: [ 1 ] } ]
 instance_group [ { count: 1 kind: KIND_CPU } ]
 """
+
+
+def owns(state: EngineState) -> bool:
+    """Whether a state file is one of this launcher's tritonservers."""
+    return state.kind == KIND
 
 
 def site_packages(venv: Path = TRITON_VENV) -> Path | None:
@@ -71,9 +78,12 @@ def write_repository(home: Path, step_ms: int = STEP_MS, models: tuple[str, ...]
     shutil.rmtree(repo, ignore_errors=True)
     repo.mkdir(parents=True)
     for name, source, config in (
-        ("generator", "generator.py", _GENERATOR_CONFIG.format(name="generator", poll="true", step_ms=step_ms)),
+        ("generator", "generator.py", _GENERATOR_CONFIG.format(name="generator", poll="true", step_ms=step_ms,
+                                                               keep="false")),
         ("generator_deaf", "generator.py", _GENERATOR_CONFIG.format(name="generator_deaf", poll="false",
-                                                                    step_ms=step_ms)),
+                                                                    step_ms=step_ms, keep="false")),
+        ("generator_hoard", "generator.py", _GENERATOR_CONFIG.format(name="generator_hoard", poll="true",
+                                                                     step_ms=step_ms, keep="true")),
         ("slow", "slow.py", _SLOW_CONFIG),
     ):
         if name not in models:
@@ -137,7 +147,7 @@ def start(home: Path, port: int = 8100, venv: Path = TRITON_VENV, step_ms: int =
     state = EngineState(
         pid=proc.pid, port=port, url=f"http://127.0.0.1:{p['http']}", log_path=str(lifecycle.log_path(home, port)),
         model=str(repo), served_model_name="generator", command=cmd, started_wall_ns=time.time_ns(),
-        shape={"step_ms": step_ms, "models": list(models)}, kind="triton",
+        shape={"step_ms": step_ms, "models": list(models)}, kind=KIND,
         urls={"grpc": f"127.0.0.1:{p['grpc']}", "metrics": f"http://127.0.0.1:{p['metrics']}"},
     )
     return lifecycle.wait_started(home, state, proc, timeout_s, health_path=HEALTH_PATH, poll_s=0.3)

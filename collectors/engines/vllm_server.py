@@ -24,6 +24,7 @@ from collectors.engines.lifecycle import EngineError, EngineState, PortBusy
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL_SCRIPT = Path(__file__).resolve().with_name("tiny_model.py")
 SERVED_NAME = "tiny"
+KIND = "vllm"  # what its state files say (lifecycle.EngineState.kind)
 HEALTH_PATH = "/health"  # the OpenAI server's (and the relay app's): 200 once the engine core is up
 
 
@@ -42,6 +43,12 @@ LOGGING_CONFIG = {
 }
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1}
+
+
+def owns(state: EngineState) -> bool:
+    """Whether a state file is one of this launcher's engines (the vLLM server or the relay app); a state
+    file written before Triton came holds no kind, and was one."""
+    return state.kind in (KIND, "")
 
 
 def kv_bytes_per_token(model_dir: str | Path, dtype: str) -> int | None:
@@ -180,9 +187,11 @@ def start(
     timeout_s: float = 600.0,
     relay: bool = False,
     cpu_cores: float | None = None,
+    vllm_log_format: bool = False,
 ) -> EngineState:
     """Start the engine and wait for /health. Raises PortBusy when the port is taken. `cpu_cores`: the CPU
-    time the whole engine may use (a cgroup quota, see cpu_limit.py): a slow engine on demand."""
+    time the whole engine may use (a cgroup quota, see cpu_limit.py): a slow engine on demand.
+    `vllm_log_format`: log as vLLM does on its own (whole seconds, no year), as an engine a user starts."""
     home = Path(home).resolve()
     home.mkdir(parents=True, exist_ok=True)
     shape = shape or EngineShape()
@@ -199,7 +208,7 @@ def start(
     env = dict(os.environ)
     if relay:
         env["PYTHONPATH"] = str(PROJECT_ROOT)  # collectors.engines.relay_app
-    if not gpu:
+    if not gpu and not vllm_log_format:
         # a GPU user's vllm may predate the formatter fields used here: it keeps its own format
         config = home / "vllm-logging.json"
         config.write_text(json.dumps(LOGGING_CONFIG, indent=1))
@@ -215,7 +224,7 @@ def start(
         pid=proc.pid, port=port, url=f"http://127.0.0.1:{port}", log_path=str(lifecycle.log_path(home, port)),
         model=model_path, served_model_name=cmd[cmd.index("--served-model-name") + 1], command=kept_command,
         started_wall_ns=time.time_ns(), shape=asdict(shape) | ({"cpu_cores": cpu_cores} if cgroup else {}),
-        cgroup=str(cgroup or ""),
+        cgroup=str(cgroup or ""), kind=KIND,
     )
     try:
         return lifecycle.wait_started(home, state, proc, timeout_s, health_path=HEALTH_PATH)

@@ -20,7 +20,9 @@ import numpy as np
 
 from collectors.recording.session import PreflightError
 from collectors.sources.prometheus_api import PrometheusError, PrometheusHistory
+from collectors.sources.triton import SOURCE_NAME as TRITON_SOURCE
 from collectors.sources.vllm import ALIASES, CACHE_CONFIG_METRIC, FAMILY
+from collectors.sources.vllm import SOURCE_NAME as VLLM_SOURCE
 from runstore.records import GapRecord
 from runstore.writer import (
     create_run,
@@ -83,7 +85,7 @@ def import_prometheus(s: ImportSettings, on_chunk=None) -> tuple[int, dict]:
     problem = prom.check()
     if problem:
         raise PreflightError(problem)
-    queries = [(name, _selector(name, s.match), "vllm") for name in ALIASES]
+    queries = [(name, _selector(name, s.match), VLLM_SOURCE) for name in ALIASES]
     queries += [(name, _selector(name, s.gpu_match), "gpu") for name in GPU_NAMES]
     chunks = prom.chunks(s.start_s, s.end_s, s.step_s)
     grid = s.start_s + s.step_s * np.arange(int(math.floor((s.end_s - s.start_s) / s.step_s + 1e-9)) + 1)
@@ -103,7 +105,7 @@ def import_prometheus(s: ImportSettings, on_chunk=None) -> tuple[int, dict]:
                     on_chunk(done, total)
     except PrometheusError as exc:
         raise PreflightError(str(exc)) from None
-    replicas = sorted(t for src, t in blocks if src == "vllm")
+    replicas = sorted(t for src, t in blocks if src == VLLM_SOURCE)
     if not replicas:
         raise PreflightError(f"no vLLM series in Prometheus at {prom.url} match {s.match or '{}'} between the start and "
                              "the end: check --match and the window (--start, --end)")
@@ -113,13 +115,13 @@ def import_prometheus(s: ImportSettings, on_chunk=None) -> tuple[int, dict]:
 
 def _place(series: dict, name: str, kind: str, grid: np.ndarray, step_s: float, blocks: dict, ranks: dict) -> None:
     labels = series.get("metric") or {}
-    if kind == "vllm":
+    if kind == VLLM_SOURCE:
         metric, rank = ALIASES.get(name, (name, 0))
-        scale, source = 1.0, "vllm"
+        scale, source = 1.0, VLLM_SOURCE
         target = labels.get("instance") or labels.get("job") or "prometheus"
         keep = tuple(sorted((k, v) for k, v in labels.items() if k not in DROP_LABELS))
     else:
-        (metric, scale), rank, source = GPU_NAMES[name], 0, "dcgm" if name.startswith("DCGM") else "triton"
+        (metric, scale), rank, source = GPU_NAMES[name], 0, "dcgm" if name.startswith("DCGM") else TRITON_SOURCE
         target = labels.get("Hostname") or labels.get("instance") or "gpu"
         keep = tuple(sorted(("uuid" if k == "UUID" else k, v) for k, v in labels.items()
                             if k in ("gpu", "UUID", "gpu_uuid", "modelName")))
@@ -149,7 +151,7 @@ def _write(s: ImportSettings, prom: PrometheusHistory, grid: np.ndarray, blocks:
         for item in prom.query(_selector(CACHE_CONFIG_METRIC, f'{{instance="{r}"}}'), float(grid[-1])):
             labels = {k: v for k, v in item.get("metric", {}).items() if k not in DROP_LABELS | {"engine", "model_name"}}
             cache[r] = labels
-    gpu_hosts = sorted({t for src, t in blocks if src != "vllm"})
+    gpu_hosts = sorted({t for src, t in blocks if src != VLLM_SOURCE})
     # prom.url: no user:password. Each replica is one whose vLLM series were imported: a vLLM target
     targets = [{"label": r, "url": f"{prom.url} instance={r}", "family": FAMILY, "role": "imported history"}
                for r in replicas]

@@ -209,11 +209,10 @@ class Sampler:
         for t in self._threads.values():
             t.join(timeout_s)
 
-    def burst(self, window_s: float, names: set[str] | frozenset[str] = frozenset({"vllm", "triton"}),
-              target: str | None = None) -> int:
-        """Read the scheduler sources (`names`, of `target` or all targets) at the burst rate from now
-        for `window_s`; a burst already under way is extended. Returns how many sources it lifted
-        (0 without --burst-hz)."""
+    def burst(self, window_s: float, names: set[str] | frozenset[str], target: str | None = None) -> int:
+        """Read the scheduler sources (`names`: a family's burst_sources, of `target` or all targets) at the
+        burst rate from now for `window_s`; a burst already under way is extended. Returns how many
+        sources it lifted (0 without --burst-hz)."""
         if self.burst_factor == 1:
             return 0
         until = time.monotonic_ns() + int(window_s * 1e9)

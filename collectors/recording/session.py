@@ -12,21 +12,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from collectors.engines import lifecycle
-from collectors.engines import vllm_server as engine_mod
 from collectors.recording.sampler import Sampler
 from collectors.sources.base import Source
 from collectors.sources.credentials import CredentialError, split_userinfo, strip_userinfo
 from collectors.sources.engine_log import EngineLogSource
 from collectors.sources.nvml import NvmlSource
 from collectors.sources.process_memory import ProcessMemorySource
-from collectors.sources.vllm import FAMILY as VLLM_FAMILY
-from collectors.sources.vllm import (
-    VllmMetricsSource,
-    cache_config,
-    model_names,
-    server_version,
-)
+from collectors.sources.vllm import VllmMetricsSource, cache_config, model_names
 from runstore.errors import StoreError
 from runstore.records import DriveSettings
 from runstore.writer import StoreWriter, create_run, finish_run, open_store
@@ -36,10 +28,6 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_TARGET_LOST = 3
 EXIT_INTERRUPTED = 130
-
-
-NO_ENGINE_LOG = ("no engine log: the target is not cancelwatch's embedded engine; pass --engine-log PATH "
-                 "(the log of a vLLM started with --enable-log-requests)")
 
 
 class PreflightError(Exception):
@@ -81,6 +69,7 @@ class RecordSettings:
     max_hz: float = 200.0
     drive: DriveSettings | None = None  # set when the run drives scripted cancels (record)
     engine_log: Path | None = None  # the log of an engine not started by cancelwatch (--engine-log)
+    engine_log_tz: str | None = None  # the zone the engine log is stamped in (--engine-log-tz), else local time
     burst_hz: float | None = None  # the scheduler source's rate around each stop (--burst-hz), else hz
     burst_window_s: float = 2.0  # how long after a stop the burst lasts (--burst-window)
 
@@ -100,12 +89,18 @@ class RunResult:
     exit_code: int
 
 
+def split_label(value: str) -> tuple[str, str]:
+    """`LABEL=URL` -> (LABEL, URL); `URL` -> ("", URL). The label ends at the first "=" before the
+    scheme's "://" (a URL's query or password may hold more)."""
+    label, _, url = value.partition("=") if "=" in value.split("://", 1)[0] else ("", "", value)
+    return label, url
+
+
 def parse_targets(values: list[str]) -> list[Target]:
     """`URL` or `LABEL=URL`; unlabelled targets are t0, t1, ..."""
     out: list[Target] = []
     for i, value in enumerate(values):
-        # LABEL=URL: the label ends at the first "=" (a URL's query or password may hold more)
-        label, _, url = value.partition("=") if "=" in value.split("://", 1)[0] else ("", "", value)
+        label, url = split_label(value)
         url = url.rstrip("/")
         parsed = urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
@@ -141,14 +136,6 @@ def discover_targets(prometheus_url: str, job: str) -> list[str]:
     return [f"{instance}={url}" for instance, url in found]
 
 
-def embedded_engine_for(url: str, home: Path) -> lifecycle.EngineState | None:
-    parsed = urlparse(url)
-    if parsed.hostname not in ("127.0.0.1", "localhost") or parsed.port is None:
-        return None
-    state = lifecycle.read_state(home, parsed.port)
-    return state if state is not None and lifecycle.is_alive(state) else None
-
-
 def check_burst(settings: RecordSettings) -> None:
     """--burst-hz must be a whole multiple of --hz (the baseline keeps its grid) within the rate limit."""
     b = settings.burst_hz
@@ -161,60 +148,6 @@ def check_burst(settings: RecordSettings) -> None:
     if not (0 < settings.burst_window_s <= 60):
         raise PreflightError(f"--burst-window {settings.burst_window_s:g} is out of range: use (0, 60] seconds, "
                              "e.g. --burst-window 2s")
-
-
-def build_sources(settings: RecordSettings, nvml_module=None) -> tuple[list[Source], dict]:
-    """The run's sources and the engine facts to store. Raises PreflightError before any run exists."""
-    if not settings.targets:
-        raise PreflightError("no --target given: pass the vLLM server's URL, e.g. --target http://127.0.0.1:8000")
-    if not (0 < settings.hz <= settings.max_hz):
-        raise PreflightError(f"--hz {settings.hz} is out of range: use a rate in (0, {settings.max_hz:.0f}]")
-    check_burst(settings)
-    sources: list[Source] = []
-    engine_facts: dict = {"targets": {}}
-    pids = list(settings.pids)
-    logs: dict[str, str] = {}  # target label -> the engine log followed for it
-    for t in settings.targets:
-        t.family = VLLM_FAMILY  # these sources read vLLM's /metrics: the target is a vLLM server
-        src = VllmMetricsSource(t.source_url, t.label)
-        problem = src.check()
-        if problem:
-            for s in sources:
-                s.close()
-            src.close()
-            raise PreflightError(f"target {t.label} unreachable: {problem}")
-        sources.append(src)
-        version = server_version(src.base_url)
-        state = embedded_engine_for(t.url, settings.home)
-        if version is not None:
-            engine_facts["targets"].setdefault(t.label, {})["version"] = f"vLLM {version}"
-        if state is not None:
-            engine_facts["targets"].setdefault(t.label, {}).update({
-                "embedded": True, "pid": state.pid, "model": state.model, "shape": state.shape,
-                "command": state.command,
-                "kv_bytes_per_token": engine_mod.kv_bytes_per_token(state.model, state.shape.get("dtype", "")),
-                "weights_bytes": engine_mod.weights_bytes(state.model, state.shape.get("dtype", "")),
-            })
-            if not settings.pids:
-                pids.append(state.pid)
-            logs[t.label] = state.log_path
-    if settings.engine_log is not None:
-        logs = {settings.targets[0].label: str(settings.engine_log)}
-    engine_facts["engine_log"] = {t.label: {"off": NO_ENGINE_LOG} for t in settings.targets}
-    for label, path in logs.items():
-        log = EngineLogSource(path, target=label)
-        problem = log.check()
-        if problem and settings.engine_log is not None:
-            for s in sources:
-                s.close()
-            raise PreflightError(problem)
-        if problem:
-            engine_facts["engine_log"][label] = {"off": problem}
-            continue
-        sources.append(log)
-        engine_facts["engine_log"][label] = {"path": path}
-    sources += memory_sources(settings, pids, engine_facts, nvml_module)
-    return sources, engine_facts
 
 
 def memory_sources(settings: RecordSettings, pids: list[int], facts: dict, nvml_module=None) -> list[Source]:
@@ -278,7 +211,7 @@ def record(
         # the first scrape of each vLLM target carries its cache config: keep it as run metadata. Targets
         # are read on worker threads at once: under the lock, the last snapshot queued holds every target
         # (without it, a snapshot of one target could be queued after the one of both, and win)
-        if src.name == "vllm" and src.target not in caches:
+        if isinstance(src, VllmMetricsSource) and src.target not in caches:
             with caches_lock:
                 if src.target not in caches:
                     caches[src.target] = {**cache_config(samples), "model_names": model_names(samples)}
@@ -355,7 +288,7 @@ async def _drive(coro, sampler: Sampler, store_failed: threading.Event | None = 
         task.result()
 
 
-def scheduler_reader(sampler: Sampler, target: str, source: str = "vllm"):
+def scheduler_reader(sampler: Sampler, target: str, source: str):
     """() -> (running, waiting) from the latest sample of one target (vLLM, or Triton's common names);
     NaN-free, 0 before any sample."""
 

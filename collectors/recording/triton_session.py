@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from collectors.engines import lifecycle
+from collectors.engines import lifecycle, triton_server
 from collectors.recording.session import PreflightError, RecordSettings, memory_sources
 from collectors.sources.base import Source
 from collectors.sources.credentials import strip_userinfo
@@ -43,7 +43,7 @@ def endpoints(target: str, metrics_url: str | None, http_url: str | None, home: 
                              "(e.g. grpc://127.0.0.1:8001)")
     grpc = f"{parsed.hostname}:{parsed.port}"
     state = next((s for s in lifecycle.all_states(home)
-                  if s.kind == "triton" and s.urls.get("grpc") == grpc and lifecycle.is_alive(s)), None)
+                  if triton_server.owns(s) and s.urls.get("grpc") == grpc and lifecycle.is_alive(s)), None)
     if state is not None:
         return TritonEndpoints(grpc, http_url or state.url, metrics_url or state.urls["metrics"], state)
     return TritonEndpoints(grpc, http_url or f"http://{parsed.hostname}:8000",

@@ -37,6 +37,7 @@ SOURCE_NAME = "vllm"
 # the engine family of a target this source reads: each of a run's targets records its family, which analysis
 # judges it by
 FAMILY = "vllm"
+SCRAPE_JOB = "vllm"  # the Prometheus job vLLM replicas are usually scraped under: --job's default
 
 
 # One C-speed pass picks the vLLM sample lines out of a ~50 KB body; HELP/TYPE lines are not needed

@@ -1,8 +1,10 @@
 """Triton python-backend model (decoupled): streams N tokens, one per step, for cancelwatch's Triton scenarios.
 
 Loaded by the real tritonserver as `generator` (polls `response_sender.is_cancelled()` every step and
-answers CANCELLED) and as `generator_deaf` (the same code with `poll_cancel` false: a backend that does
-not honour cancellation and keeps running for nobody). Each request holds a buffer while it runs, so
+answers CANCELLED), as `generator_deaf` (the same code with `poll_cancel` false: a backend that does
+not honour cancellation and keeps running for nobody) and as `generator_hoard` (`keep_on_cancel` true: it
+sees the cancel, logs it and stops counting the request active, but keeps the request's buffer: the model's
+word and its active gauge say released while its memory stays). Each request holds a buffer while it runs, so
 its memory shows in the stub process; the model publishes its own gauges and counters, and logs one
 line per request event with the client's request id, so the server's own evidence names the request.
 
@@ -25,6 +27,8 @@ class TritonPythonModel:
         params = {k: v.get("string_value") for k, v in cfg.get("parameters", {}).items()}
         self.poll = params.get("poll_cancel", "true") == "true"
         self.default_step_ms = int(params.get("step_ms", "50"))
+        self.keep_on_cancel = params.get("keep_on_cancel", "false") == "true"
+        self.hoard = []  # generator_hoard: the buffers of cancelled requests, never given back
         self.model = args["model_name"]
         labels = {"model": self.model}
         # the families are kept on self: a Metric whose family is collected fails to update
@@ -74,6 +78,9 @@ class TritonPythonModel:
                     event = f"cancelled step={i}"
                     with self.lock:
                         self.cancels.increment(1)
+                        if self.keep_on_cancel:
+                            self.hoard.append(held)
+                            self.buffer.increment(held.nbytes)  # the finally's -nbytes leaves it counted
                     error = pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
                     try:  # the model stopped whether or not the answer can still be delivered
                         sender.send(pb_utils.InferenceResponse(error=error),

@@ -1,0 +1,114 @@
+"""An explicit cancel the app loses (analysis/verdicts: app_lost_cancel). The client of an explicit cancel
+reads on until the app ends the stream, so a lost cancel shows as a request that ran to its end: leaked
+where the engine's own samples show it went on with the request across the grace, never on the client's
+tokens alone (a hop that buffers delivers tokens the engine made before the stop)."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+
+from analysis.verdicts import judge_run
+from tests.test_verdicts import T0, build_run, steady_gen
+
+
+def ns(s: float) -> int:
+    return T0 + int(s * 1e9)
+
+
+def answered(run, answer: str = "cancelled", end_s: float = 5.0, tokens: int = 60, relay_readings: bool = False):
+    """The target's explicit cancel at 2 s, answered `answer` by the app 5 ms later; the client then read
+    `tokens` more to the request's end at `end_s` (completed). The relay's own readings (app received,
+    engine abort) only with `relay_readings`: an answer made up on the way carries none."""
+    tg = run.ledger["request_id"] == "tg"
+    run.ledger.loc[tg, ["terminal_state", "closed_mono_ns"]] = ["completed", ns(end_s)]
+    run.ledger["tokens_after_cancel"] = [0] * len(run.ledger)
+    run.ledger.loc[tg, "tokens_after_cancel"] = tokens
+    ev = run.events
+    if not relay_readings:
+        ev = ev[~ev["kind"].isin(["app_received", "engine_abort"])]
+    ans = {"request_id": "tg", "kind": "app_answered", "mono_ns": ns(2.005), "wall_ns": 0, "t_s": 2.005,
+           "data": json.dumps({"cancel_id": "c1", "answer": answer, "source": "app", "metrics_target": "t0"})}
+    run.events = pd.concat([ev, pd.DataFrame([ans])], ignore_index=True).sort_values("mono_ns")
+    return run
+
+
+def in_engine_until(end_s: float):
+    """The server counts the neighbour and the target until `end_s`, then the neighbour alone."""
+    return lambda t: 2.0 if t < end_s else 1.0
+
+
+def test_a_cancel_the_app_answered_while_the_engine_ran_on_is_leaked():
+    (v,) = judge_run(answered(build_run(in_engine_until(5.0), lambda t: 0.4, steady_gen)))
+    assert (v.verdict, v.rule) == ("leaked", "app_lost_cancel"), v
+    assert v.evidence.kept_running_ms == 3000.0 and "'cancelled'" in v.evidence.why and "60 tokens" in v.evidence.why
+    assert v.evidence.app_answer == "cancelled"
+
+
+def test_the_answer_is_named_whatever_the_app_said():
+    # a replica that does not hold the request keeps the cancel for later, or an app refuses the owner
+    for answer in ("kept_until_registered", "rejected_not_owner", "HTTP 404"):
+        (v,) = judge_run(answered(build_run(in_engine_until(5.0), lambda t: 0.4, steady_gen), answer))
+        assert (v.verdict, v.rule) == ("leaked", "app_lost_cancel") and f"'{answer}'" in v.evidence.why, v
+
+
+def test_tokens_a_buffering_hop_held_back_are_not_a_lost_cancel():
+    # the engine was done with the target at 1.8 s, before the stop; the client read its last tokens to 5 s:
+    # not a leak, and not a race either
+    (v,) = judge_run(answered(build_run(in_engine_until(1.8), lambda t: 0.4, steady_gen)))
+    assert (v.verdict, v.rule) == ("inconclusive", "app_lost_unconfirmed"), v
+
+
+def test_an_app_that_says_the_request_had_ended_is_the_race():
+    (v,) = judge_run(answered(build_run(in_engine_until(5.0), lambda t: 0.4, steady_gen), "already_completed"))
+    assert (v.verdict, v.rule) == ("inconclusive", "completion_won_race"), v
+
+
+def test_a_neighbour_whose_end_reaches_its_client_a_moment_late_does_not_hide_the_loss():
+    # the engine ended the neighbour at 3.00 s; its client read the end at 3.1 s (a hop's delay)
+    run = build_run(lambda t: 2.0 if t < 3.0 else 1.0, lambda t: 0.4, steady_gen)
+    run.ledger.loc[run.ledger["request_id"] == "nb", "closed_mono_ns"] = ns(3.1)
+    (v,) = judge_run(answered(run, end_s=5.0))
+    assert (v.verdict, v.rule) == ("leaked", "app_lost_cancel"), v
+
+
+def test_a_nan_sample_in_the_grace_is_left_out_not_read_as_a_fall():
+    run = answered(build_run(in_engine_until(5.0), lambda t: 0.4, steady_gen))
+    s = run.samples
+    s.loc[(s["metric"] == "requests_waiting") & (s["t_s"].between(2.49, 2.51)), "value"] = float("nan")
+    (v,) = judge_run(run)
+    assert (v.verdict, v.rule) == ("leaked", "app_lost_cancel"), v
+
+
+def test_two_targets_stopped_together_cannot_be_told_apart_by_the_count():
+    # a second target of the scenario, stopped with the first: the server's count cannot say which it kept
+    second = {"request_id": "tb", "scenario": "s", "role": "target", "n": 1, "sent_mono_ns": ns(0.5),
+              "first_token_mono_ns": ns(0.8), "closed_mono_ns": ns(2.01), "cancel_mono_ns": ns(2.0),
+              "terminal_state": "cancelled"}
+    run = answered(build_run(lambda t: 3.0 if t < 2.05 else 2.0, lambda t: 0.4, steady_gen, extra_ledger=[second]))
+    tg = [v for v in judge_run(run) if v.request_id == "tg"]
+    assert [(v.verdict, v.rule) for v in tg] == [("inconclusive", "app_lost_unconfirmed")], tg
+
+
+def test_a_completion_a_few_tokens_after_the_stop_is_the_race():
+    (v,) = judge_run(answered(build_run(in_engine_until(5.0), lambda t: 0.4, steady_gen), tokens=3))
+    assert (v.verdict, v.rule) == ("inconclusive", "completion_won_race"), v
+
+
+def test_an_end_inside_the_grace_is_not_called_lost():
+    (v,) = judge_run(answered(build_run(in_engine_until(3.5), lambda t: 0.4, steady_gen), end_s=3.5, tokens=30))
+    assert v.rule != "app_lost_cancel", v
+
+
+def test_without_an_explicit_cancel_a_completion_stays_the_race():
+    run = answered(build_run(in_engine_until(5.0), lambda t: 0.4, steady_gen))
+    run.events = run.events[run.events["kind"] != "app_answered"]
+    (v,) = judge_run(run)
+    assert (v.verdict, v.rule) == ("inconclusive", "completion_won_race"), v
+
+
+def test_an_engine_that_stopped_stepping_is_not_called_lost():
+    # the server still counted the target, but no token was generated across the grace: not the engine's word
+    (v,) = judge_run(answered(build_run(in_engine_until(5.0), lambda t: 0.4, lambda t: 100.0)))
+    assert v.rule != "app_lost_cancel", v

@@ -1,0 +1,109 @@
+"""Explicit cancels through an app, lost on the real engine (issue: verdicts on users' stacks, point 8).
+
+The relay app (an in-process AsyncLLM, `cancelwatch engine up --relay`) behind tests/proxies.py, the
+`inproc` kind of scenario sized to end soon after a lost cancel: the client asks the app to cancel and reads
+on until the app ends the stream. A gateway that answers the cancel call itself and passes nothing on, and
+a balancer that sends the cancel to a replica not holding the request, both lose it: the engine goes on to
+the request's end, and the verdict is `leaked` on the engine's own samples, naming what the app answered.
+The same path with nothing lost is released, and so is the cancel a replica passes on to the one that holds
+the request (relay_app --replica/--peer). Each test checks that its proxy did what it was meant to do."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import _start_engine, _stop_engine, free_port
+from tests.proxies import ProxyBehaviour
+from tests.test_verdict_rules_engine import dump, record, scenario
+
+pytestmark = pytest.mark.timeout(900)
+# 380 tokens after the stop: seconds past the grace on this machine's engine, even at 100 tokens/s
+EXPLICIT = dict(name="explicit", mode="explicit", via_relay=True, trigger="after_tokens", trigger_value=20,
+                prompt_tokens=300, max_tokens=400)
+
+
+@pytest.fixture(scope="module")
+def replicas(engine, tmp_path_factory):
+    """Two replicas of the relay app, each its own AsyncLLM: `a`, which knows no other replica, and `b`,
+    which passes a cancel for `a`'s ids on to it. Stopped at the end, nothing left running."""
+    started = []
+    try:
+        home = tmp_path_factory.mktemp("replica-a")
+        started.append((home, _start_engine(home, relay=True, extra_args=["--replica", "a"])))
+        home = tmp_path_factory.mktemp("replica-b")
+        started.append((home, _start_engine(home, relay=True,
+                                            extra_args=["--replica", "b", "--peer", f"a={started[0][1].url}"])))
+        yield [state for _, state in started]
+    finally:
+        left = [p for home, state in started for p in _stop_engine(home, state)]
+        assert not left, f"relay apps left processes behind: {left}"
+
+
+def explicit_run(engine, relay_url: str, tmp_path):
+    toml = scenario(tmp_path, **EXPLICIT)
+    _, doc, run = record(engine.url, toml, tmp_path / "cw.db", tmp_path / "home", extra=("--relay-url", relay_url))
+    (c,) = doc["cancels"]
+    answers = [json.loads(d) for k, d in zip(run.events["kind"], run.events["data"]) if k == "app_answered"]
+    return c, answers, run
+
+
+@pytest.mark.parametrize("lost", [False, True], ids=["passed_on", "swallowed"])
+def test_a_cancel_a_gateway_answers_itself_is_leaked_and_one_it_passes_on_is_released(engine, replicas, tmp_path,
+                                                                                      lost):
+    proxy = ProxyBehaviour(replicas[0].url, free_port(), drop_cancels=lost).start()
+    try:
+        c, answers, run = explicit_run(engine, proxy.url, tmp_path)
+    finally:
+        proxy.stop()
+    # the relay app's own word once abort() returned; the gateway's made-up one
+    assert [a["answer"] for a in answers] == ["cancelled" if lost else "abort_sent"], answers
+    row = run.ledger.set_index("request_id").loc[c["request_id"]]
+    if not lost:
+        assert proxy.cancels_dropped == [], proxy.summary()
+        assert c["verdict"] == "released", dump(doc_of(c), proxy, run)
+        assert c["timepoint_sources"]["engine_abort"]["source"] == "relay", c
+        return
+    assert len(proxy.cancels_dropped) == 1, proxy.summary()
+    # the gateway lost it: the client read the request to its end
+    assert row["terminal_state"] == "completed" and row["tokens_after_cancel"] > 100, row.to_dict()
+    assert (c["verdict"], c["evidence"]["rule"]) == ("leaked", "app_lost_cancel"), dump(doc_of(c), proxy, run)
+    assert "'cancelled'" in c["evidence"]["why"] and c["evidence"]["kept_running_ms"] > 2000, c["evidence"]
+
+
+def test_a_cancel_sent_to_a_replica_that_cannot_pass_it_on_is_leaked(engine, replicas, tmp_path):
+    # streams go to replica b; the balancer sends the cancel call to replica a, which knows no other replica
+    a, b = replicas
+    proxy = ProxyBehaviour(b.url, free_port(), cancel_upstream=a.url).start()
+    try:
+        c, answers, run = explicit_run(engine, proxy.url, tmp_path)
+    finally:
+        proxy.stop()
+    assert [(st, '"not_here"' in body) for _, st, body in proxy.cancels_rerouted] == [(404, True)], \
+        proxy.cancels_rerouted
+    assert [a["answer"] for a in answers] == ["not_here"], answers
+    row = run.ledger.set_index("request_id").loc[c["request_id"]]
+    assert row["terminal_state"] == "completed" and row["tokens_after_cancel"] > 100, row.to_dict()
+    assert (c["verdict"], c["evidence"]["rule"]) == ("leaked", "app_lost_cancel"), dump(doc_of(c), proxy, run)
+    assert "'not_here'" in c["evidence"]["why"] and c["evidence"]["app_answer"] == "not_here", c["evidence"]
+
+
+def test_a_cancel_sent_to_a_replica_that_passes_it_on_is_released(engine, replicas, tmp_path):
+    # streams go to replica a; the cancel call to replica b, which passes it on to a (the id names it)
+    a, b = replicas
+    proxy = ProxyBehaviour(a.url, free_port(), cancel_upstream=b.url).start()
+    try:
+        c, answers, run = explicit_run(engine, proxy.url, tmp_path)
+    finally:
+        proxy.stop()
+    (path, status, body) = proxy.cancels_rerouted[0]
+    assert len(proxy.cancels_rerouted) == 1 and status == 200 and json.loads(body)["forwarded_to"] == "a", body
+    assert path.startswith("/cancel/a-"), path  # the id replica a issued
+    assert [a["answer"] for a in answers] == ["abort_sent"], answers
+    assert c["verdict"] == "released", dump(doc_of(c), proxy, run)
+    assert c["timepoint_sources"]["engine_abort"]["source"] == "relay", c
+
+
+def doc_of(c: dict) -> dict:
+    return {"cancels": [c]}
