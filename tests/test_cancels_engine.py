@@ -343,7 +343,14 @@ def test_every_streaming_builtin_leaks_through_a_proxy_that_never_passes_the_can
         assert c["timepoints"]["engine_abort"] is None, c
         assert c["timepoint_sources"]["engine_abort"]["reason"] == "no abort in the engine log", c
         if c["scenario"] == "race" and c["verdict"] == "inconclusive":
-            assert c["evidence"]["race"], c
+            if c["evidence"].get("rule") == "trigger_never_reached":
+                # its stop comes 2 tokens before the end: a client that read the last tokens in one go (CI:
+                # after a stall) jumped the trigger, and the driver said so in the run
+                missed = run.events[(run.events["kind"] == "trigger_missed")
+                                    & (run.events["request_id"] == c["request_id"])]
+                assert len(missed) == 1, (c, run.events[run.events["kind"] == "trigger_missed"].to_dict("records"))
+            else:
+                assert c["evidence"]["race"], c
             continue
         if c["evidence"].get("rule") == "never_added":
             # a loaded machine kept the request on its way (in the proxy, the API server) past the stop, and

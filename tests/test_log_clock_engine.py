@@ -16,6 +16,10 @@ from tests.conftest import _start_engine, _stop_engine, cli
 from tests.test_cancels_engine import assert_recorded
 
 RECORDER_TZ, KOLKATA_S = "Asia/Kolkata", 19800  # UTC+5:30: no daylight saving, never the recorder's by chance
+# whole-second stamps place an abort only to within ~1.6 s: under the default 2 s grace a disconnect noticed
+# 0.8 s late (CI) straddles the grace's end and is honestly inconclusive. These tests are about the clock,
+# not the grace: a wide one keeps every abort decidable
+GRACE_S = "6"
 pytestmark = pytest.mark.timeout(1800)
 
 
@@ -48,7 +52,7 @@ def recorded(utc_engine, tmp_path, monkeypatch, scenarios: str, *extra, timeout:
 
 
 def test_a_utc_log_beside_a_recorder_in_kolkata_is_moved_back(utc_engine, tmp_path, monkeypatch):
-    doc, facts = recorded(utc_engine, tmp_path, monkeypatch, "decode,disconnect")
+    doc, facts = recorded(utc_engine, tmp_path, monkeypatch, "decode,disconnect", "--grace", GRACE_S)
     (clock,) = facts["engine_log_clock"]
     # read as Kolkata time the lines are 5 h 30 early; whole-second stamps: the offset within a second
     assert clock["agrees"] and abs(clock["offset_s"] - KOLKATA_S) <= 1.1, clock
@@ -57,13 +61,15 @@ def test_a_utc_log_beside_a_recorder_in_kolkata_is_moved_back(utc_engine, tmp_pa
                                                                        ("disconnect", "released")], doc["cancels"]
     for c in doc["cancels"]:
         assert c["timepoint_sources"]["engine_abort"]["source"] == "engine_log", c
-        assert 0.0 <= c["timepoints"]["engine_abort"] - c["timepoints"]["user_stop"] < 2.0, c
+        # placed on the run's clock: after the stop, inside the grace (not 5 h 30 away)
+        assert 0.0 <= c["timepoints"]["engine_abort"] - c["timepoints"]["user_stop"] < float(GRACE_S), c
     assert doc["engine_log_clock"] == facts["engine_log_clock"]
     assert any("stamped" in note for note in doc["engine_log_notes"]), doc["engine_log_notes"]
 
 
 def test_told_the_logs_zone_nothing_is_moved(utc_engine, tmp_path, monkeypatch):
-    doc, facts = recorded(utc_engine, tmp_path, monkeypatch, "decode,disconnect", "--engine-log-tz", "UTC")
+    doc, facts = recorded(utc_engine, tmp_path, monkeypatch, "decode,disconnect", "--engine-log-tz", "UTC",
+                          "--grace", GRACE_S)
     (clock,) = facts["engine_log_clock"]
     assert clock["agrees"] and clock["offset_s"] == 0.0 and clock["lo_s"] <= 0.0 <= clock["hi_s"], clock
     assert [c["verdict"] for c in doc["cancels"]] == ["released", "released"], doc["cancels"]
