@@ -207,11 +207,17 @@ def decode_rate(url: str, model: str) -> float:
 
 
 def cli(*args: str, home: Path | None = None, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    """Run the real `cancelwatch` command line in a subprocess."""
+    """Run the real `cancelwatch` command line in a subprocess, in a session of its own, as a user runs it
+    from a terminal. Linux groups CPU time by session (sched_autogroup): the engines the tests start run in
+    sessions of their own, so a command left in the test session shared one group's share with pytest, its
+    proxy threads and whatever else the suite had running, and on two cores its reads were seen starved for
+    seconds (CI: no scrape of an idle engine answered for 1.5 s and 2.9 s, while the recorder's own
+    real-time tickers and a monitor in a session of its own kept time)."""
     _guard_cli(args)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if home is not None:
         env["CANCELWATCH_HOME"] = str(home)
+    kw.setdefault("start_new_session", True)
     return subprocess.run([sys.executable, "-m", "cancelwatch", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=kw.pop("cwd", ROOT), **kw)
 
@@ -221,6 +227,7 @@ def cli_popen(*args: str, home: Path | None = None, **kw) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if home is not None:
         env["CANCELWATCH_HOME"] = str(home)
+    kw.setdefault("start_new_session", True)
     return subprocess.Popen([sys.executable, "-m", "cancelwatch", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, **kw)
 

@@ -55,7 +55,8 @@ def test_an_engine_stopped_during_a_cancel_gives_gaps_and_inconclusive_and_the_r
     doc = json.loads(cli("report", "latest", "--json", "--store", str(store)).stdout)
     (c,) = doc["cancels"]
     t_stop, t_frozen, t_back = c["timepoints"]["user_stop"], run_clock(run, stopped_at), run_clock(run, resumed_at)
-    assert t_stop < t_frozen < t_stop + 1.0, (t_stop, t_frozen)
+    assert t_stop < t_frozen, (t_stop, t_frozen)
+    print(f"the engine was frozen {t_frozen - t_stop:.3f} s after the stop")
     assert run.info["status"] == "completed"
     # the scrapes in the freeze timed out into a gap, and sampling came back after it
     g = run.gaps[run.gaps["source"] == "vllm"]
@@ -71,6 +72,9 @@ def test_an_engine_stopped_during_a_cancel_gives_gaps_and_inconclusive_and_the_r
         assert left is not None and t_stop < left < t_frozen, dump(doc)
         print(f"the release was sampled {t_frozen - left:.3f} s before the freeze: released, on that sample")
     else:
+        # a freeze the test sent late (CI: 1.5 s, the test process held up) left the window sampled: then
+        # only a release sampled before it is the truth, above
+        assert t_frozen < t_stop + 1.0, (t_stop, t_frozen, dump(doc))
         assert c["verdict"] == "inconclusive", dump(doc)
         # a scrape outage: across the grace, or over the whole window
         assert c["evidence"]["rule"] in ("no_samples_in_grace", "no_samples"), dump(doc)
