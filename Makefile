@@ -10,7 +10,7 @@ PORT ?= 8000
 STORE ?= runs/cancelwatch.db
 DASHBOARD_PORT ?= 8501
 
-.PHONY: venv engine-venv triton-venv demo-triton browser prometheus test test-fast demo bench clean engine-down sample-run dashboard lab fuzz
+.PHONY: venv engine-venv triton-venv demo-triton browser prometheus gateways test test-fast demo bench clean engine-down sample-run dashboard lab fuzz matrix
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -49,7 +49,20 @@ prometheus:
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends prometheus; }
 
-test: venv engine-venv triton-venv browser prometheus
+# Debian's nginx and HAProxy: real gateways for the hop tests and the gateway matrix (started by the tests and
+# by `cancelwatch matrix`, on loopback). Debian starts an installed server on port 80 on every interface unless
+# a policy-rc.d refuses: one that exits 101 stands for the install (removed after, if it was not there), so
+# nothing listens beyond what cancelwatch starts.
+POLICY_RC = /usr/sbin/policy-rc.d
+gateways:
+	@command -v nginx >/dev/null 2>&1 && command -v haproxy >/dev/null 2>&1 || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); made=; \
+	  [ -e $(POLICY_RC) ] || { printf '#!/bin/sh\nexit 101\n' | $$SUDO tee $(POLICY_RC) >/dev/null; \
+	    $$SUDO chmod +x $(POLICY_RC); made=1; }; \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends \
+	    nginx haproxy; rc=$$?; [ -z "$$made" ] || $$SUDO rm -f $(POLICY_RC); exit $$rc; }
+
+test: venv engine-venv triton-venv browser prometheus gateways
 	$(VENV)/bin/python -m pytest -v -rfEs --durations=30 tests
 	$(ENGINE_VENV)/bin/python -m pytest -v -rfEs -p no:cacheprovider tests_engine
 
@@ -90,6 +103,11 @@ demo-triton: venv triton-venv
 	  --name demo-triton; rc=$$?; [ $$rc -le 1 ] || exit $$rc; \
 	echo "dashboard: http://127.0.0.1:$(DASHBOARD_PORT)/?store=$(TRITON_STORE)&run=latest  (Ctrl-C stops it and the server)"; \
 	$(VENV)/bin/streamlit run dashboard/app.py --server.port $(DASHBOARD_PORT); $(PAGE_ENDED)
+
+# The gateway matrix for every gateway installed here: the stream disconnect, the chat stream disconnect and
+# the non-streaming client timeout, direct and through each, on the embedded engine; written to docs/.
+matrix: venv engine-venv gateways
+	$(CW) matrix --out docs
 
 bench: venv engine-venv
 	$(VENV)/bin/python bench/sampler.py

@@ -87,6 +87,9 @@ class Evidence:
         lowest sample of the grace after the cancel, where it never gave this request's share back
     canceled_failures_delta: Triton: count the core's failure{reason="CANCELED"} rose by for the model
         in the grace (a queued request dropped)
+    stopped_at: the component of the path where the cancel stopped (the taps of `record --hop` saw its
+        client side close, and its upstream stay open past the grace); None where it did not stop at a hop
+    path: the cancel's way through the taps in one sentence (analysis/hops.py); None without taps
     rule: the code of the rule that gave the verdict (a key of analysis.verdicts.RULES, with its sentence)
     why: one sentence, why the verdict is not released (the rule's sentence, filled in)
     """
@@ -123,6 +126,8 @@ class Evidence:
     expected: str | None = None
     canceled_failures_delta: float | None = None
     buffer_kept_bytes: float | None = None
+    stopped_at: str | None = None
+    path: str | None = None
     rule: str | None = None
     why: str | None = None
 

@@ -112,6 +112,12 @@ def memory_story(run: Run, verdicts: list[CancelVerdict], cancel: CancelVerdict 
 
 
 def _verdict_sentence(v: CancelVerdict) -> str:
+    """What became of the cancelled request, and, where taps stood in the path, its way through them."""
+    sentence = _what_became(v)
+    return f"{sentence} Hop by hop: {v.evidence.path}." if v.evidence.path else sentence
+
+
+def _what_became(v: CancelVerdict) -> str:
     tp, ev = v.timepoints, v.evidence
     who = f"The cancelled request ({v.scenario}, {v.request_id})"
     if v.verdict == "released":

@@ -541,7 +541,39 @@ def _measurement_section(run: Run, recs: list[ScenarioRecord], doc: Mapping) -> 
         lines += ["Where a timepoint has no source (\"none\"), the reason recorded:", ""]
         lines += [f"- {POINT_LABELS[p]}: {why} ({', '.join(names)})" for (p, why), names in notes.items()]
         lines.append("")
-    return lines
+    return lines + _hops_section(run, cancels)
+
+
+def _hop_cell(h: Mapping) -> str:
+    if h.get("reached_ms") is None:
+        return "not seen" if h.get("matched") else "request not found"
+    held = "" if h.get("held_ms") is None else f", passed on after {h['held_ms']:g} ms"
+    return f"reached +{h['reached_ms']:g} ms ({h.get('reached_how')}){held or ', not passed on'}"
+
+
+def _hops_section(run: Run, cancels: list[dict]) -> list[str]:
+    """The taps of the path (record --hop) and each cancel's way through them; nothing for a run without."""
+    taps = list((run.info.get("settings") or {}).get("hops") or [])
+    if not taps:
+        return []
+    names = [t.get("name") for t in taps]
+    lines = ["### The path, hop by hop", "",
+             "Taps (`record --hop`, in order from the client): "
+             + "; ".join(f"`{t.get('name')}` (listening on {t.get('listen_host')}:{t.get('listen_port')}, in front "
+                         f"of {t.get('upstream')})" for t in taps)
+             + ". A tap passes bytes and closes on as they come; what it records is a socket close, evidence that "
+               "a connection went, not that anybody read a cancel. Times are after the user stop.", ""]
+    rows = []
+    for c in cancels:
+        by = {h["hop"]: h for h in c.get("hops") or []}
+        rows.append([_short_id(c.get("request_id")), c.get("scenario"),
+                     *(_hop_cell(by[n]) if n in by else NOT_RECORDED for n in names),
+                     (c.get("evidence") or {}).get("stopped_at") or "-"])
+    lines += _table(["request", "scenario", *names, "stopped at"], rows)
+    matched = sorted({c.get("scenario") for c in cancels for h in c.get("hops") or [] if h.get("matched") == "time"})
+    if matched:
+        lines += ["", f"Matched by time at a tap (a component dropped or rewrote `X-Request-Id`): {', '.join(matched)}."]
+    return lines + [""]
 
 
 def _rule_counts(cancels: list[dict]) -> list[str]:

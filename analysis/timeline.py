@@ -164,7 +164,8 @@ def timeline_figure(run: Run, verdicts: list[CancelVerdict], x_range: tuple[floa
         row_heights=[0.24, 0.2, 0.2, 0.14, 0.22],
         subplot_titles=[ROW_TITLES[kind], "KV-cache usage, %", "requests running (solid) and waiting (dashed)",
                         f"prefix-cache hit rate, % ({HIT_RATE_WINDOW_S:g} s window)",
-                        "cancels: the five timepoints (colour = verdict)"],
+                        "cancels: the five timepoints (colour = verdict)"
+                        + (" and the path's hops" if any(v.hops for v in verdicts) else "")],
     )
     row = {name: i + 1 for i, name in enumerate(ROWS)}
     targets = scheduler_targets(run)
@@ -216,14 +217,14 @@ def timeline_figure(run: Run, verdicts: list[CancelVerdict], x_range: tuple[floa
                       row=row["prefix"], col=1)
 
     shapes = _add_cancels(fig, verdicts, row["cancels"], x_range, highlight) + _add_gaps(fig, run, x_range)
+    _add_hops(fig, verdicts, row["cancels"], x_range)
     # set once: plotly re-validates every shape on each layout update, seconds for a long run
     fig.layout.shapes = tuple(shapes)
     fig.update_yaxes(rangemode="tozero", row=row["memory"], col=1)
     fig.update_yaxes(range=[0, 105], row=row["kv"], col=1)
     fig.update_yaxes(rangemode="tozero", row=row["requests"], col=1)
     fig.update_yaxes(range=[0, 105], row=row["prefix"], col=1)
-    fig.update_yaxes(categoryorder="array", categoryarray=[POINT_LABELS[p] for p in reversed(TIMEPOINTS)],
-                     row=row["cancels"], col=1)
+    fig.update_yaxes(categoryorder="array", categoryarray=_cancel_rows(verdicts), row=row["cancels"], col=1)
     fig.update_xaxes(title_text="seconds since the run started", row=len(ROWS), col=1)
     if x_range is not None:
         fig.update_xaxes(range=list(x_range))
@@ -265,6 +266,48 @@ def _add_cancels(fig: go.Figure, verdicts: list[CancelVerdict], row: int, x_rang
                                  hovertemplate="%{text}<br>t = %{x:.3f} s<extra></extra>"),
                       row=row, col=1)
     return shapes
+
+
+def hop_label(hop: str) -> str:
+    """The timeline row of a tapped component: where the cancel reached it and how long it held it."""
+    return f"→ {hop}"
+
+
+def _cancel_rows(verdicts: list[CancelVerdict]) -> list[str]:
+    """The cancels row's categories, bottom to top: the timepoints, with a row per tapped component (in
+    order from the client) under the user stop."""
+    hops = list(dict.fromkeys(s.hop for v in verdicts for s in v.hops))
+    rows = [POINT_LABELS[p] for p in reversed(TIMEPOINTS)]
+    return rows[:-1] + [hop_label(h) for h in reversed(hops)] + rows[-1:]
+
+
+def _add_hops(fig: go.Figure, verdicts: list[CancelVerdict], row: int, x_range) -> None:
+    """Each cancel's way through the taps: on its component's row, from the instant the cancel reached it to
+    the one it passed it on (or, where it did not, to its upstream's end: a thick red stretch)."""
+    lo, hi = x_range if x_range is not None else (-math.inf, math.inf)
+    passed = {"x": [], "y": [], "text": []}
+    kept = {"x": [], "y": [], "text": []}
+    for v in verdicts:
+        for s in v.hops:
+            if s.reached_s is None:
+                continue
+            stop = s.passed_s if s.passed_s is not None and s.passed_s - s.reached_s <= v.evidence.grace_s else None
+            end = stop if stop is not None else (s.passed_s or s.upstream_end_s or s.reached_s)
+            if end < lo or s.reached_s > hi:
+                continue
+            d = passed if stop is not None else kept
+            what = (f"passed on after {s.held_ms:g} ms" if stop is not None
+                    else "not passed on within the grace (its upstream stayed open)")
+            text = f"{v.request_id}<br>{s.hop}: its client side closed ({s.reached_how}), {what}"
+            d["x"] += [s.reached_s, end, None]
+            d["y"] += [hop_label(s.hop)] * 2 + [None]
+            d["text"] += [text, text, None]
+    for d, name, colour, width in ((passed, "cancel passed on at a hop", "#1a9850", 2),
+                                   (kept, "cancel kept at a hop", "#d73027", 5)):
+        if d["x"]:
+            fig.add_trace(go.Scatter(x=d["x"], y=d["y"], text=d["text"], mode="lines+markers", name=name,
+                                     line=dict(color=colour, width=width), marker=dict(color=colour, size=6),
+                                     hovertemplate="%{text}<br>t = %{x:.3f} s<extra></extra>"), row=row, col=1)
 
 
 def _add_gaps(fig: go.Figure, run: Run, x_range) -> list[dict]:

@@ -28,6 +28,7 @@ from collectors.recording.session import (
     PreflightError,
     RecordSettings,
     check_burst,
+    hop_sources,
     parse_targets,
     record,
     scheduler_reader,
@@ -68,6 +69,10 @@ def record_cmd(
     api_key_env: Optional[str] = typer.Option(None, help="Environment variable holding the API key of an engine "
                                               "started with --api-key (default: VLLM_API_KEY, then OPENAI_API_KEY). "
                                               "Sent to --target only; never stored."),
+    hop: Optional[list[str]] = typer.Option(None, help="A tap in front of one component of the path, as "
+                                            "NAME=LISTEN,UPSTREAM_URL (NAME: the component it feeds); repeat in "
+                                            "order from the client, and point the previous component (or "
+                                            "--target) at LISTEN. Or [[hop]] tables in the scenario file."),
 ):
     """Run scripted cancels while sampling; one run holds samples, ledger and events. Prints the report."""
     import httpx
@@ -90,7 +95,7 @@ def record_cmd(
     refused = refused_option(family, {"--burst-hz": burst_hz, "--burst-window": burst_window, "--api-key-env": api_key_env,
                                       "--relay-url": relay_url, "--prometheus": prometheus, "--job": job,
                                       "--http-url": http_url, "user:password@ in --target": basic,
-                                      "--engine-log-tz": engine_log_tz})
+                                      "--engine-log-tz": engine_log_tz, "--hop": hop or None})
     refused = refused or needs_option({"--burst-window": ("--burst-hz", burst_hz), "--job": ("--prometheus", prometheus)},
                                       {"--burst-window": burst_window, "--job": job})
     if refused:  # before anything is sent to the target
@@ -113,6 +118,7 @@ def record_cmd(
         scenarios = family.scenarios(scenario)
     except (ScenarioError, ValueError) as exc:
         raise fail(str(exc)) from None
+    hops = taps_of(hop or [], scenario)
     if family.name != VLLM_FAMILY:
         return RECORDERS[family.name](family, scenarios, target, metrics_url, http_url, hz, nvml, store, name, pid,
                                       lost_after, engine_log, grace)
@@ -123,26 +129,33 @@ def record_cmd(
     from collectors.sources.vllm import VllmMetricsSource
 
     found: list[str] = []
+    taps: list = []
     try:
+        # listening before anything is sent: --target may be the first tap's address
+        taps = hop_sources(hops)
         found = discover_targets(prometheus, job) if prometheus else []
         # the target as given: its user:password reach its /metrics too (Target keeps them out of the run)
         targets = parse_targets(found or [metrics_url or given_target])
         parse_targets([target])
         model = served_model(target, auth=auth)
     except PreflightError as exc:
+        close_all(taps)
         raise fail(str(exc)) from None
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        close_all(taps)
         raise fail(model_listing_error(target, exc, key_var)) from None
     relay_state: dict = {}
     try:
         settings = RecordSettings(targets=targets, store=store, hz=hz, duration_s=None, nvml=nvml, name=name,
                                   pids=list(pid or []), lost_after_s=lost_after, home=home_dir(),
                                   engine_log=engine_log, engine_log_tz=engine_log_tz, burst_hz=burst_hz,
-                                  burst_window_s=window_s,
+                                  burst_window_s=window_s, hops=hops,
                                   drive=DriveSettings(driven_target=target, scenarios=[s.name for s in scenarios],
                                                       grace_s=grace, model=model,
                                                       relay_url=strip_userinfo(relay_url) if relay_url else None))
         sources, facts = family.sources(settings)
+        sources += taps  # the sampler owns them from here: it closes them when the run ends
+        taps = []
         if prometheus:
             facts["discovery"] = {"prometheus": strip_userinfo(prometheus), "job": job, "found": found}
         # where the credentials came from, never what they are
@@ -196,9 +209,29 @@ def record_cmd(
     except StoreError as exc:
         raise fail(str(exc)) from None
     finally:
+        close_all(taps)  # a run that never started
         if "state" in relay_state:  # also after Ctrl-C or a lost target
             lifecycle.stop(home_dir(), relay_state["state"].port)
     report_recorded(store, result, grace)
+
+
+def taps_of(given: list[str], scenario: str) -> list:
+    """The hops of --hop, else of the scenario file's [[hop]] tables; one line and exit 2 for a bad one or both."""
+    from collectors.cancels.scenarios import ScenarioError, load_hops
+    from collectors.sources.tap import TapError, parse_hop
+
+    try:
+        in_file = load_hops(scenario)
+        if given and in_file:
+            raise TapError("the taps are given both with --hop and as [[hop]] tables of the scenario file: keep one")
+        return [parse_hop(v) for v in given or in_file]
+    except (TapError, ScenarioError) as exc:
+        raise fail(str(exc)) from None
+
+
+def close_all(sources: list) -> None:
+    for src in sources:
+        src.close()
 
 
 

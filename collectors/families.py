@@ -67,6 +67,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
             "--job": "replica discovery samples vLLM replicas of a scrape job; a Triton run samples its one server",
             "user:password@ in --target": "cancelwatch sends Triton's gRPC and HTTP endpoints no credentials",
             "--engine-log-tz": "tritonserver stamps its log in UTC, and cancelwatch reads it so",
+            "--hop": "a tap reads HTTP/1.1 request heads, and Triton's cancels travel over gRPC (HTTP/2)",
         },
         command_refuses={
             "sample": "sampling alone reads vLLM's /metrics; `cancelwatch record --target grpc://HOST:PORT` samples "

@@ -16,6 +16,7 @@ DRIVER = "collectors.cancels.driver"
 TRITON_DRIVER = "collectors.cancels.triton_driver"
 ENGINE_LOG = "collectors.sources.engine_log"
 TRITON_LOG = "collectors.sources.triton_log"
+TAP = "collectors.sources.tap"
 
 # every event the drivers write carries it (collectors/cancels/driver.py: event_record)
 METRICS_TARGET = ("metrics_target", "label of the target whose scheduler the driver watched")
@@ -155,4 +156,36 @@ _KINDS = (
               "the request's client id", (*LOG_DATA, *TRITON_LOG_DATA)),
 )
 
-EVENT_KINDS: dict[str, EventKind] = {k.name: k for k in _KINDS}
+# every event a tap writes carries them
+TAP_DATA = (("hop", "the tap's name: the component it feeds"),
+            ("conn", "the connection's number at that tap, from 1"))
+_TAP_KINDS = (
+    EventKind("tap_accepted", (TAP,), "a tap accepted a connection from the component before it (or the client)",
+              "None", TAP_DATA),
+    EventKind("tap_request", (TAP,), "a request head passed a tap (read passively; the bytes pass unchanged)",
+              "the request's X-Request-Id as it passed (None: none)", (
+                  *TAP_DATA,
+                  ("seq", "the request's index on its connection, from 0 (a kept-alive connection carries several)"),
+                  ("method", "the request's method"),
+                  ("path", "the request's target, up to 200 characters"))),
+    EventKind("tap_response", (TAP,), "the first bytes of a request's response passed the tap",
+              "the request's X-Request-Id", (*TAP_DATA, ("seq", "the request's index on its connection"),
+                                             ("status", "the response's HTTP status"))),
+    EventKind("tap_response_end", (TAP,), "a request's response passed the tap to its end",
+              "the request's X-Request-Id", (*TAP_DATA, ("seq", "the request's index on its connection"))),
+    EventKind("tap_closed", (TAP,),
+              "one side of a connection through a tap closed: the tap passed it on at once, as it came",
+              "the X-Request-Id of the request whose response was open, else of the connection's last", (
+                  *TAP_DATA,
+                  ("side", "who closed: client (the component before the tap) or upstream (the one it feeds)"),
+                  ("how", "fin (a close, or a half-close: 'I send no more') or rst (a reset)"),
+                  ("open_seq", "the request whose response had not ended (None: none was open)"),
+                  ("response_ended", "whether the connection's last response had passed to its end"))),
+    EventKind("tap_unparsed", (TAP,), "a tap cannot read the connection as HTTP/1.1: it passes it on untouched",
+              "None", (*TAP_DATA, ("why", "why, in words (`encrypted: no request id` for TLS)"))),
+    EventKind("tap_upstream_failed", (TAP,),
+              "a tap could not reach its upstream for a connection: its client was reset, as a refusal is",
+              "None", (*TAP_DATA, ("why", "the error"))),
+)
+
+EVENT_KINDS: dict[str, EventKind] = {k.name: k for k in (*_KINDS, *_TAP_KINDS)}

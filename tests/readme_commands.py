@@ -43,6 +43,9 @@ RUN = {
     "cancelwatch engine up --relay --port 8100": "test_readme_commands_engine.py::test_the_relay_engine_as_written",
     "python -m cancelwatch": "conftest.py::cli",
     "make lab": "test_notebooks.py::test_make_lab_serves_the_notebooks_on_loopback_behind_a_token",
+    "cancelwatch record --target http://127.0.0.1:9001 --metrics-url http://127.0.0.1:8000 --scenario disconnect "
+    "--hop nginx=127.0.0.1:9001,http://127.0.0.1:8080 --hop vllm=127.0.0.1:9002,http://127.0.0.1:8000":
+        "test_gateways_engine.py::test_the_readme_hop_command_as_written",
 }
 
 # aimed at other hosts or a GPU: parsed by the real command line, with the values each option must get
@@ -77,6 +80,8 @@ NOT_RUN = {
     "make prometheus": "an install step that `make test` runs first",
     "make sample-run": "re-records the shipped sample run; the engine tests record the same scenarios",
     "make bench": "a benchmark: prints figures for minutes, read by a person, not asserted",
+    "make matrix": "writes the matrix into the repository's docs/: it runs `cancelwatch matrix --out docs`, which "
+                   "test_gateways_engine.py runs for nginx and HAProxy into a folder of its own",
     "python bench/dashboard.py": "a benchmark (see make bench)",
     "python bench/import.py": "a benchmark (see make bench)",
     "python bench/observer.py": "a benchmark (see make bench)",

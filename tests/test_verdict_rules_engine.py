@@ -333,10 +333,13 @@ def test_a_target_sharing_its_prefix_with_the_neighbour_is_released_on_the_count
     # neighbour's blocks, which stay held by the neighbour when the target goes; what the target gives back
     # (its own dozen blocks) the neighbour takes again within a second, so KV usage need not fall below its
     # level at the stop
+    # a neighbour long enough to still hold the shared blocks at the stop (CI: one of 250 tokens had ended
+    # before the target's 20th token, and with nothing shared left the KV usage fell: released, no waiver)
     toml = scenario(tmp_path, name="shared", trigger="after_tokens", trigger_value=20, prompt_tokens=400,
-                    max_tokens=LONG, share_prefix=True)
+                    max_tokens=LONG, share_prefix=True, neighbour_max_tokens=1000)
     _, doc, run = record(engine.url, toml, tmp_path / "cw.db", engine_home)
     (c,) = doc["cancels"]
+    assert c["evidence"]["ledger_before"] == 2, dump(doc, None, run)  # the neighbour ran beside it at the stop
     # the misbehaviour happened: the prefix cache gave the target its shared prompt tokens
     hits = run.series("prefix_cache_hits_tokens_total")
     target = run.ledger[run.ledger["role"] == "target"].iloc[0]

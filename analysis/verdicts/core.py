@@ -54,6 +54,9 @@ class CancelVerdict:
     terminal_state: str | None = None
     # timepoint -> {"source": one of SOURCES or None, "reason": why there is no value, or None}
     sources: dict = field(default_factory=dict)
+    # the components of the path in order from the client, as the taps saw the cancel cross them
+    # (analysis.hops.HopStep); empty for a run without taps
+    hops: list = field(default_factory=list)
 
     @property
     def rule(self) -> str | None:
@@ -92,7 +95,8 @@ class CancelVerdict:
     def as_json(self) -> dict:
         return {"request_id": self.request_id, "scenario": self.scenario, "phase_at_cancel": self.phase_at_cancel,
                 "timepoints": dict(self.timepoints), "timepoint_sources": dict(self.sources), "verdict": self.verdict, "evidence": self.evidence.as_json(),
-                "terminal_state": self.terminal_state, "latencies_ms": self.latencies()}
+                "terminal_state": self.terminal_state, "latencies_ms": self.latencies(),
+                "hops": [h.as_json(self.timepoints["user_stop"]) for h in self.hops]}
 
 
 def run_grace_s(run: Run) -> float:
@@ -102,9 +106,11 @@ def run_grace_s(run: Run) -> float:
 
 
 # what each timepoint rests on, in every table and JSON: where its value came from
-SOURCES = ("engine_log", "relay", "client", "samples")
+SOURCES = ("engine_log", "relay", "client", "samples", "tap")
 SOURCE_LABELS = {"engine_log": "engine log", "relay": "relay (in the app)", "client": "client",
-                 "samples": "scheduler samples"}
+                 "samples": "scheduler samples", "tap": "tap (a socket close)"}
+# app_received from a tap in front of an app: the app's connection went, not a receipt it acknowledged
+TAP_RECEIVED = "the app's connection from its client closed"
 NO_APP = "no app on this path"
 NO_LOG = "no engine log"
 # an engine log line is stamped to the millisecond, then mapped onto the run's clock: an abort may

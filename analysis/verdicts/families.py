@@ -10,8 +10,9 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from analysis.hops import app_received, hop_story, hop_traces, stopped_at
 from analysis.summary import sampling_stats
-from analysis.verdicts.core import CancelVerdict, run_grace_s
+from analysis.verdicts.core import TAP_RECEIVED, CancelVerdict, run_grace_s
 from analysis.verdicts.triton import TRITON, judge_triton, report_fields
 from analysis.verdicts.vllm import VLLM, judge_vllm, vllm_report_fields
 from runstore.errors import StoreError
@@ -59,7 +60,27 @@ def family_of(run: Run) -> str:
 def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None = None) -> list[CancelVerdict]:
     """One verdict per cancel; `grace_s` defaults to the run's own."""
     grace_s = run_grace_s(run) if grace_s is None else grace_s
-    return FAMILIES[family_of(run)].judge(run, grace_s, metrics_target)
+    verdicts = FAMILIES[family_of(run)].judge(run, grace_s, metrics_target)
+    with_hops(run, verdicts, grace_s)
+    return verdicts
+
+
+def with_hops(run: Run, verdicts: list[CancelVerdict], grace_s: float) -> None:
+    """Each cancel's way through the taps of the run (none: nothing changes): its steps, where it stopped,
+    the path in a sentence, and `app_received` from the tap in front of the app where no app said so itself.
+    The verdict stays the family's: it rests on the engine's evidence, a socket close proves nothing alone."""
+    traces = hop_traces(run, verdicts)
+    for v in verdicts:
+        v.hops = traces.get(v.request_id, [])
+        if not v.hops:
+            continue
+        stop = stopped_at(v.hops, grace_s)
+        v.evidence.stopped_at = stop.hop if stop is not None else None
+        v.evidence.path = hop_story(v.hops, grace_s)
+        app = app_received(v.hops)
+        if app is not None and v.timepoints.get("app_received") is None:
+            v.timepoints["app_received"] = app.reached_s
+            v.sources["app_received"] = {"source": "tap", "reason": TAP_RECEIVED}
 
 
 def neighbours_ok(run: Run) -> bool:

@@ -163,9 +163,11 @@ def load_file(path: str | Path) -> list[Scenario]:
     except RecursionError as exc:  # tomllib recurses once per nested array (found by tests/test_fuzz.py)
         raise ScenarioError(f"{p}: not valid TOML (nested too deeply)") from exc
     entries = doc.get("scenario")
-    extra = set(doc) - {"scenario"}
+    extra = set(doc) - {"scenario", "hop"}
     if extra:
-        raise ScenarioError(f"{p}: key {_key(sorted(extra)[0])} is unknown; put scenarios under [[scenario]]")
+        raise ScenarioError(f"{p}: key {_key(sorted(extra)[0])} is unknown; put scenarios under [[scenario]] "
+                            "(and taps under [[hop]])")
+    _hops(doc, p)
     if not isinstance(entries, list) or not entries:
         raise ScenarioError(f"{p}: key 'scenario' is missing; add at least one [[scenario]] table")
     out = []
@@ -183,6 +185,40 @@ def load_file(path: str | Path) -> list[Scenario]:
                 raise ScenarioError(f"{where}: key '{key}' must be {_TYPES[key]}, not {type(value).__name__}")
         # repr: a name may hold a line break until _check refuses it, and the message must stay one line
         out.append(_check(Scenario(**entry), f"{p} scenario {entry['name']!r}"))
+    return out
+
+
+HOP_KEYS = ("name", "listen", "upstream")
+
+
+def _hops(doc: dict, p: Path) -> list[str]:
+    """The file's [[hop]] tables (name, listen, upstream: the taps of --hop, in order from the client) as
+    `NAME=LISTEN,UPSTREAM` strings; ScenarioError for a table that is not one."""
+    entries = doc.get("hop", [])
+    if not isinstance(entries, list):
+        raise ScenarioError(f"{p}: key 'hop' must hold tables ([[hop]]), not {type(entries).__name__}")
+    out = []
+    for i, entry in enumerate(entries):
+        where = f"{p} hop #{i + 1}"
+        if not isinstance(entry, dict) or set(entry) != set(HOP_KEYS) \
+                or not all(isinstance(entry[k], str | int) and not isinstance(entry[k], bool) for k in HOP_KEYS):
+            raise ScenarioError(f"{where}: a [[hop]] holds exactly name, listen and upstream, e.g. name = \"nginx\", "
+                                "listen = \"127.0.0.1:9001\", upstream = \"http://127.0.0.1:8080\"")
+        out.append(f"{entry['name']}={entry['listen']},{entry['upstream']}")
+    return out
+
+
+def load_hops(spec: str) -> list[str]:
+    """The [[hop]] tables of the scenario files named in `spec`, as `NAME=LISTEN,UPSTREAM` strings (none for a
+    suite or built-in)."""
+    out = []
+    for part in (x.strip() for x in spec.split(",")):
+        if part and part not in SUITES and part not in BUILTIN and (part.endswith(".toml") or Path(part).exists()):
+            try:
+                doc = tomllib.loads(Path(part).read_text())
+            except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):
+                continue  # load_file says why, in its own words
+            out += _hops(doc, Path(part))
     return out
 
 

@@ -18,6 +18,7 @@ from collectors.sources.credentials import CredentialError, split_userinfo, stri
 from collectors.sources.engine_log import EngineLogSource
 from collectors.sources.nvml import NvmlSource
 from collectors.sources.process_memory import ProcessMemorySource
+from collectors.sources.tap import Hop, TapError, TapSource, check_chain
 from collectors.sources.vllm import VllmMetricsSource, cache_config, model_names
 from runstore.errors import StoreError
 from runstore.records import DriveSettings
@@ -72,6 +73,7 @@ class RecordSettings:
     engine_log_tz: str | None = None  # the zone the engine log is stamped in (--engine-log-tz), else local time
     burst_hz: float | None = None  # the scheduler source's rate around each stop (--burst-hz), else hz
     burst_window_s: float = 2.0  # how long after a stop the burst lasts (--burst-window)
+    hops: list[Hop] = field(default_factory=list)  # the taps in the path, in order from the client (--hop)
 
     def as_stored(self) -> dict:
         """The run's `settings` column; the drive settings keep the key `extra` that stores already hold."""
@@ -150,6 +152,25 @@ def check_burst(settings: RecordSettings) -> None:
                              "e.g. --burst-window 2s")
 
 
+def hop_sources(hops: list[Hop]) -> list[TapSource]:
+    """The taps of --hop, listening on their addresses, each upstream answering. PreflightError (and nothing
+    left listening) for hops that do not form a chain, an address in use or an upstream that does not answer."""
+    taps: list[TapSource] = []
+    try:
+        check_chain(hops)
+        for hop in hops:
+            tap = TapSource(hop)
+            problem = tap.check()
+            if problem:
+                raise PreflightError(problem)
+            taps.append(tap.start())
+    except (TapError, PreflightError) as exc:
+        for tap in taps:
+            tap.close()
+        raise PreflightError(str(exc)) from None
+    return taps
+
+
 def memory_sources(settings: RecordSettings, pids: list[int], facts: dict, nvml_module=None) -> list[Source]:
     """The engine's process memory (RSS of `pids` and all under them) and NVML where a driver answers;
     `facts` gets the pids and the NVML state. PreflightError for pids given with --pid that are not
@@ -216,7 +237,7 @@ def record(
                 if src.target not in caches:
                     caches[src.target] = {**cache_config(samples), "model_names": model_names(samples)}
                     writer.set_run_json("cache", dict(caches))
-        if isinstance(src, EngineLogSource):
+        if isinstance(src, EngineLogSource | TapSource):  # the sources that see events, not only values
             for event in src.take_events():
                 writer.put(event)
 

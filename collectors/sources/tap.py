@@ -1,0 +1,442 @@
+"""A transparent tap in front of one component of the path (a gateway, an app, the engine): a byte relay
+that records, per connection, what crossed it and who closed which side, how and when.
+
+HTTP/1.1 has no per-request cancel: a hop passes a cancel on only by closing (FIN) or resetting (RST) its
+upstream connection before the response ended. So the tap keeps close semantics exactly: bytes pass
+unchanged both ways as soon as they are read (backpressure is the socket's own), a half-close from one
+side is a half-close to the other at once, a reset is a reset (SO_LINGER 0). A tap built on an HTTP
+framework would change what it measures (it buffers, or answers a disconnect itself), so HTTP is only
+read, passively, with h11: the request heads (method, path, `X-Request-Id`; each request on a kept-alive
+connection apart) and where each response starts and ends. Bytes that are not HTTP/1.1 (TLS, HTTP/2,
+an upgraded connection) still pass untouched; the connection is marked unparsed, with why.
+
+The relay runs on its own event loop in a thread of the recorder, on the recorder's monotonic clock. It
+is a source: the sampler reads its connection counts, and its events (kinds `tap_*`, runstore/event_kinds.py)
+are handed over by `take_events()` like the engine log's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+import h11
+
+from collectors.sources.base import Source
+from runstore.records import EventRecord, Sample
+
+SOURCE_NAME = "tap"
+READ_BYTES = 64 * 1024
+UPSTREAM_CONNECT_S = 5.0
+ENCRYPTED = "encrypted: no request id"
+
+
+class TapError(Exception):
+    """A tap that cannot be set up (bad --hop, address in use, upstream silent): one line, names the fix."""
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One tap: `name` is the component it feeds (its upstream), `listen` where the previous component
+    (or the client) connects, `upstream` the component's own address."""
+
+    name: str
+    listen_host: str
+    listen_port: int
+    upstream: str  # the URL as given, without credentials
+    upstream_host: str
+    upstream_port: int
+
+    @property
+    def listen_url(self) -> str:
+        return f"http://{self.listen_host}:{self.listen_port}"
+
+
+def parse_hop(value: str) -> Hop:
+    """`NAME=LISTEN,UPSTREAM_URL` (LISTEN: `[HOST:]PORT`, 127.0.0.1 unless told) -> Hop; TapError names the fix."""
+    example = "e.g. --hop nginx=127.0.0.1:9001,http://127.0.0.1:8080"
+    name, eq, rest = value.partition("=")
+    listen, comma, upstream = rest.partition(",")
+    if not eq or not comma or not name.strip() or not listen.strip() or not upstream.strip():
+        raise TapError(f"--hop {value!r} is not NAME=LISTEN,UPSTREAM_URL: {example}")
+    name = name.strip()
+    if not all(ch.isalnum() or ch in "-_." for ch in name):
+        raise TapError(f"--hop name {name!r}: use letters, digits, '-', '_' or '.' ({example})")
+    host, _, port = listen.strip().rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise TapError(f"--hop {name}: listen address {listen!r} has no port: {example}")
+    u = urlparse(upstream.strip())
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise TapError(f"--hop {name}: upstream {upstream!r} is not an http(s) URL: {example}")
+    uport = u.port or (443 if u.scheme == "https" else 80)
+    clean = f"{u.scheme}://{u.hostname}:{uport}{u.path.rstrip('/')}"
+    return Hop(name, host, int(port), clean, u.hostname, uport)
+
+
+def check_chain(hops: list[Hop]) -> None:
+    """Hops in order from the client form a chain: names and listen addresses unique, no tap feeding itself,
+    none feeding a tap nearer the client (a loop). TapError names the hop."""
+    names = [h.name for h in hops]
+    if len(set(names)) != len(names):
+        raise TapError(f"--hop names must be unique, got {names}: name each tap for the component it feeds")
+    listens = {}
+    for i, h in enumerate(hops):
+        key = (h.listen_host, h.listen_port)
+        if key in listens:
+            raise TapError(f"--hop {h.name} listens on {h.listen_host}:{h.listen_port} like {listens[key]}: "
+                           "give each tap its own port")
+        listens[key] = h.name
+    for i, h in enumerate(hops):
+        for j, other in enumerate(hops[: i + 1]):
+            if (h.upstream_host, h.upstream_port) == (other.listen_host, other.listen_port):
+                where = "itself" if i == j else f"tap {other.name}, nearer the client"
+                raise TapError(f"--hop {h.name}: its upstream {h.upstream} is {where}: the hops do not form a "
+                               "chain (list them in order from the client, each upstream a component)")
+
+
+def _rst(writer: asyncio.StreamWriter | None) -> None:
+    """Close with a reset, as the peer did: SO_LINGER 0 makes close() send RST, not FIN."""
+    if writer is None or writer.transport.is_closing():
+        return
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+    writer.transport.abort()
+
+
+class _Http:
+    """Passive HTTP/1.1 reading of one connection: h11 as the server side for what the client sends and
+    as the client side for what comes back (fed the same requests), so that each request on a kept-alive
+    connection and the end of each response are known. Never changes a byte; on anything h11 cannot
+    read, `broken` says why and reading stops."""
+
+    def __init__(self):
+        self.req = h11.Connection(h11.SERVER)
+        self.resp = h11.Connection(h11.CLIENT)
+        self.broken: str | None = None
+        self.first = True
+        self.seq = -1  # the latest request seen
+        self.ids: dict[int, str | None] = {}  # seq -> its X-Request-Id
+        self.answered = -1  # the latest request whose response started
+        self.ended = -1  # the latest request whose response ended
+
+    def open_seq(self) -> int | None:
+        """The request whose response has not ended, if any."""
+        return self.seq if self.seq > self.ended else None
+
+    def client_bytes(self, data: bytes) -> list[tuple[str, dict]]:
+        if self.broken:
+            return []
+        first, self.first = self.first, False
+        if first and data[:1] == b"\x16":  # a TLS handshake record: nothing in it to read
+            return self._broke(ENCRYPTED)
+        try:
+            self.req.receive_data(data)
+            return self._requests()
+        except h11.ProtocolError as exc:
+            return self._broke(f"not HTTP/1.1 from the client ({exc})")
+
+    def client_eof(self) -> None:
+        if not self.broken:
+            try:
+                self.req.receive_data(b"")
+            except h11.ProtocolError:
+                pass
+
+    def upstream_bytes(self, data: bytes) -> list[tuple[str, dict]]:
+        if self.broken:
+            return []
+        try:
+            self.resp.receive_data(data)
+            return self._responses()
+        except h11.ProtocolError as exc:
+            return self._broke(f"not HTTP/1.1 from upstream ({exc})")
+
+    def upstream_eof(self) -> list[tuple[str, dict]]:
+        """Upstream closed: a response read to the close (no length given) ends here."""
+        if self.broken:
+            return []
+        try:
+            self.resp.receive_data(b"")
+            return self._responses()
+        except h11.ProtocolError:
+            return []
+
+    def _broke(self, why: str) -> list[tuple[str, dict]]:
+        self.broken = why
+        return [("unparsed", {"why": why})]
+
+    def _requests(self) -> list[tuple[str, dict]]:
+        out = []
+        while True:
+            ev = self.req.next_event()
+            if ev is h11.NEED_DATA or ev is h11.PAUSED or isinstance(ev, h11.ConnectionClosed):
+                return out
+            if isinstance(ev, h11.Request):
+                self.seq += 1
+                headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in ev.headers}
+                rid = headers.get("x-request-id")
+                self.ids[self.seq] = rid
+                # h11 sends HTTP/1.1 only: an HTTP/1.0 request (nginx's default upstream) is fed to the response
+                # side as 1.1 closing the connection, which is how a 1.0 exchange is framed
+                fed = [(k, v) for k, v in ev.headers if k != b"connection"] + [(b"connection", b"close")] \
+                    if ev.http_version == b"1.0" else list(ev.headers)
+                if not any(k == b"host" for k, _ in fed):
+                    fed.append((b"host", b"unknown"))
+                self.resp.send(h11.Request(method=ev.method, target=ev.target, headers=fed))
+                out.append(("request", {"seq": self.seq, "method": ev.method.decode("latin-1"),
+                                        "path": ev.target.decode("latin-1")[:200], "request_id": rid}))
+            elif isinstance(ev, h11.Data):
+                self.resp.send(h11.Data(data=ev.data))
+            elif isinstance(ev, h11.EndOfMessage):
+                self.resp.send(h11.EndOfMessage())
+
+    def _responses(self) -> list[tuple[str, dict]]:
+        out = []
+        while True:
+            ev = self.resp.next_event()
+            if ev is h11.NEED_DATA or ev is h11.PAUSED or isinstance(ev, h11.ConnectionClosed):
+                return out
+            if isinstance(ev, h11.Response):
+                self.answered = self.seq
+                out.append(("response", {"seq": self.seq, "status": ev.status_code,
+                                         "request_id": self.ids.get(self.seq)}))
+            elif isinstance(ev, h11.InformationalResponse) and ev.status_code == 101:
+                return out + self._broke("switched protocols (an upgrade): no further request ids")
+            elif isinstance(ev, h11.EndOfMessage):
+                self.ended = self.seq
+                out.append(("end", {"seq": self.seq, "request_id": self.ids.get(self.seq)}))
+                if self._next_cycle():
+                    out += self._requests()  # a request the client sent on before this response ended
+
+    def _next_cycle(self) -> bool:
+        """Both messages of the exchange are done and the connection is kept alive: read the next one."""
+        if not (self.req.their_state is h11.DONE and self.resp.our_state is h11.DONE
+                and self.resp.their_state is h11.DONE):
+            return False
+        if self.req.our_state is h11.SEND_RESPONSE:
+            # the server side of the reading never answers (the real upstream did): its response is
+            # marked sent, so that h11 reads the next request
+            self.req.send(h11.Response(status_code=200, headers=[("content-length", "0")]))
+            self.req.send(h11.EndOfMessage())
+        if self.req.our_state is not h11.DONE:
+            return False  # the exchange ends the connection (HTTP/1.0, Connection: close)
+        self.req.start_next_cycle()
+        self.resp.start_next_cycle()
+        return True
+
+
+class _Flow:
+    """One connection through the tap: its two sockets, its HTTP reading, and which side closed how."""
+
+    def __init__(self, conn: int, client_w: asyncio.StreamWriter):
+        self.conn = conn
+        self.client_w = client_w
+        self.upstream_w: asyncio.StreamWriter | None = None
+        self.http = _Http()
+        self.closed: dict[str, str] = {}  # side -> fin | rst, as the tap saw it
+        self.reset_by_tap: set[str] = set()  # sides the tap reset on the other's behalf
+
+
+class TapSource(Source):
+    """The tap of one hop; `start()` binds it (TapError when the address is taken), `close()` ends it."""
+
+    name = SOURCE_NAME
+    critical = False
+
+    def __init__(self, hop: Hop, clock=time.monotonic_ns):
+        self.hop = hop
+        self.target = hop.name
+        self._clock = clock
+        self._events: list[EventRecord] = []
+        self._lock = threading.Lock()
+        self._conns = 0
+        self._open = 0
+        self._requests = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._flows: set[_Flow] = set()
+
+    # ------------------------------------------------------------------ the source
+    def check(self) -> str | None:
+        """None when the hop's upstream accepts a connection now; else one line naming the fix."""
+        try:
+            with socket.create_connection((self.hop.upstream_host, self.hop.upstream_port), timeout=2.0):
+                return None
+        except OSError as exc:
+            return (f"--hop {self.hop.name}: its upstream {self.hop.upstream} does not answer "
+                    f"({exc.strerror or exc}): start {self.hop.name} first, or fix the hop's UPSTREAM_URL")
+
+    def sample(self, wall_ns: int, mono_ns: int) -> list[Sample]:
+        return [Sample(self.name, "tap_connections_open", float(self._open), (), wall_ns, mono_ns),
+                Sample(self.name, "tap_requests_total", float(self._requests), (), wall_ns, mono_ns)]
+
+    def take_events(self) -> list[EventRecord]:
+        with self._lock:
+            out, self._events = self._events, []
+        return out
+
+    def start(self) -> TapSource:
+        sock = socket.socket(socket.AF_INET6 if ":" in self.hop.listen_host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.hop.listen_host, self.hop.listen_port))
+            sock.listen(256)
+        except OSError as exc:
+            sock.close()
+            why = "in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+            raise TapError(f"--hop {self.hop.name}: cannot listen on {self.hop.listen_host}:{self.hop.listen_port} "
+                           f"({why}): pick a free port") from None
+        sock.setblocking(False)
+        ready = threading.Event()
+        self._loop = asyncio.new_event_loop()
+
+        def serve() -> None:
+            asyncio.set_event_loop(self._loop)
+            self._server = self._loop.run_until_complete(
+                asyncio.start_server(self._handle, sock=sock, limit=READ_BYTES))
+            ready.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=serve, name=f"tap-{self.hop.name}", daemon=True)
+        self._thread.start()
+        ready.wait(10)
+        return self
+
+    def close(self) -> None:
+        """Stop listening; connections still open are reset (the recording is over)."""
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            return
+
+        async def shut() -> None:
+            if self._server is not None:
+                self._server.close()
+            for f in list(self._flows):
+                _rst(f.client_w)
+                _rst(f.upstream_w)
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            if tasks:
+                await asyncio.wait(tasks, timeout=2)
+
+        try:
+            asyncio.run_coroutine_threadsafe(shut(), loop).result(5)
+        except Exception:  # noqa: BLE001 - closing: nothing more to record
+            pass
+        loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(5)
+        if not loop.is_running():
+            loop.close()
+
+    # ------------------------------------------------------------------ one connection
+    def _event(self, kind: str, flow: _Flow, at_ns: int, request_id: str | None = None, **data) -> None:
+        wall = time.time_ns() - (self._clock() - at_ns)
+        with self._lock:
+            self._events.append(EventRecord(kind=kind, wall_ns=wall, mono_ns=at_ns, request_id=request_id,
+                                            data={"hop": self.hop.name, "conn": flow.conn, **data}))
+
+    def _http_events(self, flow: _Flow, at_ns: int, found: list[tuple[str, dict]]) -> None:
+        """What the HTTP reading found, as events (the row's request id: the request's X-Request-Id)."""
+        for what, d in found:
+            if what == "request":
+                self._requests += 1
+                self._event("tap_request", flow, at_ns, d["request_id"], seq=d["seq"], method=d["method"],
+                            path=d["path"])
+            elif what == "response":
+                self._event("tap_response", flow, at_ns, d["request_id"], seq=d["seq"], status=d["status"])
+            elif what == "end":
+                self._event("tap_response_end", flow, at_ns, d["request_id"], seq=d["seq"])
+            else:
+                self._event("tap_unparsed", flow, at_ns, why=d["why"])
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._conns += 1
+        flow = _Flow(self._conns, writer)
+        self._flows.add(flow)
+        self._open += 1
+        self._event("tap_accepted", flow, self._clock())
+        try:
+            try:
+                up_r, up_w = await asyncio.wait_for(
+                    asyncio.open_connection(self.hop.upstream_host, self.hop.upstream_port, limit=READ_BYTES),
+                    UPSTREAM_CONNECT_S)
+            except (OSError, TimeoutError) as exc:
+                # the client gets the refusal as it was: its connection is reset
+                self._event("tap_upstream_failed", flow, self._clock(), why=f"{type(exc).__name__}: {exc}"[:200])
+                _rst(writer)
+                return
+            flow.upstream_w = up_w
+            await asyncio.gather(self._pump(flow, reader, up_w, "client"), self._pump(flow, up_r, writer, "upstream"))
+        finally:
+            self._open -= 1
+            self._flows.discard(flow)
+            for w in (writer, flow.upstream_w):
+                if w is not None and not w.transport.is_closing():
+                    w.transport.close()
+
+    async def _pump(self, flow: _Flow, reader: asyncio.StreamReader, out: asyncio.StreamWriter, side: str) -> None:
+        """One direction, bytes as they come; `side` is who sends them (client or upstream)."""
+        other = "upstream" if side == "client" else "client"
+        while True:
+            try:
+                data = await reader.read(READ_BYTES)
+            except (ConnectionError, OSError):
+                self._closed(flow, side, "rst", out, other)
+                return
+            now = self._clock()
+            if not data:
+                if side in flow.reset_by_tap:
+                    return  # the tap reset it on the other side's behalf: nothing came from this side
+                self._closed(flow, side, "fin", out, other)
+                return
+            if side == "client":
+                self._http_events(flow, now, flow.http.client_bytes(data))
+            else:
+                self._http_events(flow, now, flow.http.upstream_bytes(data))
+            try:
+                out.write(data)
+                await out.drain()
+            except (ConnectionError, OSError):
+                # the receiving side is gone with a reset the tap had not read yet
+                self._closed(flow, other, "rst", None, side)
+                _rst(flow.upstream_w if side == "upstream" else flow.client_w)
+                flow.reset_by_tap.add(side)
+                return
+
+    def _closed(self, flow: _Flow, side: str, how: str, out: asyncio.StreamWriter | None, other: str) -> None:
+        """`side` closed its sending direction (fin) or the connection (rst): recorded once, mirrored at once."""
+        if side in flow.closed:
+            return
+        flow.closed[side] = how
+        now = self._clock()
+        if side == "client":
+            flow.http.client_eof()
+        else:
+            self._http_events(flow, now, flow.http.upstream_eof())
+        seq = flow.http.open_seq()
+        rid = flow.http.ids.get(seq if seq is not None else flow.http.seq)  # the request open, else the last
+        self._event("tap_closed", flow, now, rid, side=side, how=how,
+                    open_seq=seq, response_ended=seq is None and flow.http.ended >= 0 and not flow.http.broken)
+        if out is None:
+            return
+        if how == "rst":
+            flow.reset_by_tap.add(other)
+            _rst(out)
+        else:
+            try:
+                if out.can_write_eof():
+                    out.write_eof()
+            except (ConnectionError, OSError, RuntimeError):
+                pass

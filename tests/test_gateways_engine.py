@@ -1,0 +1,174 @@
+"""Cancels through real gateways, traced hop by hop: Debian's nginx and HAProxy between the client and the
+embedded engine, a tap (`record --hop`) in front of each, the engine's own log for the verdict. And the taps
+never change what they measure: the default suite through a tap is released as it is direct, and the
+leaking test proxy behind taps is still leaked, with the trace naming it as where the cancel stopped."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from collectors.engines import gateways as gw_mod
+from runstore.reader import load_run
+from tests.conftest import cli, free_port
+from tests.leaky_proxy import LeakyProxy
+from tests.test_cancels_engine import assert_recorded
+
+pytestmark = [pytest.mark.timeout(1800),
+              pytest.mark.skipif(not (gw_mod.GATEWAYS["nginx"].binary() and gw_mod.GATEWAYS["haproxy"].binary()),
+                                 reason="nginx and haproxy are installed by `make test` (make gateways)")]
+
+
+def record_through(engine, home: Path, tmp_path: Path, scenarios: str, gateway: str | None = None,
+                   proxy=None, *extra: str):
+    """`record` with a tap in front of the gateway (or of `proxy`, a LeakyProxy class started here in front of
+    the engine's tap, named `leaky`) and one in front of the engine; returns (record's result, the report,
+    the run)."""
+    tap_engine, tap_front = free_port(), free_port()
+    hops, running, started = [], None, None
+    if gateway is not None:
+        gw_port = free_port()
+        running = gw_mod.start(gw_mod.GATEWAYS[gateway], tmp_path / gateway, gw_port, tap_engine)
+        hops.append(f"{gateway}=127.0.0.1:{tap_front},http://127.0.0.1:{gw_port}")
+    elif proxy is not None:
+        started = proxy(f"http://127.0.0.1:{tap_engine}", free_port()).start()
+        hops.append(f"leaky=127.0.0.1:{tap_front},{started.url}")
+    else:
+        tap_front = tap_engine
+    hops.append(f"vllm=127.0.0.1:{tap_engine},{engine.url}")
+    store = tmp_path / "cw.db"
+    try:
+        res = cli("record", "--target", f"http://127.0.0.1:{tap_front}", "--metrics-url", engine.url,
+                  "--scenario", scenarios, "--store", str(store), *[a for h in hops for a in ("--hop", h)], *extra,
+                  home=home, timeout=1500)
+    finally:
+        if running is not None:
+            gw_mod.stop(running)
+        if started is not None:
+            started.stop()
+    assert res.returncode in (0, 1), res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads(cli("report", "latest", "--json", "--store", str(store)).stdout)
+    return res, doc, load_run(store, "latest"), started
+
+
+def by_scenario(doc) -> dict:
+    return {c["scenario"]: c for c in doc["cancels"]}
+
+
+def hops_of(c) -> dict:
+    return {h["hop"]: h for h in c["hops"]}
+
+
+def test_nginx_ignoring_client_aborts_keeps_a_timed_out_request_and_passes_a_stream_disconnect_on(
+        engine, engine_home, tmp_path):
+    _, doc, run, _ = record_through(engine, engine_home, tmp_path, "nonstream_timeout,disconnect", "nginx-ignore-abort")
+    cancels = by_scenario(doc)
+    timeout, stream = cancels["nonstream_timeout"], cancels["disconnect"]
+    nginx, vllm = hops_of(timeout)["nginx-ignore-abort"], hops_of(timeout)["vllm"]
+    # the client's timeout closed its side of the tap in front of nginx; nginx kept the engine's connection
+    # open until the request's natural end, and the engine ran it there: the cancel stopped at nginx
+    assert nginx["matched"] == "id" and nginx["reached_s"] is not None, json.dumps(timeout, indent=1)
+    assert nginx["passed_s"] is None and vllm["reached_s"] is None, json.dumps(timeout, indent=1)
+    ends = run.events[(run.events["kind"] == "tap_response_end") & (run.events["request_id"] == timeout["request_id"])]
+    end_at = {json.loads(d)["hop"]: t for d, t in zip(ends["data"], ends["t_s"])}
+    # the engine's answer came, complete, at its natural end (and nginx wrote it to a client long gone)
+    assert set(end_at) == {"vllm", "nginx-ignore-abort"}, ends
+    assert nginx["upstream_end_s"] == pytest.approx(end_at["vllm"], abs=0.01)
+    assert end_at["vllm"] - nginx["reached_s"] > timeout["evidence"]["grace_s"], (end_at, nginx)
+    assert timeout["evidence"]["stopped_at"] == "nginx-ignore-abort", timeout["evidence"]
+    assert "the cancel stopped at `nginx-ignore-abort`" in timeout["evidence"]["path"]
+    assert timeout["verdict"] == "leaked", json.dumps(timeout, indent=1)
+    # the stream: nginx's write to a client that went failed, and it closed upstream: traced to the engine
+    s_nginx, s_vllm = hops_of(stream)["nginx-ignore-abort"], hops_of(stream)["vllm"]
+    assert s_nginx["reached_s"] is not None and s_nginx["passed_s"] is not None, json.dumps(stream, indent=1)
+    assert s_vllm["reached_s"] == s_nginx["passed_s"] and s_vllm["passed_by"] == "engine log", stream["hops"]
+    assert stream["verdict"] == "released" and stream["evidence"].get("stopped_at") is None, json.dumps(stream, indent=1)
+    # app_received: the tap in front of the gateway, said to be a socket close
+    assert stream["timepoint_sources"]["app_received"]["source"] == "tap"
+    assert stream["timepoints"]["app_received"] == s_nginx["reached_s"]
+
+
+@pytest.mark.parametrize("gateway", ["nginx", "haproxy"])
+def test_each_cancel_is_traced_through_two_hops(engine, engine_home, tmp_path, gateway):
+    """A non-streaming timeout, a stream disconnect and a chat stream, through a gateway as shipped: each
+    found at both taps by its id, its way written down hop by hop, judged on the engine's log."""
+    _, doc, _, _ = record_through(engine, engine_home, tmp_path, "nonstream_timeout,disconnect,chat", gateway)
+    assert {c["scenario"] for c in doc["cancels"]} == {"nonstream_timeout", "disconnect", "chat"}
+    for c in doc["cancels"]:
+        front, back = hops_of(c)[gateway], hops_of(c)["vllm"]
+        assert front["matched"] == "id" and back["matched"] == "id", json.dumps(c, indent=1)
+        assert front["reached_s"] is not None, json.dumps(c, indent=1)  # the client's close reached the gateway
+        if front["passed_s"] is not None:  # passed on: the engine's tap saw it, and the engine's log
+            assert back["reached_s"] == front["passed_s"] and c["verdict"] == "released", json.dumps(c, indent=1)
+        else:  # kept: the trace names the gateway, and the engine's evidence says leaked
+            assert c["evidence"]["stopped_at"] == gateway and c["verdict"] == "leaked", json.dumps(c, indent=1)
+        print(f"{gateway} {c['scenario']}: {c['verdict']}, {c['evidence']['path']}")
+
+
+def test_the_default_suite_through_a_tap_is_released_as_direct(engine, engine_home, tmp_path):
+    res, doc, run, _ = record_through(engine, engine_home, tmp_path, "default")
+    assert_recorded(res, doc, run)
+    for c in doc["cancels"]:
+        (step,) = c["hops"]
+        assert step["hop"] == "vllm" and step["feeds_engine"], c["hops"]
+        if c["scenario"] == "inproc":  # its requests go to the relay app, beside the path: the tap never saw it
+            assert step["matched"] is None and step["note"], step
+            continue
+        # every other request is the client's own at the tap (its id), its close passed on as it came
+        assert step["matched"] == "id", c["hops"]
+    closes = run.events[run.events["kind"] == "tap_closed"]
+    assert len(closes) >= len(doc["cancels"])
+
+
+def test_the_leaking_proxy_behind_taps_is_still_leaked_and_named(engine, engine_home, tmp_path):
+    _, doc, run, proxy = record_through(engine, engine_home, tmp_path, "disconnect", None, LeakyProxy)
+    (c,) = doc["cancels"]
+    assert proxy.client_gone >= 1
+    assert c["verdict"] == "leaked" and c["evidence"]["stopped_at"] == "leaky", json.dumps(c, indent=1)
+    leaky, vllm = hops_of(c)["leaky"], hops_of(c)["vllm"]
+    # its client went; it read the engine's answer to its end through the tap behind it
+    assert leaky["reached_s"] is not None and leaky["passed_s"] is None, c["hops"]
+    assert vllm["matched"] == "id" and vllm["reached_s"] is None, c["hops"]
+    assert leaky["upstream_end_s"] - leaky["reached_s"] > c["evidence"]["grace_s"], c["hops"]
+
+
+def test_matrix_writes_the_page_for_nginx_and_haproxy_in_one_command(engine, engine_home, tmp_path):
+    out = tmp_path / "docs"
+    res = cli("matrix", "--target", engine.url, "--engine-log", engine.log_path, "--gateway", "nginx",
+              "--gateway", "haproxy", "--scenario", "disconnect,nonstream_timeout", "--out", str(out),
+              "--store", str(tmp_path / "matrix.db"), home=engine_home, timeout=1500)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    md, page = (out / "matrix.md").read_text(), (out / "matrix.html").read_text()
+    for name in ("direct", "nginx", "haproxy"):
+        assert f"| {name} |" in md, md
+    assert re.search(r"\| nginx \| 1\.\d+\.\d+ \|", md) and re.search(r"\| haproxy \| 2\.\d+", md), md  # as printed
+    assert "proxy_pass http://127.0.0.1:" in md and "backend engine" in md  # the configs the matrix wrote
+    assert page.startswith("<!doctype html>") and "<script" not in page and "http" in page
+    rows = [line.split(" | ") for line in md.splitlines() if line.startswith("| direct |")]
+    assert len(rows) == 2 and all(r[4] == "yes" for r in rows), md  # direct, every cancel reached the engine
+
+
+def test_the_readme_hop_command_as_written(engine, engine_home, tmp_path):
+    """The README's command, its ports moved to free ones: the client to the tap in front of nginx (as shipped),
+    nginx to the tap in front of the engine."""
+    from tests.readme_commands import RUN
+
+    (cmd,) = [c for c, test in RUN.items() if test.endswith("::test_the_readme_hop_command_as_written")]
+    tap1, tap2, nginx_port = free_port(), free_port(), free_port()
+    engine_port = engine.url.rsplit(":", 1)[1]
+    args = (cmd.replace("9001", str(tap1)).replace("9002", str(tap2)).replace("8080", str(nginx_port))
+            .replace("8000", engine_port)).split()[1:]
+    store = tmp_path / "cw.db"
+    running = gw_mod.start(gw_mod.GATEWAYS["nginx"], tmp_path / "nginx", nginx_port, tap2)
+    try:
+        res = cli(*args, "--store", str(store), home=engine_home, timeout=600)
+    finally:
+        gw_mod.stop(running)
+    assert res.returncode in (0, 1), res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads(cli("report", "latest", "--json", "--store", str(store)).stdout)
+    (c,) = doc["cancels"]
+    assert [h["hop"] for h in c["hops"]] == ["nginx", "vllm"] and c["hops"][0]["reached_s"] is not None, c
+    print(f"the README's command: {c['verdict']}, {c['evidence']['path']}")
