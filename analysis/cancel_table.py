@@ -91,8 +91,10 @@ def cancel_table(run: Run, verdicts: list[CancelVerdict]) -> pd.DataFrame:
 
 
 def cancel_window(v: CancelVerdict, pad_s: float = 3.0) -> tuple[float, float]:
-    """The stretch of the run a cancel's story plays in: from before the stop to after it was reusable."""
+    """The stretch of the run a cancel's story plays in: from before the stop to after it was reusable (and
+    after a hop that kept it let its upstream go)."""
     pts = [t for t in v.timepoints.values() if t is not None]
+    pts += [t for s in v.hops for t in (s.reached_s, s.passed_s, s.upstream_end_s) if t is not None]
     end = max(pts + [v.timepoints["user_stop"] + v.evidence.grace_s])
     return v.timepoints["user_stop"] - pad_s, end + pad_s
 

@@ -89,6 +89,7 @@ NOT_RUN = {
     "python bench/soak.py": "a benchmark of ~20 minutes (see make bench)",
     "python bench/slow_engine.py": "a benchmark (see make bench)",
     "python bench/other_traffic.py": "a benchmark of ~8 minutes on the embedded engine",
+    "python bench/tap.py": "a benchmark (see make bench)",
 }
 
 _ENV = r"(?:[A-Z][A-Z0-9_]*=\S+ )*"  # VAR=value words before a command

@@ -112,3 +112,27 @@ def test_an_engine_that_stopped_stepping_is_not_called_lost():
     # the server still counted the target, but no token was generated across the grace: not the engine's word
     (v,) = judge_run(answered(build_run(in_engine_until(5.0), lambda t: 0.4, lambda t: 100.0)))
     assert v.rule != "app_lost_cancel", v
+
+
+def test_a_request_sent_a_moment_before_a_sample_is_not_yet_the_engines():
+    # a probe sent at 3.00 s enters the server's count at 3.10 s (a hop and the API server hand it on): the
+    # sample at 3.05 s counts the ledger's open requests less that one, and the engine still held the target
+    probe = {"request_id": "pr", "scenario": "s", "role": "probe", "n": 1, "sent_mono_ns": ns(3.0),
+             "first_token_mono_ns": ns(3.3), "closed_mono_ns": ns(3.4), "cancel_mono_ns": None,
+             "terminal_state": "completed"}
+    run = build_run(lambda t: 3.0 if 3.1 <= t < 3.4 else 2.0, lambda t: 0.4, steady_gen, extra_ledger=[probe])
+    (v,) = [v for v in judge_run(answered(run)) if v.request_id == "tg"]
+    assert (v.verdict, v.rule) == ("leaked", "app_lost_cancel"), v
+
+
+def test_what_keeps_a_lost_cancel_unconfirmed_is_named():
+    # the server stopped counting the target at 2.5 s, inside the grace, though its client read on to 5 s
+    (v,) = judge_run(answered(build_run(in_engine_until(2.5), lambda t: 0.4, steady_gen)))
+    assert (v.verdict, v.rule) == ("inconclusive", "app_lost_unconfirmed"), v
+    assert "after the stop the server counted 1 request(s) where the ledger had 2 open" in v.evidence.why, v.evidence.why
+    # and too few samples: the scrapes answered once in the grace
+    run = answered(build_run(in_engine_until(5.0), lambda t: 0.4, steady_gen))
+    s = run.samples
+    s.loc[s["t_s"].between(1.99, 3.99), "value"] = float("nan")
+    (v,) = judge_run(run)
+    assert v.rule == "app_lost_unconfirmed" and "scheduler sample(s) answered in the grace" in v.evidence.why, v

@@ -22,7 +22,9 @@ from tests.test_verdict_rules_engine import dump, record, scenario
 pytestmark = pytest.mark.timeout(900)
 EXPLICIT = dict(name="explicit", mode="explicit", via_relay=True, trigger="after_tokens", trigger_value=20,
                 prompt_tokens=300)
-GRACE_S = 2.0  # record's default
+# wider than record's 2 s: a cancel passed on through the test's proxy reached the app 2.5 s after the stop
+# once (CI: the machine held the proxy up), honestly leaked under 2 s; these tests are about who loses a cancel
+GRACE_S = 6.0
 # a lost cancel must leave the target running this long past the grace at the measured pace: CI saw 380
 # tokens after the stop end 2.4 s later at ~160 tokens/s, inside a hole in the app's /metrics, undecidable
 PAST_GRACE_S = 4.0
@@ -55,7 +57,8 @@ def replicas(engine, tmp_path_factory):
 
 def explicit_run(engine, explicit: dict, relay_url: str, tmp_path):
     toml = scenario(tmp_path, **explicit)
-    _, doc, run = record(engine.url, toml, tmp_path / "cw.db", tmp_path / "home", extra=("--relay-url", relay_url))
+    _, doc, run = record(engine.url, toml, tmp_path / "cw.db", tmp_path / "home",
+                         extra=("--relay-url", relay_url, "--grace", str(GRACE_S)))
     (c,) = doc["cancels"]
     answers = [json.loads(d) for k, d in zip(run.events["kind"], run.events["data"]) if k == "app_answered"]
     return c, answers, run
@@ -81,7 +84,7 @@ def test_a_cancel_a_gateway_answers_itself_is_leaked_and_one_it_passes_on_is_rel
     # the gateway lost it: the client read the request to its end
     assert row["terminal_state"] == "completed" and row["tokens_after_cancel"] > 100, row.to_dict()
     assert (c["verdict"], c["evidence"]["rule"]) == ("leaked", "app_lost_cancel"), dump(doc_of(c), proxy, run)
-    assert "'cancelled'" in c["evidence"]["why"] and c["evidence"]["kept_running_ms"] > 2000, c["evidence"]
+    assert "'cancelled'" in c["evidence"]["why"] and c["evidence"]["kept_running_ms"] > GRACE_S * 1000, c["evidence"]
 
 
 def test_a_cancel_sent_to_a_replica_that_cannot_pass_it_on_is_leaked(engine, replicas, explicit, tmp_path):

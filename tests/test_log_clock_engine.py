@@ -79,7 +79,7 @@ def test_told_the_logs_zone_nothing_is_moved(utc_engine, tmp_path, monkeypatch):
 def test_the_default_suite_direct_through_engine_log_is_released(utc_engine, tmp_path, monkeypatch):
     """The default suite against the engine a user started, its log read through --engine-log: every cancel
     released, each on the engine's own abort line."""
-    doc, _ = recorded(utc_engine, tmp_path, monkeypatch, "default", timeout=1500, awkward_ok=True)
+    doc, _ = recorded(utc_engine, tmp_path, monkeypatch, "default", "--grace", GRACE_S, timeout=1500, awkward_ok=True)
     released = [c for c in doc["cancels"] if c["verdict"] == "released"]
     assert len(released) >= len(doc["cancels"]) - 1 and len(doc["cancels"]) >= 12, json.dumps(doc["cancels"])
     assert {c["timepoint_sources"]["engine_abort"]["source"] for c in released} <= {"engine_log", "relay"}

@@ -183,9 +183,8 @@ RULES: dict[str, Rule] = {
     "app_lost_unconfirmed": Rule(INCONCLUSIVE, "the app answered '{answer}' to the explicit cancel, yet {tokens} "
                                  "tokens reached the client after the stop, to the request's end {after_s:.1f} s "
                                  "later: not a race the completion won, but the engine's samples cannot show it "
-                                 "still held the request across the {grace_s:g} s grace (another cancel or request "
-                                 "beside it, a gap in the evidence, or a hop that buffered tokens made before the "
-                                 "stop)"),
+                                 "still held the request across the {grace_s:g} s grace ({doubt}; or a hop "
+                                 "buffered tokens made before the stop)"),
     "completion_won_race": Rule(INCONCLUSIVE, "the completion won the race: the client read the request's end "
                                 "before the cancel took effect, so this cancel cannot show a release", race=True),
     "log_clock_disagrees": Rule(INCONCLUSIVE, "the engine log's clock disagrees with the run's: its 'Added "
@@ -367,8 +366,9 @@ class Case:
 
     def lost_in_app(self) -> dict | None:
         """An explicit cancel the app answered while the request ran on to its end, past the grace: the
-        sentence's fields (answer, tokens, after_s, grace_s) and `confirmed`, whether the engine's evidence
-        shows it went on with the request; None otherwise, or where the family cannot tell."""
+        sentence's fields (answer, tokens, after_s, grace_s), `confirmed`, whether the engine's evidence
+        shows it went on with the request, and `doubt`, what stands in the way where it does not; None
+        otherwise, or where the family cannot tell."""
         return None
 
     def samples_in_grace(self) -> int | None:

@@ -477,7 +477,7 @@ class VllmCase(Case):
     def lost_in_app(self) -> dict | None:
         # the client reads on until the app ends the stream: many tokens after the stop and an end past the
         # grace say the cancel did not take, but tokens a buffering hop held back say nothing of the engine:
-        # `confirmed` only on the engine's word (engine_went_on)
+        # `confirmed` only on the engine's word (engine_doubt)
         lrow = self.lrow
         if self.app_answer is None or lrow is None or pd.isna(lrow.get("closed_mono_ns")):
             return None
@@ -487,36 +487,49 @@ class VllmCase(Case):
         after_s = (float(lrow["closed_mono_ns"]) - self.run.info["started_mono_ns"]) / 1e9 - self.t_stop
         if tokens <= RACE_TOKENS * self.n or after_s <= self.grace_s:
             return None
+        doubt = self.engine_doubt()
         return {"answer": self.app_answer, "tokens": tokens, "after_s": after_s, "grace_s": self.grace_s,
-                "confirmed": self.engine_went_on()}
+                "confirmed": doubt is None, "doubt": doubt or ""}
 
-    def engine_went_on(self) -> bool:
-        """Whether the engine's samples show it kept this request across the grace after the stop: at every
-        sample there the server counted each request the ledger had open, this one included (less those
-        whose client read their end within LAG_S after: a hop delivers an end a moment after the engine
-        made it), and its token counter rose. Never with another target stopped in the scenario (the count
-        cannot say which one the engine kept), other traffic, a restart, a hole in the engine's log or a
-        log clock that cannot be placed, or the engine ahead of the client before the stop."""
-        if self.ahead or self.restart() or self.log_gap() or self.log_clock_off():
-            return False
+    def engine_doubt(self) -> str | None:
+        """None where the engine's samples show it kept this request across the grace after the stop: at
+        every sample there the server counted each request the ledger had open, this one included (less
+        those whose client read their end within LAG_S after: a hop delivers an end a moment after the
+        engine made it; and those sent within LAG_S before: a hop and the API server hand a request on a
+        moment after its send), and its token counter rose. Else what stands in the way, in words: another
+        target stopped in the scenario (the count cannot say which one the engine kept), other traffic, a
+        restart, a hole in the engine's log or a log clock that cannot be placed, the engine ahead of the
+        client before the stop, too few samples, a counter that did not rise, a sample short of the ledger."""
+        if self.ahead:
+            return "the engine had run ahead of the client before the stop"
+        if self.restart():
+            return "the engine restarted in the window"
+        if self.log_gap() or self.log_clock_off():
+            return "the engine log cannot be read across the window"
         logged, counted = self.foreign_traffic()
         if logged or counted >= 2:
-            return False
+            return "requests the run did not send reached the engine in the window"
         ledger, t0 = self.run.ledger, self.run.info["started_mono_ns"]
         mates = ledger[(ledger["scenario"] == self.scenario) & (ledger["request_id"] != self.rid)]
         if mates["cancel_mono_ns"].notna().any():
-            return False
+            return "another request of the scenario was cancelled beside it"
         times = self.sched["t_s"]
         count, gen, inflight = self.sched["count"], self.sched["gen_tokens"], self.inflight
         grace = (times >= self.t_stop) & (times <= self.t_stop + self.grace_s) & ~np.isnan(count) & ~np.isnan(gen)
-        if grace.sum() < 2 or not gen[grace][-1] > gen[grace][0]:
-            return False
-        closes = (ledger.loc[ledger["request_id"] != self.rid, "closed_mono_ns"].dropna().to_numpy(float) - t0) / 1e9
+        if grace.sum() < 2:
+            return f"{int(grace.sum())} scheduler sample(s) answered in the grace"
+        if not gen[grace][-1] > gen[grace][0]:
+            return "the engine's token counter did not rise across the grace"
+        others = ledger["request_id"] != self.rid
+        closes = (ledger.loc[others, "closed_mono_ns"].dropna().to_numpy(float) - t0) / 1e9
+        sends = (ledger.loc[others, "sent_mono_ns"].dropna().to_numpy(float) - t0) / 1e9
         for t, k, f in zip(times[grace], count[grace], inflight[grace]):
             ending = int(((closes > t) & (closes <= t + LAG_S)).sum())
-            if k < f - ending - 0.5:
-                return False
-        return True
+            starting = int(((sends <= t) & (sends > t - LAG_S)).sum())
+            if k < f - ending - starting - 0.5:
+                return (f"{t - self.t_stop:.2f} s after the stop the server counted {k:g} request(s) where the "
+                        f"ledger had {f:g} open")
+        return None
 
     def samples_in_grace(self) -> int | None:
         # only where the run recorded a hole in the scheduler's scrapes across the grace (failed or missed

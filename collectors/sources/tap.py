@@ -324,6 +324,7 @@ class TapSource(Source):
             if self._server is not None:
                 self._server.close()
             for f in list(self._flows):
+                f.reset_by_tap |= {"client", "upstream"}  # the recording's end, not either side's doing
                 _rst(f.client_w)
                 _rst(f.upstream_w)
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]

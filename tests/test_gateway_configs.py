@@ -1,0 +1,89 @@
+"""The gateways of the matrix (collectors/engines/gateways.py): what each config binds to, and each one that is
+installed here started from the config the matrix writes and proxying a request (nginx and HAProxy are
+installed by `make test`; Caddy, Apache, Envoy, Traefik, LiteLLM and vllm-router by `make matrix`: skipped
+where they are not, saying so). Through the embedded engine they run in tests/test_gateways_engine.py and
+`make matrix`."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from collectors.engines import gateways as gw_mod
+from tests.conftest import free_port
+
+NAMES = list(gw_mod.GATEWAYS)
+
+
+class _Ok(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        body = b'{"ok": true}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def upstream():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Ok)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_config_listens_on_loopback_only_and_names_its_upstream(name, tmp_path):
+    port, up = 41001, 41002
+    cfg = gw_mod.GATEWAYS[name].config(tmp_path, port, up)
+    text = "\n".join(cfg.files.values()) + " " + " ".join(cfg.argv)
+    assert "0.0.0.0" not in text and "[::]" not in text and "*:" not in text, text
+    assert str(up) in text, text  # the upstream it was given, nothing else
+    assert "127.0.0.1" in text and str(port) in text, text  # it listens where it was told, on loopback
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_installed_gateway_starts_from_its_config_and_proxies(name, tmp_path, upstream):
+    g = gw_mod.GATEWAYS[name]
+    if g.binary() is None:
+        pytest.skip(f"{g.product} is not installed here: {g.install}")
+    if name == "litellm":
+        pytest.skip("LiteLLM routes /v1 to a model, not a plain GET: through the engine in make matrix")
+    port = free_port()
+    running = gw_mod.start(g, tmp_path / name, port, upstream, timeout_s=60)
+    try:
+        assert running.version and running.version != "unknown", running
+        path = "/v1/models"  # passed to the upstream by each (vllm-router answers /health itself)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=20) as resp:
+            assert resp.status == 200 and b'"ok"' in resp.read(), name
+    finally:
+        gw_mod.stop(running)
+    assert running.proc.poll() is not None, f"{name} left running"
+
+
+def test_a_gateway_that_waits_for_its_upstream_starts_before_the_tap_behind_it(tmp_path):
+    # vllm-router listens only once its worker answers /health; in the matrix that worker is the tap in front
+    # of the engine, which the recording starts after the gateway: a stand-in answers until it listens
+    g = gw_mod.GATEWAYS["vllm-router"]
+    if g.binary() is None:
+        pytest.skip(f"{g.product} is not installed here: {g.install}")
+    up = free_port()
+    running = gw_mod.start(g, tmp_path / "vr", free_port(), up, timeout_s=60)
+    try:
+        import socket
+        with socket.socket() as s:  # the stand-in is gone: the tap can take the port
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", up))
+    finally:
+        gw_mod.stop(running)
