@@ -87,3 +87,30 @@ def test_a_gateway_that_waits_for_its_upstream_starts_before_the_tap_behind_it(t
             s.bind(("127.0.0.1", up))
     finally:
         gw_mod.stop(running)
+
+
+def test_a_gateway_the_matrix_does_not_know_is_one_line_and_nothing_starts(tmp_path):
+    from tests.conftest import cli
+
+    res = cli("matrix", "--gateway", "squid", "--out", str(tmp_path / "docs"), "--store", str(tmp_path / "m.db"),
+              home=tmp_path / "home")
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "'squid'" in lines[0] and "nginx-ignore-abort" in lines[0], res.stderr
+    assert "starting the embedded engine" not in res.stdout and not (tmp_path / "docs").exists()
+
+
+def test_a_gateway_that_is_not_installed_is_named_with_how_to_install_it(monkeypatch):
+    import dataclasses
+
+    import typer
+
+    from cancelwatch.matrix_commands import _chosen
+
+    missing = dataclasses.replace(gw_mod.GATEWAYS["envoy"], binary=lambda: None)
+    monkeypatch.setitem(gw_mod.GATEWAYS, "envoy", missing)
+    with pytest.raises(typer.Exit) as exc:
+        _chosen(gw_mod, ["nginx,envoy"])
+    assert exc.value.exit_code == 2
+    with pytest.raises(gw_mod.GatewayError, match="Envoy is not installed here: make matrix installs it"):
+        gw_mod.start(missing, Path("unused"), free_port(), free_port())
