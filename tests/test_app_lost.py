@@ -136,3 +136,20 @@ def test_what_keeps_a_lost_cancel_unconfirmed_is_named():
     s.loc[s["t_s"].between(1.99, 3.99), "value"] = float("nan")
     (v,) = judge_run(run)
     assert v.rule == "app_lost_unconfirmed" and "scheduler sample(s) answered in the grace" in v.evidence.why, v
+
+
+def test_a_scrape_that_answered_late_is_read_where_it_may_have_been_taken():
+    # the engine ended the neighbour at 3.0 s, its client read the end at 3.6 s; the app answered each /metrics
+    # of 2.9-3.6 s 0.8 s after its tick (busy generating): those readings may come from after the neighbour's
+    # close, and the engine still held the target across the grace
+    run = build_run(lambda t: 2.0 if t < 3.0 else 1.0, lambda t: 0.4, steady_gen)
+    run.ledger.loc[run.ledger["request_id"] == "nb", "closed_mono_ns"] = ns(3.6)
+    run.scrapes = sc = run.samples.drop_duplicates("scrape_id")[
+        ["scrape_id", "t_s", "source", "target", "mono_ns", "duration_ns"]].assign(ok=1).reset_index(drop=True)
+    sc.loc[sc["t_s"].between(2.9, 3.6), "duration_ns"] = int(0.8e9)
+    (v,) = judge_run(answered(run, end_s=5.0))
+    assert (v.verdict, v.rule) == ("leaked", "app_lost_cancel"), v
+    # answered at once, the same readings are the engine's at their ticks: one short of the ledger
+    sc.loc[sc["t_s"].between(2.9, 3.6), "duration_ns"] = 1
+    (v,) = judge_run(run)
+    assert v.rule == "app_lost_unconfirmed" and "the server counted 1 request(s) where the ledger had 2" in v.evidence.why, v
