@@ -92,7 +92,8 @@ def start_canary(home: Path, store: Path, listen: str, *args: str) -> Canary:
     env = {**os.environ, "CANCELWATCH_HOME": str(home), "PYTHONUNBUFFERED": "1"}
     return Canary(subprocess.Popen([sys.executable, "-m", "cancelwatch", "canary", "--every", f"{PERIOD_S:.0f}s",
                                     "--scenario", "decode", "--listen", listen, "--store", str(store), *args],
-                                   env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+                                   env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   start_new_session=True))  # as conftest.cli: a session's share of the CPU
 
 
 def prometheus_value(prom: Prometheus, query: str, timeout_s: float = 60) -> float:
