@@ -16,6 +16,7 @@ import math
 import pytest
 
 from tests.conftest import _start_engine, _stop_engine, decode_rate, free_port
+from tests.test_cancels_engine import scrape_hole_s
 from tests.proxies import ProxyBehaviour
 from tests.test_verdict_rules_engine import dump, record, scenario
 
@@ -83,8 +84,8 @@ def test_a_cancel_a_gateway_answers_itself_is_leaked_and_one_it_passes_on_is_rel
     assert len(proxy.cancels_dropped) == 1, proxy.summary()
     # the gateway lost it: the client read the request to its end
     assert row["terminal_state"] == "completed" and row["tokens_after_cancel"] > 100, row.to_dict()
-    assert (c["verdict"], c["evidence"]["rule"]) == ("leaked", "app_lost_cancel"), dump(doc_of(c), proxy, run)
-    assert "'cancelled'" in c["evidence"]["why"] and c["evidence"]["kept_running_ms"] > GRACE_S * 1000, c["evidence"]
+    if assert_lost(c, run, proxy):
+        assert "'cancelled'" in c["evidence"]["why"] and c["evidence"]["kept_running_ms"] > GRACE_S * 1000, c["evidence"]
 
 
 def test_a_cancel_sent_to_a_replica_that_cannot_pass_it_on_is_leaked(engine, replicas, explicit, tmp_path):
@@ -100,7 +101,7 @@ def test_a_cancel_sent_to_a_replica_that_cannot_pass_it_on_is_leaked(engine, rep
     assert [a["answer"] for a in answers] == ["not_here"], answers
     row = run.ledger.set_index("request_id").loc[c["request_id"]]
     assert row["terminal_state"] == "completed" and row["tokens_after_cancel"] > 100, row.to_dict()
-    assert (c["verdict"], c["evidence"]["rule"]) == ("leaked", "app_lost_cancel"), dump(doc_of(c), proxy, run)
+    assert_lost(c, run, proxy)
     assert "'not_here'" in c["evidence"]["why"] and c["evidence"]["app_answer"] == "not_here", c["evidence"]
 
 
@@ -118,6 +119,21 @@ def test_a_cancel_sent_to_a_replica_that_passes_it_on_is_released(engine, replic
     assert [a["answer"] for a in answers] == ["abort_sent"], answers
     assert c["verdict"] == "released", dump(doc_of(c), proxy, run)
     assert c["timepoint_sources"]["engine_abort"]["source"] == "relay", c
+
+
+def assert_lost(c: dict, run, proxy) -> bool:
+    """A cancel the app lost is leaked on the engine's word; True then. Three engines share two cores here,
+    and the replica's /metrics (the app's own process) was seen answering no scrape from the stop to past
+    the grace (CI, twice): without the engine's word the truth is inconclusive, naming the missing samples.
+    Accepted only where the recorded scrapes show that hole (not read from the verdict); False then."""
+    if (c["verdict"], c["evidence"]["rule"]) == ("leaked", "app_lost_cancel"):
+        return True
+    hole = scrape_hole_s(run, c)
+    assert (c["verdict"], c["evidence"]["rule"]) == ("inconclusive", "app_lost_unconfirmed") \
+        and "scheduler sample(s) answered in the grace" in c["evidence"]["why"] and hole >= GRACE_S - 1.0, \
+        f"hole in the app's scrapes {hole:.1f} s\n" + dump(doc_of(c), proxy, run)
+    print(f"the app's /metrics answered nothing for {hole:.1f} s across the grace: {c['evidence']['why']}")
+    return False
 
 
 def doc_of(c: dict) -> dict:
