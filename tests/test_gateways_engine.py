@@ -95,9 +95,20 @@ def test_nginx_ignoring_client_aborts_keeps_a_timed_out_request_and_passes_a_str
 def test_each_cancel_is_traced_through_two_hops(engine, engine_home, tmp_path, gateway):
     """A non-streaming timeout, a stream disconnect and a chat stream, through a gateway as shipped: each
     found at both taps by its id, its way written down hop by hop, judged on the engine's log."""
-    _, doc, _, _ = record_through(engine, engine_home, tmp_path, "nonstream_timeout,disconnect,chat", gateway)
+    _, doc, run, _ = record_through(engine, engine_home, tmp_path, "nonstream_timeout,disconnect,chat", gateway)
     assert {c["scenario"] for c in doc["cancels"]} == {"nonstream_timeout", "disconnect", "chat"}
+    sent = set(run.events.loc[run.events["kind"] == "tap_request", "request_id"].dropna())
+    unsent = [c for c in doc["cancels"] if c["request_id"] not in sent]
+    # the machine can hold the whole recorder up past a timeout's deadline before its request leaves it (CI:
+    # every sampler woke 1.2 s late, and the 1 s timeout fired first): no tap saw the request, and the truth
+    # is that the engine never had it, never a release or a leak. At most one such, the rest traced
+    assert len(unsent) <= 1, json.dumps(unsent, indent=1)
+    for c in unsent:
+        assert (c["verdict"], c["evidence"]["rule"]) == ("inconclusive", "never_added"), json.dumps(c, indent=1)
+        assert all(h["reached_s"] is None for h in c["hops"]), json.dumps(c, indent=1)
     for c in doc["cancels"]:
+        if c in unsent:
+            continue
         front, back = hops_of(c)[gateway], hops_of(c)["vllm"]
         assert front["matched"] == "id" and back["matched"] == "id", json.dumps(c, indent=1)
         assert front["reached_s"] is not None, json.dumps(c, indent=1)  # the client's close reached the gateway
