@@ -72,6 +72,23 @@ def test_each_installed_gateway_starts_from_its_config_and_proxies(name, tmp_pat
     assert running.proc.poll() is not None, f"{name} left running"
 
 
+@pytest.mark.parametrize("name", ["nginx", "haproxy"])
+def test_a_gateway_started_in_a_relative_work_dir_finds_its_config(name, tmp_path, monkeypatch, upstream):
+    # `make matrix` runs with the default home `.cancelwatch`: a relative work dir, and each gateway runs
+    # inside it, so a config path written relative would be looked for under itself (nginx exited at start)
+    g = gw_mod.GATEWAYS[name]
+    if g.binary() is None:
+        pytest.skip(f"{g.product} is not installed here: {g.install}")
+    monkeypatch.chdir(tmp_path)
+    port = free_port()
+    running = gw_mod.start(g, Path(".cancelwatch/matrix") / name, port, upstream)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as resp:
+            assert resp.status == 200 and b'"ok"' in resp.read(), name
+    finally:
+        gw_mod.stop(running)
+
+
 def test_a_gateway_that_waits_for_its_upstream_starts_before_the_tap_behind_it(tmp_path):
     # vllm-router listens only once its worker answers /health; in the matrix that worker is the tap in front
     # of the engine, which the recording starts after the gateway: a stand-in answers until it listens

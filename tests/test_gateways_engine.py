@@ -184,36 +184,3 @@ def test_the_readme_hop_command_as_written(engine, engine_home, tmp_path):
     assert [h["hop"] for h in c["hops"]] == ["nginx", "vllm"] and c["hops"][0]["reached_s"] is not None, c
     print(f"the README's command: {c['verdict']}, {c['evidence']['path']}")
 
-
-def test_a_gateway_started_in_a_relative_work_dir_finds_its_config(tmp_path, monkeypatch):
-    # `make matrix` runs with the default home `.cancelwatch`: a relative work dir, and each gateway runs
-    # inside it, so a config path written relative would be looked for under itself (nginx exited at start)
-    import http.server
-    import threading
-    import urllib.request
-
-    class Ok(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200)
-            self.send_header("Content-Length", "2")
-            self.end_headers()
-            self.wfile.write(b"ok")
-
-        def log_message(self, *args):
-            pass
-
-    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ok)
-    threading.Thread(target=upstream.serve_forever, daemon=True).start()
-    monkeypatch.chdir(tmp_path)
-    try:
-        for name in ("nginx", "haproxy"):
-            port = free_port()
-            running = gw_mod.start(gw_mod.GATEWAYS[name], Path(".cancelwatch/matrix") / name, port,
-                                   upstream.server_address[1])
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as resp:
-                    assert (resp.status, resp.read()) == (200, b"ok"), name
-            finally:
-                gw_mod.stop(running)
-    finally:
-        upstream.shutdown()

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from collectors.engines.lifecycle import free_port
+
 START_S = 30.0  # LiteLLM imports for seconds on two cores
 GATEWAY_VENV = Path(__file__).resolve().parents[2] / ".venv-gateways"
 
@@ -110,13 +112,6 @@ def _dist_version(dist: str) -> Callable[[str], str]:
                 return m.group(1)
         return "unknown"
     return version
-
-
-def _free_port() -> int:
-    """A free port on 127.0.0.1, for a side listener a gateway cannot be told to leave out."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------- nginx
@@ -244,7 +239,7 @@ def _litellm(work: Path, port: int, upstream: int) -> Config:
 def _vllm_router(work: Path, port: int, upstream: int) -> Config:
     # One worker, the default policy (cache_aware). Its Prometheus listener cannot be turned off (0 is
     # refused; 29000 as shipped would clash between two routers): a free loopback port of its own.
-    metrics = _free_port()
+    metrics = free_port()  # a side listener it cannot be told to leave out
     argv = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", f"http://127.0.0.1:{upstream}",
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics), "--log-dir", str(work)]
     return Config({"vllm-router.args": " ".join(argv) + "\n"}, argv)
