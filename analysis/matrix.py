@@ -21,7 +21,8 @@ DIRECT = "direct"
 class Cell:
     """One scenario through one configuration. passed_on: cancels the gateway passed on within the grace
     (direct: that the engine logged an abort for); delays: ms each took through the gateway (direct: stop
-    to the engine's abort); stopped_at: where cancels that were not passed on stopped."""
+    to the engine's abort); stopped_at: where cancels that were not passed on stopped; unsent: cancels
+    whose request the engine never had (rule never_added: there was nothing to pass on)."""
 
     scenario: str
     cancels: int = 0
@@ -29,6 +30,7 @@ class Cell:
     delays_ms: list[float] = field(default_factory=list)
     verdicts: Counter = field(default_factory=Counter)
     stopped_at: Counter = field(default_factory=Counter)
+    unsent: int = 0
 
     @property
     def p50_ms(self) -> float | None:
@@ -41,11 +43,14 @@ class Cell:
     def passed_text(self) -> str:
         if not self.cancels:
             return "no cancel"
-        if self.passed_on == self.cancels:
-            return "yes"
-        return "no" if self.passed_on == 0 else f"{self.passed_on} of {self.cancels}"
+        if self.unsent == self.cancels:
+            return "never reached the engine"
+        asked = self.cancels - self.unsent  # a request the engine never had had no cancel to pass on
+        text = "yes" if self.passed_on == asked else "no" if self.passed_on == 0 else f"{self.passed_on} of {asked}"
+        return text + (f" ({self.unsent} never reached the engine)" if self.unsent else "")
 
     def verdict_text(self) -> str:
+        """Each verdict with its count; an inconclusive one with its rule, which says what to do about it."""
         return ", ".join(f"{v}" if n == 1 else f"{v} ×{n}" for v, n in sorted(self.verdicts.items())) or "none"
 
 
@@ -67,7 +72,10 @@ def _cell(scenario: str, verdicts: list[CancelVerdict], hop: str | None, grace_s
     cell = Cell(scenario)
     for v in verdicts:
         cell.cancels += 1
-        cell.verdicts[v.verdict] += 1
+        cell.verdicts[v.verdict if v.verdict != "inconclusive" else f"inconclusive ({v.rule})"] += 1
+        if v.rule == "never_added":
+            cell.unsent += 1
+            continue
         if hop is None:
             ms = v.latency_ms("user_stop", "engine_abort")
             if ms is not None:
@@ -117,7 +125,8 @@ def matrix_markdown(rows: list[Row], *, command: str, engine: str, when: str) ->
     lines = ["# Cancels through gateways", "",
              f"Made by `{command}` on {when}, against {engine}. Per gateway configuration and scenario: whether the "
              "gateway passed the cancel on (the tap behind it saw it close its upstream connection within the "
-             "grace; direct: whether the engine logged the abort), how long that took (p50 and max, ms: through "
+             "grace; direct: whether the engine logged the abort; never reached the engine: its log never named "
+             "the request, so there was nothing to cancel), how long that took (p50 and max, ms: through "
              "the gateway, or from the stop to the engine's abort direct), and the verdict on the engine's "
              "evidence.", "",
              "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
@@ -139,7 +148,8 @@ def matrix_html(rows: list[Row], *, command: str, engine: str, when: str) -> str
     e = html.escape
     body = [f"<h1>Cancels through gateways</h1><p>Made by <code>{e(command)}</code> on {e(when)}, against "
             f"{e(engine)}. Passed on: the tap behind the gateway saw it close its upstream connection within the "
-            "grace (direct: the engine logged the abort). Delays in ms. The verdict rests on the engine's own "
+            "grace (direct: the engine logged the abort; never reached the engine: its log never named the "
+            "request, so there was nothing to cancel). Delays in ms. The verdict rests on the engine's own "
             "evidence.</p>", "<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in HEAD) + "</tr>"]
     for line in _lines(rows):
         cls = "yes" if line[4] == "yes" else "no" if line[4].startswith("no") else ""

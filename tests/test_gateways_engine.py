@@ -159,7 +159,13 @@ def test_matrix_writes_the_page_for_nginx_and_haproxy_in_one_command(engine, eng
     assert "proxy_pass http://127.0.0.1:" in md and "backend engine" in md  # the configs the matrix wrote
     assert page.startswith("<!doctype html>") and "<script" not in page and "http" in page
     rows = [line.split(" | ") for line in md.splitlines() if line.startswith("| direct |")]
-    assert len(rows) == 2 and all(r[4] == "yes" for r in rows), md  # direct, every cancel reached the engine
+    assert len(rows) == 2, md
+    # direct, every cancel reached the engine; but a machine that holds the recorder up past a timeout's
+    # deadline before its request left (CI: 1.2 s on two cores) leaves the engine nothing to cancel, and the
+    # page says so: at most the one timeout, said as such, never a "no"
+    unsent = [r for r in rows if r[4] != "yes"]
+    assert len(unsent) <= 1 and all(r[3] == "nonstream_timeout" and r[4] == "never reached the engine"
+                                    and r[7] == "inconclusive (never_added) |" for r in unsent), md
 
 
 def test_the_readme_hop_command_as_written(engine, engine_home, tmp_path):
