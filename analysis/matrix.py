@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from analysis.verdicts import CancelVerdict, judge_run, run_grace_s
+from analysis.verdicts.core import INCONCLUSIVE
 from runstore.reader import Run
 
 DIRECT = "direct"
@@ -50,7 +51,7 @@ class Cell:
         return text + (f" ({self.unsent} never reached the engine)" if self.unsent else "")
 
     def verdict_text(self) -> str:
-        """Each verdict with its count; an inconclusive one with its rule, which says what to do about it."""
+        """Each verdict with its count (an inconclusive one keyed with its rule by _cell)."""
         return ", ".join(f"{v}" if n == 1 else f"{v} ×{n}" for v, n in sorted(self.verdicts.items())) or "none"
 
 
@@ -72,7 +73,8 @@ def _cell(scenario: str, verdicts: list[CancelVerdict], hop: str | None, grace_s
     cell = Cell(scenario)
     for v in verdicts:
         cell.cancels += 1
-        cell.verdicts[v.verdict if v.verdict != "inconclusive" else f"inconclusive ({v.rule})"] += 1
+        # an inconclusive verdict is read with its rule: the rule says what to do about it
+        cell.verdicts[v.verdict if v.verdict != INCONCLUSIVE else f"{INCONCLUSIVE} ({v.rule})"] += 1
         if v.rule == "never_added":
             cell.unsent += 1
             continue
