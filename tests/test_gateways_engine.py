@@ -112,10 +112,19 @@ def test_each_cancel_is_traced_through_two_hops(engine, engine_home, tmp_path, g
         front, back = hops_of(c)[gateway], hops_of(c)["vllm"]
         assert front["matched"] == "id" and back["matched"] == "id", json.dumps(c, indent=1)
         assert front["reached_s"] is not None, json.dumps(c, indent=1)  # the client's close reached the gateway
-        if front["passed_s"] is not None:  # passed on: the engine's tap saw it, and the engine's log
-            assert back["reached_s"] == front["passed_s"] and c["verdict"] == "released", json.dumps(c, indent=1)
-        else:  # kept: the trace names the gateway, and the engine's evidence says leaked
+        if front["passed_s"] is not None:  # passed on: the engine's tap saw it when the gateway did
+            assert back["reached_s"] == front["passed_s"], json.dumps(c, indent=1)
+        held_s = None if front["passed_s"] is None else front["passed_s"] - front["reached_s"]
+        if held_s is not None and held_s <= c["evidence"]["grace_s"]:  # passed on in time: the engine's log
+            assert c["verdict"] == "released", json.dumps(c, indent=1)
+        else:
+            # kept: the trace names the gateway, and the engine's evidence says leaked. Kept to the end of the
+            # request, or until the gateway's own clock ended it: HAProxy's shipped `timeout server 50000` reset
+            # the engine's connection 47.5 s after the client left (CI, an engine too slow to finish 1500 tokens
+            # in 50 s), and the engine ran the request for nobody until then: late is leaked, never released
             assert c["evidence"]["stopped_at"] == gateway and c["verdict"] == "leaked", json.dumps(c, indent=1)
+            if held_s is not None:
+                assert c["evidence"]["rule"] == "abort_after_grace", json.dumps(c, indent=1)
         print(f"{gateway} {c['scenario']}: {c['verdict']}, {c['evidence']['path']}")
 
 

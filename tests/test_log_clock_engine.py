@@ -76,12 +76,20 @@ def test_told_the_logs_zone_nothing_is_moved(utc_engine, tmp_path, monkeypatch):
     assert doc["engine_log_notes"] == []
 
 
-def test_the_default_suite_direct_through_engine_log_is_released(utc_engine, tmp_path, monkeypatch):
-    """The default suite against the engine a user started, its log read through --engine-log: every cancel
-    released, each on the engine's own abort line."""
-    doc, _ = recorded(utc_engine, tmp_path, monkeypatch, "default", "--grace", GRACE_S, timeout=1500, awkward_ok=True)
+# every phase and request shape of the default suite the two tests above leave out (they cancel in decode,
+# streamed and cut off); the rest of the suite (chat, burst, the relay's inproc) is the same abort line again,
+# and recording it here too cost 270 s of CI's suite (the default suite is recorded direct in test_cancels_engine)
+OTHER_PHASES = "queued,prefill,race,nonstream_timeout,n2,resubmit"
+
+
+def test_every_other_phase_direct_through_engine_log_is_released(utc_engine, tmp_path, monkeypatch):
+    """The queued, prefill, race, timeout, n=2 and resubmit cancels against the engine a user started, its log
+    read through --engine-log: every cancel released, each on the engine's own abort line."""
+    doc, _ = recorded(utc_engine, tmp_path, monkeypatch, OTHER_PHASES, "--grace", GRACE_S, timeout=1500,
+                      awkward_ok=True)
+    assert {c["scenario"] for c in doc["cancels"]} == set(OTHER_PHASES.split(",")), json.dumps(doc["cancels"])
     released = [c for c in doc["cancels"] if c["verdict"] == "released"]
-    assert len(released) >= len(doc["cancels"]) - 1 and len(doc["cancels"]) >= 12, json.dumps(doc["cancels"])
+    assert len(released) >= len(doc["cancels"]) - 1, json.dumps(doc["cancels"])
     assert {c["timepoint_sources"]["engine_abort"]["source"] for c in released} <= {"engine_log", "relay"}
 
 
