@@ -62,6 +62,12 @@ def hops_of(c) -> dict:
     return {h["hop"]: h for h in c["hops"]}
 
 
+def tap_times(run, kind: str, request_id: str) -> dict:
+    """{hop: run time} of the taps' `kind` events (tap_request, tap_response_end) for one request."""
+    ev = run.events[(run.events["kind"] == kind) & (run.events["request_id"] == request_id)]
+    return {json.loads(d)["hop"]: t for d, t in zip(ev["data"], ev["t_s"])}
+
+
 def test_nginx_ignoring_client_aborts_keeps_a_timed_out_request_and_passes_a_stream_disconnect_on(
         engine, engine_home, tmp_path):
     _, doc, run, _ = record_through(engine, engine_home, tmp_path, "nonstream_timeout,disconnect", "nginx-ignore-abort")
@@ -71,22 +77,19 @@ def test_nginx_ignoring_client_aborts_keeps_a_timed_out_request_and_passes_a_str
     # the client's timeout closed its side of the tap in front of nginx; nginx kept the engine's connection
     # open, and the engine ran the request for nobody: the cancel stopped at nginx
     assert nginx["matched"] == "id" and nginx["reached_s"] is not None, json.dumps(timeout, indent=1)
-    rid = timeout["request_id"]
-    ends = run.events[(run.events["kind"] == "tap_response_end") & (run.events["request_id"] == rid)]
-    end_at = {json.loads(d)["hop"]: t for d, t in zip(ends["data"], ends["t_s"])}
+    end_at = tap_times(run, "tap_response_end", timeout["request_id"])
     if nginx["passed_s"] is None:
         # kept to the request's natural end: the engine's answer came, complete (and nginx wrote it to a
         # client long gone)
         assert vllm["reached_s"] is None, json.dumps(timeout, indent=1)
-        assert set(end_at) == {"vllm", "nginx-ignore-abort"}, ends
+        assert set(end_at) == {"vllm", "nginx-ignore-abort"}, end_at
         assert nginx["upstream_end_s"] == pytest.approx(end_at["vllm"], abs=0.01)
         assert end_at["vllm"] - nginx["reached_s"] > timeout["evidence"]["grace_s"], (end_at, nginx)
     else:
         # or until nginx's own clock ended it: an engine too slow to answer 1500 tokens within nginx's
         # proxy_read_timeout (60 s, as shipped: no byte of a non-streamed answer comes before its end) is
         # closed by nginx then, 60 s after the request went, whatever the client did. Late is still kept
-        sent = run.events[(run.events["kind"] == "tap_request") & (run.events["request_id"] == rid)]
-        sent_at = {json.loads(d)["hop"]: t for d, t in zip(sent["data"], sent["t_s"])}
+        sent_at = tap_times(run, "tap_request", timeout["request_id"])
         assert nginx["passed_s"] - sent_at["vllm"] == pytest.approx(60.0, abs=5.0), (sent_at, nginx)
         assert vllm["reached_s"] == nginx["passed_s"] and "vllm" not in end_at, json.dumps(timeout, indent=1)
         assert timeout["evidence"]["rule"] == "abort_after_grace", timeout["evidence"]
