@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 from PIL import Image
 
@@ -23,6 +22,7 @@ from dashboard import recording
 from collectors.engines.lifecycle import free_port
 from runstore.reader import load_run
 from tests.conftest import cli_popen, wait_recording
+from tests.processes import listening_ips
 
 ROOT = Path(__file__).resolve().parents[1]
 # every test here drives Chromium; the ones that record from the engine are marked `engine` as well
@@ -61,8 +61,7 @@ def served(tmp_path):
             proc.kill()
             pytest.fail(f"streamlit did not come up: {proc.stdout.read().decode(errors='replace')[-2000:]}")
         # dashboard/.streamlit/config.toml binds the server to loopback only
-        listening = [c.laddr.ip for c in psutil.Process(proc.pid).net_connections(kind="inet")
-                     if c.status == psutil.CONN_LISTEN]
+        listening = listening_ips(proc.pid)
         assert listening and set(listening) <= {"127.0.0.1"}, listening
         return url
 

@@ -21,6 +21,7 @@ import pytest
 from analysis import review
 from runstore.reader import StoreError
 from tests.conftest import cli, free_port
+from tests.processes import listening_ips
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "dashboard" / "sample" / "sample.db"
@@ -242,8 +243,7 @@ def test_make_lab_serves_the_notebooks_on_loopback_behind_a_token(tmp_path):
         assert token, f"no URL with a token printed: {log.read_text()[-3000:]}"
         procs += psutil.Process(proc.pid).children(recursive=True)
         # JupyterLab listens on loopback only
-        listening = {c.laddr.ip for p in procs if p.is_running() for c in p.net_connections(kind="inet")
-                     if c.status == psutil.CONN_LISTEN}
+        listening = listening_ips(proc.pid)
         assert listening == {"127.0.0.1"}, listening
         assert httpx.get(f"{base}/api/status", timeout=10).status_code == 403  # no token: refused
         assert httpx.get(f"{base}/api/contents", params={"token": "wrong"}, timeout=10).status_code == 403

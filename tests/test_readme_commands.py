@@ -30,6 +30,7 @@ from analysis.verdicts import judge_run
 from cancelwatch.cli import app
 from collectors.engines.lifecycle import free_port
 from runstore.reader import load_run
+from tests.processes import listening_ips
 from tests.readme_commands import COMMAND_LINE_ONLY, NOT_RUN, ROOT, RUN, readme_commands, synopses, words
 from tests.test_dashboard_browser import TABLE_ROWS, TIMELINE, browser  # noqa: F401 - a fixture
 
@@ -117,8 +118,7 @@ def start_page(args: list[str], cwd: Path, env: dict[str, str], port: int, what:
         stop_page(proc)
         pytest.fail(f"{what} did not serve {url} within 120 s (exit {proc.returncode}): "
                     f"{proc.stdout.read().decode(errors='replace')[-2000:]}")
-    listening = {c.laddr.ip for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-                 for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    listening = listening_ips(proc.pid)
     # dashboard/.streamlit/config.toml binds it to loopback (the same file keeps tracebacks out of the page)
     assert listening == {"127.0.0.1"}, (what, listening)
     return proc
