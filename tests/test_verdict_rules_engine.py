@@ -150,14 +150,15 @@ def test_a_direct_decode_cancel_says_where_each_timepoint_came_from(engine, engi
 
 
 def test_a_cancel_of_a_request_the_engine_had_finished_is_inconclusive(engine, engine_home, tmp_path, pace):
-    # the proxy hands each chunk over 4 s after it came (everything it serves: more would outlast record's
-    # 5 s wait for /v1/models), so the client's 20th token (the stop) arrives seconds after the engine's last
-    # one. The tokens after the 20th take the engine about a second at its measured pace: 20 of them (40 in
-    # all) where it made ~60 tokens/s, fewer on a slower engine, at least 5
+    # the proxy hands each of the target's chunks over 4 s after it came, so the client's 20th token (the
+    # stop) arrives seconds after the engine's last one. Only the target's: record's wait for /v1/models
+    # reads with a 5 s timeout, and a proxy thread held up 1.5 s (CI) would have outlasted it. The tokens
+    # after the 20th take the engine about a second at its measured pace: 20 of them (40 in all) where it
+    # made ~60 tokens/s, fewer on a slower engine, at least 5
     max_tokens = 20 + min(20, max(5, round(pace)))
     toml = scenario(tmp_path, name="late_finish", trigger="after_tokens", trigger_value=20, prompt_tokens=600,
                     max_tokens=max_tokens, neighbour_max_tokens=60)
-    proxy = ProxyBehaviour(engine.url, free_port(), late_s=4.0).start()
+    proxy = ProxyBehaviour(engine.url, free_port(), late_s=4.0, late_only="target").start()
     try:
         _, doc, run = record(proxy.url, toml, tmp_path / "cw.db", engine_home, metrics_url=engine.url)
     finally:
@@ -282,9 +283,10 @@ def test_through_a_gateway_that_mints_its_own_ids_cancels_are_matched_by_time_an
     # The proxy sends every request upstream under an X-Request-Id of its own, and loses the cancel of the
     # second scenario's target. Every engine line then names a request the ledger does not know: each cancel
     # was "other traffic" (inconclusive). Matched by when each entered the engine, the clean cancel is
-    # released and the lost one leaked, each naming the id it was matched by. The lost target runs 3 s past
-    # its stop at this engine's pace.
-    lost_tokens = 20 + round(3 * pace)
+    # released and the lost one leaked, each naming the id it was matched by. The lost target runs 8 s past
+    # its stop at this engine's pace: either leak rule is the truth, and a client reading 3 s behind the
+    # engine (a held-up API server hands over a backlog) would have stopped a request already finished
+    lost_tokens = 20 + round(8 * pace)
     toml = scenarios(tmp_path,
                      {"name": "minted_clean", "trigger": "after_tokens", "trigger_value": 20, "prompt_tokens": 600,
                       "max_tokens": LONG},
@@ -313,12 +315,16 @@ def test_through_a_gateway_that_mints_its_own_ids_cancels_are_matched_by_time_an
 # --------------------------------------------------------------------------- c4: KV the request did not hold
 
 
-def test_a_target_still_waiting_at_its_prefill_triggered_stop_owes_no_kv(engine, engine_home, tmp_path):
+def test_a_target_still_waiting_at_its_prefill_triggered_stop_owes_no_kv(engine, engine_home, tmp_path, pace):
     # three fillers and the neighbour fill the embedded engine's four sequences: the target waits behind
-    # them, and its "prefill" trigger (250 ms without a first token) stops it there. It held no KV: asked
-    # for a KV drop it was "the count reconciled but KV usage did not fall" (the fillers kept growing)
-    toml = scenario(tmp_path, name="waiting_prefill", trigger="before_first_token", trigger_value=250, fillers=3,
-                    filler_max_tokens=400, neighbour_max_tokens=500, prompt_tokens=300, max_tokens=200)
+    # them, and its "prefill" trigger (1 s without a first token) stops it there. It held no KV: asked
+    # for a KV drop it was "the count reconciled but KV usage did not fall" (the fillers kept growing).
+    # A second, not 250 ms: the waiting gauge moves only once the engine core has the request and ends a
+    # step, and a 20 Hz scrape must read it before the stop, which a slow engine's step can outlast. The
+    # fillers hold their sequences 5 s at this engine's pace (at least 400 tokens), well past the stop.
+    fill = max(400, 20 + round(5 * pace))
+    toml = scenario(tmp_path, name="waiting_prefill", trigger="before_first_token", trigger_value=1000, fillers=3,
+                    filler_max_tokens=fill, neighbour_max_tokens=fill + 100, prompt_tokens=300, max_tokens=200)
     _, doc, run = record(engine.url, toml, tmp_path / "cw.db", engine_home)
     (c,) = doc["cancels"]
     # the misbehaviour happened: the target was waiting at its stop, a request named "prefill"
@@ -543,8 +549,10 @@ def test_an_engine_killed_and_restarted_during_a_cancel_is_inconclusive(private_
     # it happened: the engine aborted the target, was killed right after, and the run went on past the
     # restart (the sampler read the new engine's /metrics). Whether the probe went to the old engine just
     # before the kill or waited for the new one is the machine's timing, and not what is judged here
-    assert rid in engine_lines(run, "engine_aborted")
-    assert t_stop < t_kill <= t_stop + 1.0, (t_stop, t_kill)
+    # killed once the abort line was read (a proxy and a busy engine can log it seconds after the stop),
+    # inside the window the rule reads: up to the grace after the later of the stop and the abort
+    (t_abort,) = engine_lines(run, "engine_aborted")[rid]
+    assert t_abort - 0.05 <= t_kill <= max(t_abort, t_stop) + c["evidence"]["grace_s"], (t_stop, t_abort, t_kill)
     assert run.info["status"] == "completed", run.info["status"]
     sc = run.scrapes
     assert ((sc["source"] == "vllm") & (sc["ok"] == 1) & (sc["t_s"] > t_back)).any(), dump(doc, proxy, run)
@@ -592,12 +600,14 @@ def test_a_run_of_races_through_a_proxy_that_loses_cancels_is_not_accepted(engin
     assert "**not accepted**" in protocol_markdown(run, doc)
 
 
-def test_a_gateway_that_resubmits_after_its_client_left_is_leaked(engine, engine_home, tmp_path):
+def test_a_gateway_that_resubmits_after_its_client_left_is_leaked(engine, engine_home, tmp_path, pace):
     """The proxy passes the disconnect on (the engine aborts), then sends the same request, same
     X-Request-Id, upstream once more and reads it to its end: the engine's log names the id entering a
     second time after the stop, and the cancel is leaked for that, not for a lost cancel."""
+    # long enough to outlast a client reading seconds behind the engine (8 s at its pace): a fixed 200 tokens
+    # take a fast engine under a second after the 20th, and a stream delivered whole is never resubmitted
     toml = scenario(tmp_path, name="resubmit_gw", trigger="after_tokens", trigger_value=20, prompt_tokens=600,
-                    max_tokens=200)
+                    max_tokens=min(LONG, max(200, 20 + round(8 * pace))))
     proxy = ProxyBehaviour(engine.url, free_port(), resubmit_after_gone=True).start()
     try:
         _, doc, run = record(proxy.url, toml, tmp_path / "cw.db", engine_home, metrics_url=engine.url)
