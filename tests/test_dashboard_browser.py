@@ -62,7 +62,7 @@ def served(tmp_path):
             pytest.fail(f"streamlit did not come up: {proc.stdout.read().decode(errors='replace')[-2000:]}")
         # dashboard/.streamlit/config.toml binds the server to loopback only
         listening = listening_ips(proc.pid)
-        assert listening and set(listening) <= {"127.0.0.1"}, listening
+        assert listening and listening <= {"127.0.0.1"}, listening
         return url
 
     yield start
