@@ -2,7 +2,8 @@
 
 One module per command group: engine_commands (engine up/down/status), sampling_commands (sample,
 summary, runs, export, load), cancel_commands (record), report_commands (report, notebook),
-import_commands (import prometheus), canary_commands (canary), matrix_commands (matrix).
+import_commands (import prometheus), canary_commands (canary), matrix_commands (matrix), watch_commands
+(watch).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import sys
 
 import typer
 
-from cancelwatch import canary_commands, cancel_commands, matrix_commands, report_commands, sampling_commands
+from cancelwatch import canary_commands, cancel_commands, matrix_commands, report_commands, sampling_commands, \
+    watch_commands
 from cancelwatch.console import EXIT_USAGE, fail
 from cancelwatch.engine_commands import engine_app
 from cancelwatch.import_commands import import_app
@@ -27,6 +29,7 @@ for command in (sampling_commands.sample, sampling_commands.summary, sampling_co
     app.command()(command)
 app.command("record")(cancel_commands.record_cmd)
 app.command()(canary_commands.canary)
+app.command()(watch_commands.watch)
 app.command()(matrix_commands.matrix)
 app.command()(report_commands.report)
 app.command()(report_commands.notebook)

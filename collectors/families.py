@@ -74,6 +74,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                       "Triton's metrics, log and memory while it cancels",
             "canary": "the canary's rounds are vLLM's HTTP scenarios; run Triton's with `cancelwatch record --target "
                       "grpc://HOST:PORT --scenario triton`",
+            "watch": "the watch taps HTTP/1.1 traffic and judges it on vLLM's /metrics and log; Triton's gRPC "
+                     "cancels are recorded with `cancelwatch record --target grpc://HOST:PORT --scenario triton`",
         }),
     Family(
         vllm_source.FAMILY, lambda target: True, vllm_scenarios.resolve, build_vllm_sources, Driver, vllm_server,

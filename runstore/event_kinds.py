@@ -17,6 +17,7 @@ TRITON_DRIVER = "collectors.cancels.triton_driver"
 ENGINE_LOG = "collectors.sources.engine_log"
 TRITON_LOG = "collectors.sources.triton_log"
 TAP = "collectors.sources.tap"
+WATCH = "collectors.recording.watch_ledger"
 
 # every event the drivers write carries it (collectors/cancels/driver.py: event_record)
 METRICS_TARGET = ("metrics_target", "label of the target whose scheduler the driver watched")
@@ -70,13 +71,14 @@ _KINDS = (
         ("call_object", "the tritonclient call it maps to"),
         ("protocol", "grpc | http"),
         METRICS_TARGET)),
-    EventKind("user_stop", (DRIVER, TRITON_DRIVER), "the driver decides to cancel (the client's clock)",
+    EventKind("user_stop", (DRIVER, TRITON_DRIVER, WATCH),
+              "the driver decides to cancel (the client's clock); a watch: a real client left, as its tap saw it",
               "the cancelled target's client id", (
                   ("scenario", "the scenario's name"),
                   ("phase", "where the request was: prefill | queued | decode | completed | in_flight (a timeout), "
                             "or the Triton scenario's phase"),
                   ("cancel_id", "the cancel's id, shared by its trace events"),
-                  ("mode", "how it gives up: the scenario's mode (vLLM) or call (Triton)"),
+                  ("mode", "how it gives up: the scenario's mode (vLLM), call (Triton), client_gone (a watch)"),
                   ("tokens_at_cancel", "content chunks received when it stopped"),
                   ("raised_after_deadline_ms", "vLLM timeout mode: milliseconds from the deadline to the client's "
                                                "timeout raising (None: it never raised)"),
@@ -116,11 +118,11 @@ _KINDS = (
                   ("cancel_id", "the cancel's id (the user_stop's)"),
                   ("source", "relay: who measured it"),
                   METRICS_TARGET)),
-    EventKind("client_closed", (DRIVER, TRITON_DRIVER),
+    EventKind("client_closed", (DRIVER, TRITON_DRIVER, WATCH),
               "the client was done with the stopped request (its own view, never the server's evidence)",
               "the stopped target's client id", (
                   ("cancel_id", "the cancel's id (the user_stop's)"),
-                  ("source", "client: who measured it"),
+                  ("source", "who measured it: client, or tap (a watch: the tap saw the client's close)"),
                   ("client_saw", "Triton only: how the call ended for the client (CANCELLED, a deadline, ...)"),
                   METRICS_TARGET)),
     EventKind("probe_sent", (RUNNER,), "the probe goes out into the capacity the cancel freed",
@@ -159,6 +161,10 @@ _KINDS = (
 # every event a tap writes carries them
 TAP_DATA = (("hop", "the tap's name: the component it feeds"),
             ("conn", "the connection's number at that tap, from 1"))
+# what passed of a request's response body, where a tap event names a request
+BODY_DATA = (("chunks", "SSE data events of the response that passed (a token each on a stream; [DONE] not "
+                        "counted)"),
+             ("first_body_mono_ns", "monotonic ns of the response body's first byte (None: none passed)"))
 _TAP_KINDS = (
     EventKind("tap_accepted", (TAP,), "a tap accepted a connection from the component before it (or the client)",
               "None", TAP_DATA),
@@ -171,8 +177,16 @@ _TAP_KINDS = (
     EventKind("tap_response", (TAP,), "the first bytes of a request's response passed the tap",
               "the request's X-Request-Id", (*TAP_DATA, ("seq", "the request's index on its connection"),
                                              ("status", "the response's HTTP status"))),
+    EventKind("tap_request_body", (TAP,), "a request's body passed the tap to its end (read for what it asks)",
+              "the request's X-Request-Id", (
+                  *TAP_DATA, ("seq", "the request's index on its connection"),
+                  ("model", "the body's `model` (None: not said, or not JSON)"),
+                  ("stream", "the body's `stream`"),
+                  ("max_tokens", "the body's `max_tokens` (or `max_completion_tokens`)"),
+                  ("n", "the body's `n`"))),
     EventKind("tap_response_end", (TAP,), "a request's response passed the tap to its end",
-              "the request's X-Request-Id", (*TAP_DATA, ("seq", "the request's index on its connection"))),
+              "the request's X-Request-Id", (*TAP_DATA, ("seq", "the request's index on its connection"),
+                                             *BODY_DATA)),
     EventKind("tap_closed", (TAP,),
               "one side of a connection through a tap closed: the tap passed it on at once, as it came",
               "the X-Request-Id of the request whose response was open, else of the connection's last", (
@@ -180,7 +194,17 @@ _TAP_KINDS = (
                   ("side", "who closed: client (the component before the tap) or upstream (the one it feeds)"),
                   ("how", "fin (a close, or a half-close: 'I send no more') or rst (a reset)"),
                   ("open_seq", "the request whose response had not ended (None: none was open)"),
-                  ("response_ended", "whether the connection's last response had passed to its end"))),
+                  ("response_ended", "whether the connection's last response had passed to its end"),
+                  *BODY_DATA)),
+    EventKind("tap_connection_end", (TAP,), "a connection through a tap is over, both sides closed",
+              "the X-Request-Id of the request whose response was open (None: none was)", (
+                  *TAP_DATA,
+                  ("open_seq", "the request whose response never ended (None: none was open)"),
+                  ("closed", "side -> fin | rst, as each side closed (a side the tap reset is not in it)"),
+                  ("by_tap", "the sides the tap reset on the other's behalf"),
+                  ("client_gone", "after a client's FIN: whether its socket was closed (the bytes passed after "
+                                  "the FIN met a reset), not half-closed and reading (None: no FIN, or not known)"),
+                  *BODY_DATA)),
     EventKind("tap_unparsed", (TAP,), "a tap cannot read the connection as HTTP/1.1: it passes it on untouched",
               "None", (*TAP_DATA, ("why", "why, in words (`encrypted: no request id` for TLS)"))),
     EventKind("tap_upstream_failed", (TAP,),

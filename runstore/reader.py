@@ -189,7 +189,7 @@ def _arrow(path: Path, sql: str, params: tuple) -> pa.Table:
 
 
 def _load_samples(con: sqlite3.Connection, path: Path, rid: int, only: list[str] | None,
-                  scrapes: pd.DataFrame) -> pd.DataFrame:
+                  scrapes: pd.DataFrame, scrape_ids: tuple[int, int] | None = None) -> pd.DataFrame:
     """Samples joined to their series and scrape in pandas: SQLite hands over three numbers a row
     (the joined strings would cost more than the numbers)."""
     where, params = "run_id = ?", [rid]
@@ -203,8 +203,9 @@ def _load_samples(con: sqlite3.Connection, path: Path, rid: int, only: list[str]
                              for c in SAMPLE_COLUMNS})
     ids = ", ".join(str(int(i)) for i in series["id"])
     # through the series ids: the (run_id, series_id) index then reads only those samples
+    within, params = ("", (rid,)) if scrape_ids is None else (" AND scrape_id BETWEEN ? AND ?", (rid, *scrape_ids))
     tbl = _arrow(path, f"SELECT series_id, scrape_id, CAST(value AS REAL) AS value FROM samples "
-                       f"WHERE run_id = ? AND series_id IN ({ids})", (rid,))
+                       f"WHERE run_id = ? AND series_id IN ({ids}){within}", params)
     series_id = tbl.column("series_id").to_numpy()
     scrape_id = tbl.column("scrape_id").to_numpy()
     value = tbl.column("value").to_numpy(zero_copy_only=False).astype(float)
@@ -241,12 +242,17 @@ _SCRAPE_COLUMNS = ["id", "source", "target", "tick", "wall_ns", "mono_ns", "dura
 _SCRAPE_NUMBERS = [c for c in _SCRAPE_COLUMNS if c not in ("source", "target")]
 
 
-def _load_scrapes(con: sqlite3.Connection, path: Path, rid: int) -> pd.DataFrame:
-    """Read per (source, target) as numbers: a string per row would be half the cost."""
+def _load_scrapes(con: sqlite3.Connection, path: Path, rid: int, within: tuple[int, int] | None = None) -> pd.DataFrame:
+    """Read per (source, target) as numbers: a string per row would be half the cost. `within`: only those
+    started in [lo, hi] monotonic ns (the index on (run, source, target, mono_ns) finds them)."""
     parts = []
-    for source, target in con.execute("SELECT DISTINCT source, target FROM scrapes WHERE run_id = ?", (rid,)):
+    span, extra = ("", ()) if within is None else (" AND mono_ns BETWEEN ? AND ?", within)
+    # a window's pairs from the series (a few rows), not the scrapes (a day at 20 Hz is millions): a source
+    # that never answered has no series, and its failures are in the gaps
+    pairs = "series" if within is not None else "scrapes"
+    for source, target in con.execute(f"SELECT DISTINCT source, target FROM {pairs} WHERE run_id = ?", (rid,)):
         tbl = _arrow(path, f"SELECT {', '.join(_SCRAPE_NUMBERS)} FROM scrapes WHERE run_id = ? AND source = ? "
-                           "AND target = ?", (rid, source, target))
+                           f"AND target = ?{span}", (rid, source, target, *extra))
         part = pd.DataFrame({c: tbl.column(c).to_numpy() for c in _SCRAPE_NUMBERS})
         part.insert(1, "source", source)
         part.insert(2, "target", target)
@@ -299,6 +305,51 @@ def _load_run(path: str | Path, rid: int, only: list[str] | None) -> Run:
         )
         ledger = pd.read_sql_query("SELECT * FROM ledger WHERE run_id = ?", con, params=(rid,))
         samples = _load_samples(con, path, rid, only, scrapes)
+    for df, col in ((samples, "mono_ns"), (scrapes, "mono_ns"), (gaps, "start_mono_ns"), (events, "mono_ns")):
+        df["t_s"] = (df[col] - t0) / 1e9
+    if not gaps.empty:
+        gaps["end_t_s"] = (gaps["end_mono_ns"] - t0) / 1e9
+    return Run(id=rid, info=info, samples=samples, scrapes=scrapes, gaps=gaps, events=events, ledger=ledger)
+
+
+def load_window(path: str | Path, run: str | int, t_from_s: float, t_to_s: float,
+                extra_ledger: pd.DataFrame | None = None, lookback_s: float = 0.0) -> Run:
+    """One stretch of a run, [t_from_s, t_to_s] seconds since it started: the scrapes, samples and gaps in
+    it; the events and the ledger rows of requests open in it from `lookback_s` earlier (a request cancelled
+    before the stretch may still be in the engine, and its log lines say whether), plus `extra_ledger` (rows
+    a live recorder holds that the store has not got yet). What a watch judges one cancel by, as its grace
+    ends: the read is bounded by the stretch, not the run."""
+    rid = resolve_run_id(path, run)
+    with _reading(path), closing(connect_readonly(path)) as con:
+        con.row_factory = sqlite3.Row
+        row = con.execute("SELECT * FROM runs WHERE id = ?", (rid,)).fetchone()
+        if row is None:
+            raise StoreError(f"no run {rid} in {path} (it was deleted while being read): list them with "
+                             "`cancelwatch runs`")
+        info = dict(row)
+        con.row_factory = None
+        for key in _JSON_COLUMNS:
+            info[key] = json.loads(info[key] or "{}")
+        t0 = info["started_mono_ns"]
+        lo, hi = t0 + int(t_from_s * 1e9), t0 + int(t_to_s * 1e9)
+        back = lo - int(lookback_s * 1e9)
+        scrapes = _load_scrapes(con, path, rid, (lo, hi))
+        gaps = pd.read_sql_query(
+            "SELECT source, target, kind, start_wall_ns, start_mono_ns, end_mono_ns, ticks, detail "
+            "FROM gaps WHERE run_id = ? AND start_mono_ns <= ? AND end_mono_ns >= ? ORDER BY start_mono_ns",
+            con, params=(rid, hi, lo))
+        events = pd.read_sql_query(
+            "SELECT request_id, kind, wall_ns, mono_ns, data FROM events WHERE run_id = ? AND mono_ns BETWEEN ? AND ? "
+            "ORDER BY mono_ns", con, params=(rid, back, hi))
+        ledger = pd.read_sql_query(
+            "SELECT * FROM ledger WHERE run_id = ? AND (sent_mono_ns IS NULL OR sent_mono_ns <= ?) "
+            "AND (closed_mono_ns IS NULL OR closed_mono_ns >= ?)", con, params=(rid, hi, back))
+        ids = (int(scrapes["id"].min()), int(scrapes["id"].max())) if not scrapes.empty else None
+        samples = _load_samples(con, path, rid, None, scrapes, ids)
+    if extra_ledger is not None and not extra_ledger.empty:
+        extra = extra_ledger[~extra_ledger["request_id"].isin(ledger["request_id"])].assign(run_id=rid)
+        ledger = pd.concat([ledger, extra.reindex(columns=ledger.columns)], ignore_index=True) if not ledger.empty \
+            else extra
     for df, col in ((samples, "mono_ns"), (scrapes, "mono_ns"), (gaps, "start_mono_ns"), (events, "mono_ns")):
         df["t_s"] = (df[col] - t0) / 1e9
     if not gaps.empty:

@@ -65,6 +65,10 @@ COMMAND_LINE_ONLY = {
     "--listen 127.0.0.1:9464":
         {"target": "http://vllm-gateway:8000", "every": "10m", "scenario": "decode,disconnect",
          "listen": "127.0.0.1:9464"},
+    "cancelwatch watch --listen 127.0.0.1:9000 --upstream http://vllm-gateway:8000 --metrics-url http://vllm:8000 "
+    "--metrics-listen 127.0.0.1:9465":
+        {"listen": "127.0.0.1:9000", "upstream": "http://vllm-gateway:8000", "metrics_url": "http://vllm:8000",
+         "metrics_listen": "127.0.0.1:9465"},
 }
 
 # given, but not run by a test, and why
@@ -90,6 +94,7 @@ NOT_RUN = {
     "python bench/slow_engine.py": "a benchmark (see make bench)",
     "python bench/other_traffic.py": "a benchmark of ~8 minutes on the embedded engine",
     "python bench/tap.py": "a benchmark (see make bench)",
+    "python bench/watch.py": "a benchmark of a few minutes on the embedded engine: prints figures, read by a person",
 }
 
 _ENV = r"(?:[A-Z][A-Z0-9_]*=\S+ )*"  # VAR=value words before a command

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from runstore.event_kinds import DRIVER, ENGINE_LOG, EVENT_KINDS, RUNNER, TAP, TRITON_DRIVER, TRITON_LOG, EventKind
+from runstore.event_kinds import DRIVER, ENGINE_LOG, EVENT_KINDS, RUNNER, TAP, TRITON_DRIVER, TRITON_LOG, WATCH, EventKind
 from runstore.records import EventRecord
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +31,8 @@ SYNTHETIC = ("bench",)  # runs built in one go for benchmarks: their kinds must 
 RECORD = "EventRecord"
 # the README's words for the writers
 README_WRITERS = {"scenario runner": RUNNER, "driver": DRIVER, "Triton driver": TRITON_DRIVER,
-                  "engine log": ENGINE_LOG, "Triton log": TRITON_LOG, "tap": TAP}
+                  "engine log": ENGINE_LOG, "Triton log": TRITON_LOG, "tap": TAP,
+                  "watch": WATCH}
 
 
 @dataclass

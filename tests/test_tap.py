@@ -304,10 +304,10 @@ def test_an_upstream_that_refuses_resets_the_client_and_is_recorded():
         except ConnectionResetError:  # the reset came before the send
             how = "rst"
         assert how == "rst"
-        evs = events(tap, lambda got: "tap_upstream_failed" in kinds(got))
+        evs = events(tap, lambda got: "tap_connection_end" in kinds(got))
     finally:
         tap.close()
-    assert kinds(evs) == ["tap_accepted", "tap_upstream_failed"]
+    assert kinds(evs) == ["tap_accepted", "tap_upstream_failed", "tap_connection_end"]
     assert tap.sample(0, 0)[0].value == 0.0  # no connection left open
 
 
@@ -345,4 +345,6 @@ def test_an_http_1_0_request_is_read_with_its_response_to_the_close():
         up.close()
     assert "tap_unparsed" not in kinds(evs), evs
     assert [(e.kind, e.request_id) for e in evs if e.kind.startswith(("tap_request", "tap_response"))] == \
-        [("tap_request", "old"), ("tap_response", "old"), ("tap_response_end", "old")]
+        [("tap_request", "old"), ("tap_request_body", "old"), ("tap_response", "old"), ("tap_response_end", "old")]
+    end = next(e for e in evs if e.kind == "tap_response_end")
+    assert end.data["chunks"] == 2 and end.data["first_body_mono_ns"] is not None

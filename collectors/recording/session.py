@@ -74,6 +74,9 @@ class RecordSettings:
     burst_hz: float | None = None  # the scheduler source's rate around each stop (--burst-hz), else hz
     burst_window_s: float = 2.0  # how long after a stop the burst lasts (--burst-window)
     hops: list[Hop] = field(default_factory=list)  # the taps in the path, in order from the client (--hop)
+    # `cancelwatch watch`: where it listened, what it fed, and whether it added X-Request-Id to requests
+    # without one (the only change it makes to the bytes); None for any other run
+    watch: dict | None = None
 
     def as_stored(self) -> dict:
         """The run's `settings` column; the drive settings keep the key `extra` that stores already hold."""

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import socket
 import struct
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -35,6 +37,28 @@ SOURCE_NAME = "tap"
 READ_BYTES = 64 * 1024
 UPSTREAM_CONNECT_S = 5.0
 ENCRYPTED = "encrypted: no request id"
+BODY_BYTES = 64 * 1024  # a request body read for what it asks (model, stream, max_tokens, n), at most
+_SSE_DONE = b"\ndata: [DONE]"
+
+
+def asked_for(body: bytes) -> dict:
+    """What an OpenAI-style request body asks of the engine: model, stream, max_tokens (or
+    max_completion_tokens), n; None for each it does not say (a body that is not JSON, or cut at BODY_BYTES)."""
+    out = {"model": None, "stream": None, "max_tokens": None, "n": None}
+    try:
+        doc = json.loads(body) if body else None
+    except ValueError:
+        return out
+    if not isinstance(doc, dict):
+        return out
+    maxt = doc.get("max_tokens", doc.get("max_completion_tokens"))
+    out.update(model=doc.get("model") if isinstance(doc.get("model"), str) else None,
+               stream=doc.get("stream") if isinstance(doc.get("stream"), bool) else None,
+               max_tokens=maxt if isinstance(maxt, int) and not isinstance(maxt, bool) else None,
+               n=doc.get("n") if isinstance(doc.get("n"), int) and not isinstance(doc.get("n"), bool) else None)
+    if out["model"] is not None:
+        out["model"] = out["model"][:200]
+    return out
 
 
 class TapError(Exception):
@@ -114,6 +138,30 @@ def _rst(writer: asyncio.StreamWriter | None) -> None:
     writer.transport.abort()
 
 
+TCP_CLOSE = 7  # tcp_info's tcpi_state of a socket its peer reset (linux/tcp_states.h)
+FIN_PROBE_S = 0.2  # how long a connection whose client sent a FIN is watched for the reset of a closed socket
+
+
+async def _reset_after_fin(writer: asyncio.StreamWriter) -> bool:
+    """After a client's FIN, whether it had closed its socket (not only its sending side): the bytes the tap
+    passed it after the FIN then meet a reset from its kernel, which leaves its error on the tap's socket.
+    Watched for up to FIN_PROBE_S (a read says nothing here: after a FIN it gives b"" even past a reset)."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return False
+    deadline = time.monotonic() + FIN_PROBE_S
+    while True:
+        try:
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) in (errno.ECONNRESET, errno.EPIPE):
+                return True
+            state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+        except OSError:
+            return False
+        if state == TCP_CLOSE or time.monotonic() >= deadline:
+            return False  # closed in order both ways (its error would have shown), or still reading
+        await asyncio.sleep(0.01)
+
+
 class _Http:
     """Passive HTTP/1.1 reading of one connection: h11 as the server side for what the client sends and
     as the client side for what comes back (fed the same requests), so that each request on a kept-alive
@@ -129,6 +177,16 @@ class _Http:
         self.ids: dict[int, str | None] = {}  # seq -> its X-Request-Id
         self.answered = -1  # the latest request whose response started
         self.ended = -1  # the latest request whose response ended
+        self.body: dict[int, list] = {}  # seq -> [first body byte's mono ns or None, SSE data events]
+        self._request_body = bytearray()  # the body of the request being read, up to BODY_BYTES
+        self._sse_tail = b""  # the end of the last response chunk: an SSE line split between two reads
+        self.now = 0  # the instant of the bytes being read (the tap's clock), set by the tap
+
+    def body_of(self, seq: int | None) -> dict:
+        """What passed of a request's response body: `first_body_mono_ns` and `chunks` (SSE data events,
+        a token each on a stream; `[DONE]` not counted)."""
+        first, chunks = self.body.get(seq, (None, 0)) if seq is not None else (None, 0)
+        return {"first_body_mono_ns": first, "chunks": chunks}
 
     def open_seq(self) -> int | None:
         """The request whose response has not ended, if any."""
@@ -198,8 +256,13 @@ class _Http:
                                         "path": ev.target.decode("latin-1")[:200], "request_id": rid}))
             elif isinstance(ev, h11.Data):
                 self.resp.send(h11.Data(data=ev.data))
+                if len(self._request_body) < BODY_BYTES:
+                    self._request_body += ev.data[: BODY_BYTES - len(self._request_body)]
             elif isinstance(ev, h11.EndOfMessage):
                 self.resp.send(h11.EndOfMessage())
+                out.append(("request_body", {"seq": self.seq, "request_id": self.ids.get(self.seq),
+                                             **asked_for(bytes(self._request_body))}))
+                self._request_body = bytearray()
 
     def _responses(self) -> list[tuple[str, dict]]:
         out = []
@@ -209,15 +272,39 @@ class _Http:
                 return out
             if isinstance(ev, h11.Response):
                 self.answered = self.seq
+                self.body[self.seq] = [None, 0]
+                self._sse_tail = b"\n"  # the body starts a line
+                self.body.pop(self.seq - 8, None)  # a kept-alive connection's old requests: bounded
                 out.append(("response", {"seq": self.seq, "status": ev.status_code,
                                          "request_id": self.ids.get(self.seq)}))
+            elif isinstance(ev, h11.Data):
+                stats = self.body.setdefault(self.seq, [None, 0])
+                if stats[0] is None and ev.data:
+                    stats[0] = self.now
+                stats[1] += self._sse_events(bytes(ev.data))
             elif isinstance(ev, h11.InformationalResponse) and ev.status_code == 101:
                 return out + self._broke("switched protocols (an upgrade): no further request ids")
             elif isinstance(ev, h11.EndOfMessage):
                 self.ended = self.seq
-                out.append(("end", {"seq": self.seq, "request_id": self.ids.get(self.seq)}))
+                out.append(("end", {"seq": self.seq, "request_id": self.ids.get(self.seq),
+                                    **self.body_of(self.seq)}))
                 if self._next_cycle():
                     out += self._requests()  # a request the client sent on before this response ended
+
+    def _sse_events(self, data: bytes) -> int:
+        """SSE data events that end in `data` (a token each on a stream): `data:` at a line's start, less
+        `data: [DONE]`; the tail of the last read kept, so an event split between two reads counts once."""
+        text = self._sse_tail + data
+        skip = len(self._sse_tail)
+        def new(pattern: bytes) -> int:  # occurrences that end in `data`: the tail's were counted before
+            n, at = 0, text.find(pattern)
+            while at >= 0:
+                n += at + len(pattern) > skip
+                at = text.find(pattern, at + 1)
+            return n
+
+        self._sse_tail = text[-(len(_SSE_DONE) - 1):]
+        return new(b"\ndata:") - new(_SSE_DONE)
 
     def _next_cycle(self) -> bool:
         """Both messages of the exchange are done and the connection is kept alive: read the next one."""
@@ -246,6 +333,10 @@ class _Flow:
         self.http = _Http()
         self.closed: dict[str, str] = {}  # side -> fin | rst, as the tap saw it
         self.reset_by_tap: set[str] = set()  # sides the tap reset on the other's behalf
+        self.held = bytearray()  # a request head not yet whole, held to add its X-Request-Id
+        # after the client's FIN: whether its socket turned out gone (a write met its reset) or was only
+        # half-closed, still reading (None: not known)
+        self.client_gone: bool | None = None
 
 
 class TapSource(Source):
@@ -254,8 +345,12 @@ class TapSource(Source):
     name = SOURCE_NAME
     critical = False
 
-    def __init__(self, hop: Hop, clock=time.monotonic_ns):
+    def __init__(self, hop: Hop, clock=time.monotonic_ns, request_ids: str | None = None):
+        """`request_ids`: a prefix; when given, a request that comes without an X-Request-Id gets one
+        (`<prefix><n>-<8 hex>`), so that the engine's log names it. None: bytes pass unchanged."""
         self.hop = hop
+        self.request_ids = request_ids
+        self._ids_added = 0
         self.target = hop.name
         self._clock = clock
         self._events: list[EventRecord] = []
@@ -358,7 +453,11 @@ class TapSource(Source):
             elif what == "response":
                 self._event("tap_response", flow, at_ns, d["request_id"], seq=d["seq"], status=d["status"])
             elif what == "end":
-                self._event("tap_response_end", flow, at_ns, d["request_id"], seq=d["seq"])
+                self._event("tap_response_end", flow, at_ns, d["request_id"], seq=d["seq"],
+                            chunks=d["chunks"], first_body_mono_ns=d["first_body_mono_ns"])
+            elif what == "request_body":
+                self._event("tap_request_body", flow, at_ns, d["request_id"], seq=d["seq"], model=d["model"],
+                            stream=d["stream"], max_tokens=d["max_tokens"], n=d["n"])
             else:
                 self._event("tap_unparsed", flow, at_ns, why=d["why"])
 
@@ -383,6 +482,14 @@ class TapSource(Source):
         finally:
             self._open -= 1
             self._flows.discard(flow)
+            if flow.closed.get("client") == "fin" and flow.client_gone is None and "client" not in flow.reset_by_tap:
+                flow.client_gone = await _reset_after_fin(writer)
+            seq = flow.http.open_seq()
+            body = flow.http.body_of(seq)
+            self._event("tap_connection_end", flow, self._clock(), flow.http.ids.get(seq) if seq is not None else None,
+                        open_seq=seq, closed=dict(flow.closed), by_tap=sorted(flow.reset_by_tap),
+                        client_gone=flow.client_gone,
+                        chunks=body["chunks"], first_body_mono_ns=body["first_body_mono_ns"])
             for w in (writer, flow.upstream_w):
                 if w is not None and not w.transport.is_closing():
                     w.transport.close()
@@ -394,27 +501,67 @@ class TapSource(Source):
             try:
                 data = await reader.read(READ_BYTES)
             except (ConnectionError, OSError):
-                self._closed(flow, side, "rst", out, other)
+                if side not in flow.reset_by_tap:  # not the tap's own reset of that side
+                    self._closed(flow, side, "rst", out, other)
                 return
             now = self._clock()
+            if not data and side == "client" and flow.held:
+                data, flow.held = bytes(flow.held), bytearray()  # a head cut short by the close: as it came
+                self._http_events(flow, now, flow.http.client_bytes(data))
+                try:
+                    out.write(data)
+                except (ConnectionError, OSError, RuntimeError):
+                    pass
+                data = b""
             if not data:
                 if side in flow.reset_by_tap:
                     return  # the tap reset it on the other side's behalf: nothing came from this side
                 self._closed(flow, side, "fin", out, other)
                 return
             if side == "client":
+                if self.request_ids is not None:
+                    data = self._with_request_id(flow, data)
+                    if not data:
+                        continue  # a request head still coming in: held until it is whole
                 self._http_events(flow, now, flow.http.client_bytes(data))
             else:
+                flow.http.now = now
                 self._http_events(flow, now, flow.http.upstream_bytes(data))
             try:
                 out.write(data)
                 await out.drain()
             except (ConnectionError, OSError):
+                if other in flow.reset_by_tap:
+                    return  # the tap reset it (the recording's end): not that side's doing
                 # the receiving side is gone with a reset the tap had not read yet
+                if side == "upstream":
+                    flow.client_gone = True
                 self._closed(flow, other, "rst", None, side)
                 _rst(flow.upstream_w if side == "upstream" else flow.client_w)
                 flow.reset_by_tap.add(side)
                 return
+
+    def _with_request_id(self, flow: _Flow, data: bytes) -> bytes:
+        """The client's bytes, with an `X-Request-Id` added to a request head that has none (the only change
+        the tap ever makes, and only when asked): a head is held until it is whole (at most READ_BYTES;
+        past that it passes as it came). Only a head that starts a read while the reading waits for a new
+        request is touched: a pipelined head behind a body in the same read passes unchanged."""
+        if flow.held:
+            data, flow.held = bytes(flow.held) + data, bytearray()
+        elif flow.http.broken or flow.http.req.their_state is not h11.IDLE or data[:1] == b"\x16":
+            return data
+        end = data.find(b"\r\n\r\n")
+        if end < 0:
+            if len(data) < READ_BYTES:
+                flow.held += data
+                return b""
+            return data
+        head, rest = data[: end + 2], data[end + 2:]
+        if any(line.lower().startswith(b"x-request-id:") for line in head.split(b"\r\n")[1:]):
+            return data
+        self._ids_added += 1
+        rid = f"{self.request_ids}{self._ids_added}-{uuid.uuid4().hex[:8]}"
+        return head + b"X-Request-Id: " + rid.encode() + b"\r\n" + rest
 
     def _closed(self, flow: _Flow, side: str, how: str, out: asyncio.StreamWriter | None, other: str) -> None:
         """`side` closed its sending direction (fin) or the connection (rst): recorded once, mirrored at once."""
@@ -428,8 +575,10 @@ class TapSource(Source):
             self._http_events(flow, now, flow.http.upstream_eof())
         seq = flow.http.open_seq()
         rid = flow.http.ids.get(seq if seq is not None else flow.http.seq)  # the request open, else the last
+        body = flow.http.body_of(seq)
         self._event("tap_closed", flow, now, rid, side=side, how=how,
-                    open_seq=seq, response_ended=seq is None and flow.http.ended >= 0 and not flow.http.broken)
+                    open_seq=seq, response_ended=seq is None and flow.http.ended >= 0 and not flow.http.broken,
+                    chunks=body["chunks"], first_body_mono_ns=body["first_body_mono_ns"])
         if out is None:
             return
         if how == "rst":

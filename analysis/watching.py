@@ -1,0 +1,31 @@
+"""Judging a watch's cancels one by one, as each one's grace ends (`cancelwatch watch`): each on its own
+stretch of the run (runstore.reader.load_window), never the whole run, by the same rules as a scripted
+cancel. Pure: the window in, the verdicts out."""
+
+from __future__ import annotations
+
+from analysis.verdicts import HORIZON_S, CancelVerdict, judge_run
+from runstore.reader import Run
+
+BEFORE_S = 2.0  # the window starts this long before the stop: the baseline the rules read (1 s) and slack
+SETTLE_S = 2.0  # a cancel is judged this long after its grace ends: the store's commit, the log's last lines
+# the ledger rows and engine-log events a cancel's window also reads from before it: a request cancelled
+# earlier with no abort may still be in the engine (the rules' own horizon)
+LOOKBACK_S = HORIZON_S
+
+
+def window_of(t_stop_s: float, grace_s: float) -> tuple[float, float]:
+    """The stretch one cancel is judged on, s since the run started."""
+    return t_stop_s - BEFORE_S, t_stop_s + grace_s + SETTLE_S
+
+
+def due(t_stop_s: float, grace_s: float, now_s: float) -> bool:
+    """Whether a cancel stopped at `t_stop_s` can be judged at `now_s` (its window is all recorded)."""
+    return now_s >= window_of(t_stop_s, grace_s)[1]
+
+
+def judge_cancels(window: Run, request_ids: set[str], grace_s: float) -> list[CancelVerdict]:
+    """The verdicts of the cancels `request_ids` in `window`. The window's other stops stay in it (judged
+    before, or not yet due): each says how long its request may have stayed in the engine, which the
+    ledger's count beside these cancels rests on."""
+    return [v for v in judge_run(window, grace_s) if v.request_id in request_ids]

@@ -1,0 +1,288 @@
+"""`cancelwatch watch`: a tap in front of a gateway or an engine passes real traffic on while the run samples
+the engine's scheduler and log; every request real clients make is in the run's ledger, every one they
+gave up on is a cancel, judged live by the same rules as a scripted one as its grace ends, each on its
+own stretch of the run (analysis/watching.py). The verdicts are printed and served on --metrics-listen.
+
+Here, above collectors and analysis, as the canary is: collectors write the run, analysis judges it."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cancelwatch.console import DEFAULT_STORE, ENGINE_LOG_HELP, ENGINE_LOG_TZ_HELP, engine_log_zone, err, fail, \
+    home_dir, out, print_store_error
+
+BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
+REQUEST_ID_PREFIX = "cw-watch-"
+VERDICT_NAMES = ("released", "leaked", "stale_gauge", "inconclusive")
+MAX_TRIES = 5  # judging a cancel whose window the store does not hold yet, at most
+
+
+class WatchMetrics:
+    """The watch's own registry, served on --metrics-listen."""
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter("cancelwatch_watched_requests", "Requests that passed the watch's tap",
+                                registry=self.registry)
+        self.cancels = Counter("cancelwatch_watched_cancels", "Cancels real clients made, judged, by verdict and rule",
+                               ["verdict", "rule"], registry=self.registry)
+        self.release = Histogram("cancelwatch_watched_release_seconds",
+                                 "Released watched cancels: the client leaving to the request leaving the scheduler",
+                                 buckets=BUCKETS, registry=self.registry)
+
+    def observe(self, verdicts) -> None:
+        for v in verdicts:
+            self.cancels.labels(verdict=v.verdict, rule=v.rule or "").inc()
+            lat = v.latency_ms("user_stop", "left_scheduler")
+            if v.verdict == "released" and lat is not None:
+                self.release.observe(lat / 1000.0)
+
+
+def _listen_address(value: str, option: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise fail(f"{option} {value!r}: give HOST:PORT, e.g. 127.0.0.1:9000")
+    return host, int(port)
+
+
+class _Judge:
+    """The cancels waiting for their grace to end, judged in batches off the event loop's thread."""
+
+    def __init__(self, store: Path, run_id: int, t0_ns: int, grace_s: float, ledger, metrics: WatchMetrics | None):
+        self.store, self.run_id, self.t0_ns, self.grace_s = store, run_id, t0_ns, grace_s
+        self.ledger, self.metrics = ledger, metrics
+        self.pending: dict[str, float] = {}  # request id -> its stop, s since the run started
+        # request id -> when its cancel was decided (s since the run started): a half-close is decided when the
+        # connection ends, long after the stop, and its events reach the store a commit later
+        self.decided: dict[str, float] = {}
+        self.tries: dict[str, int] = {}
+        self.counts: dict[str, int] = {}
+        self.failures = 0
+
+    def add(self, request_id: str, t_stop_s: float) -> None:
+        self.pending[request_id] = t_stop_s
+        self.decided[request_id] = self.now_s()
+
+    def now_s(self) -> float:
+        return (time.monotonic_ns() - self.t0_ns) / 1e9
+
+    async def due(self, everything: bool = False) -> None:
+        from analysis.watching import SETTLE_S, due
+
+        now = self.now_s()
+        ready = {rid: t for rid, t in self.pending.items()
+                 if everything or (due(t, self.grace_s, now) and now >= self.decided[rid] + SETTLE_S)}
+        if ready:
+            await self._judge(ready, last_try=everything)
+
+    async def _judge(self, ready: dict[str, float], last_try: bool) -> None:
+        import pandas as pd
+
+        from analysis.watching import LOOKBACK_S, window_of
+        from runstore.errors import StoreError
+        from runstore.reader import load_window
+
+        lo = window_of(min(ready.values()), self.grace_s)[0]
+        hi = window_of(max(ready.values()), self.grace_s)[1]
+        open_rows = pd.DataFrame([asdict(r) for r in self.ledger.open_rows()])
+
+        def judge():
+            from analysis.watching import judge_cancels
+
+            window = load_window(self.store, self.run_id, lo, hi, extra_ledger=open_rows, lookback_s=LOOKBACK_S)
+            return judge_cancels(window, set(ready), self.grace_s)
+
+        try:
+            verdicts = await asyncio.to_thread(judge)
+        except (StoreError, ValueError, KeyError) as exc:  # one batch that cannot be judged: said, the watch goes on
+            self.failures += 1
+            err.print(f"watch: {len(ready)} cancel(s) could not be judged ({str(exc).splitlines()[0][:200]}); "
+                      "`cancelwatch report` judges them from the run")
+            verdicts = []
+        got = {v.request_id for v in verdicts}
+        for rid in ready:
+            # a cancel the window did not hold yet (the store a commit behind) is tried again, a few times
+            self.tries[rid] = self.tries.get(rid, 0) + 1
+            if rid in got or last_try or self.tries[rid] >= MAX_TRIES:
+                self.pending.pop(rid, None)
+                self.decided.pop(rid, None)
+                if rid not in got:
+                    self.failures += 1
+                    err.print(f"watch: cancel {rid} could not be judged live; `cancelwatch report` judges it "
+                              "from the run")
+        for v in verdicts:
+            self.counts[v.verdict] = self.counts.get(v.verdict, 0) + 1
+            why = f": {v.evidence.why}" if v.evidence.why else ""
+            out.print(f"watch: cancel {v.request_id} {v.verdict} ({v.rule}){why}", highlight=False)
+        if self.metrics is not None:
+            self.metrics.observe(verdicts)
+
+
+async def _watch_loop(tap, ledger, writer, judge: _Judge, stop: threading.Event, deadline_ns: int | None,
+                      metrics: WatchMetrics | None) -> None:
+    """Pass the tap's events through the ledger into the run; judge each cancel as its grace ends. At the
+    end: the tap closed, every open request's row written, the last cancels sampled through their grace."""
+    from runstore.records import EventRecord
+
+    def feed() -> None:
+        for rec in ledger.feed(tap.take_events()):
+            writer.put(rec)
+            if isinstance(rec, EventRecord) and rec.kind == "user_stop":
+                judge.add(rec.request_id, (rec.mono_ns - judge.t0_ns) / 1e9)
+            elif isinstance(rec, EventRecord) and rec.kind == "tap_request" and metrics is not None:
+                metrics.requests.inc()
+
+    last_judged = 0.0
+    try:
+        while not stop.is_set() and (deadline_ns is None or time.monotonic_ns() < deadline_ns):
+            feed()
+            if time.monotonic() - last_judged >= 0.5:
+                last_judged = time.monotonic()
+                await judge.due()
+            await asyncio.sleep(0.1)
+    finally:
+        tap.close()  # connections still open are reset: the watch is over
+        feed()
+        for row in ledger.finish():
+            writer.put(row)
+    # the last cancels: sampled through their grace (bounded), then judged
+    from analysis.watching import SETTLE_S
+
+    until = time.monotonic() + judge.grace_s + SETTLE_S + 1.0
+    while judge.pending and time.monotonic() < until:
+        await judge.due()
+        await asyncio.sleep(0.2)
+    await judge.due(everything=True)
+
+
+def watch(
+    listen: str = typer.Option(..., help="Where clients connect (HOST:PORT): point them, or the gateway, here."),
+    upstream: str = typer.Option(..., help="The gateway or engine the traffic goes on to (http://HOST:PORT)."),
+    metrics_url: Optional[str] = typer.Option(None, help="The vLLM whose /metrics is sampled; default: --upstream."),
+    engine_log: Optional[Path] = typer.Option(None, help=ENGINE_LOG_HELP),
+    engine_log_tz: Optional[str] = typer.Option(None, help=ENGINE_LOG_TZ_HELP),
+    metrics_listen: Optional[str] = typer.Option(None, help="Serve the watch's verdicts on /metrics here (HOST:PORT)."),
+    store: Path = typer.Option(DEFAULT_STORE),
+    duration: str = typer.Option("0", help="How long to watch (30s, 10m, 24h); 0 runs until Ctrl-C or SIGTERM."),
+    grace: float = typer.Option(2.0, help="Seconds the engine has to let a cancelled request go."),
+    hz: float = typer.Option(20.0),
+    nvml: str = typer.Option("auto"),
+    name: Optional[str] = typer.Option(None),
+    no_request_id: bool = typer.Option(False, "--no-request-id", help="Pass every byte unchanged: no X-Request-Id "
+                                       "is added to requests that come without one (the engine's log then cannot "
+                                       "name them)."),
+):
+    """Watch real traffic: judge every cancel real clients make, live."""
+    from collectors.families import family_for_target, refused_command
+    from collectors.recording.session import PreflightError, RecordSettings, parse_targets, record
+    from collectors.recording.vllm_session import build_vllm_sources
+    from collectors.recording.watch_ledger import WatchLedger
+    from collectors.sources.prometheus_api import parse_duration
+    from collectors.sources.tap import TapError, TapSource, parse_hop
+    from runstore.errors import StoreError
+    from runstore.records import DriveSettings
+
+    engine_log_zone(engine_log_tz)
+    _listen_address(listen, "--listen")
+    try:
+        text = duration.strip()
+        seconds = float(text) if text.replace(".", "", 1).isdigit() else parse_duration(text)
+    except ValueError as exc:
+        raise fail(f"--duration {exc} (or seconds; 0 runs until Ctrl-C or SIGTERM)") from None
+    if not grace > 0:
+        raise fail(f"--grace {grace:g}: give the engine a positive number of seconds, e.g. --grace 2")
+    try:
+        hop = parse_hop(f"watch={listen},{upstream}")
+    except TapError as exc:
+        raise fail(str(exc).replace("--hop watch: ", "").replace("--hop", "--upstream")) from None
+    family = family_for_target(metrics_url or upstream)
+    if refused := refused_command(family, "watch"):
+        raise fail(refused)
+    try:
+        targets = parse_targets([metrics_url or upstream])
+    except PreflightError as exc:
+        raise fail(str(exc).replace("--target", "--metrics-url" if metrics_url else "--upstream")) from None
+    ids = None if no_request_id else REQUEST_ID_PREFIX
+    settings = RecordSettings(
+        targets=targets, store=store, hz=hz, duration_s=None, nvml=nvml, name=name or f"watch {listen}",
+        home=home_dir(), engine_log=engine_log, engine_log_tz=engine_log_tz,
+        drive=DriveSettings(driven_target=hop.upstream, scenarios=["watched"], grace_s=grace),
+        watch={"listen": hop.listen_url, "upstream": hop.upstream,
+               "request_ids": f"added where the client sent none ({REQUEST_ID_PREFIX}...)" if ids else "off"})
+    try:
+        sources, facts = build_vllm_sources(settings)
+    except PreflightError as exc:
+        raise fail(str(exc)) from None
+    tap = TapSource(hop, request_ids=ids)
+    problem = tap.check()
+    try:
+        if problem:
+            raise TapError(problem.replace(f"--hop {hop.name}: its upstream", "--upstream")
+                           .replace("start watch first, or fix the hop's UPSTREAM_URL", "start it, or fix --upstream"))
+        tap.start()
+    except TapError as exc:
+        for s in sources:
+            s.close()
+        raise fail(str(exc).replace("--hop watch: cannot listen", "--listen: cannot listen")) from None
+    metrics = WatchMetrics() if metrics_listen else None
+    server = None
+    if metrics is not None:
+        from prometheus_client import start_http_server
+
+        for v in VERDICT_NAMES:  # a first leak is an increase Prometheus can see
+            metrics.cancels.labels(verdict=v, rule="")
+        mhost, mport = _listen_address(metrics_listen, "--metrics-listen")
+        try:
+            server, _ = start_http_server(mport, addr=mhost, registry=metrics.registry)
+        except OSError as exc:
+            tap.close()
+            for s in sources:
+                s.close()
+            raise fail(f"cannot serve /metrics on {metrics_listen} ({exc.strerror}): pick another "
+                       "--metrics-listen") from None
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        stop.set()
+        err.print(f"watch: {signal.Signals(signum).name}, ending the run (open requests are written)")
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    ledger = WatchLedger(targets[0].label)
+    judge_box: dict = {}
+    out.print(f"watch: {hop.listen_url} -> {hop.upstream}, sampling {targets[0].url}"
+              + (f"; metrics on http://{metrics_listen}/metrics" if metrics_listen else ""), highlight=False)
+
+    def driver(writer, sampler):
+        judge = judge_box["judge"] = _Judge(store, writer.run_id, sampler.t0_mono_ns, grace, ledger, metrics)
+        deadline = time.monotonic_ns() + int(seconds * 1e9) if seconds else None
+        return _watch_loop(tap, ledger, writer, judge, stop, deadline, metrics)
+
+    try:
+        result = record(settings, sources, facts, driver_factory=driver)
+    except StoreError as exc:
+        tap.close()
+        raise fail(str(exc)) from None
+    finally:
+        if server is not None:
+            server.shutdown()
+    judge = judge_box.get("judge")
+    counts = judge.counts if judge is not None else {}
+    said = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "none judged"
+    out.print(f"watch: run {result.run_id} {result.status}: {ledger.requests} request(s), "
+              f"{len(ledger.cancels)} cancel(s): {said}", highlight=False)
+    print_store_error(result.stats)
+    if result.exit_code:
+        raise typer.Exit(result.exit_code)

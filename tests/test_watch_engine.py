@@ -1,0 +1,139 @@
+"""`cancelwatch watch` on the real engine, with real clients nobody here wrote: the `openai` SDK (a stream
+broken off and closed; a non-streaming call that times out) and `curl --max-time`. Every cancel is judged
+live as its grace ends (the watch's own lines and its /metrics); direct to the engine each is released,
+behind the proxy that never passes a disconnect on, each is leaked. SIGTERM ends the run completed, with
+every request's row written, and the report judged from the whole run agrees with the live verdicts."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import time
+
+import httpx
+import openai
+import pytest
+
+from runstore.reader import load_run
+from tests.conftest import cli, cli_popen, decode_rate, free_port
+from tests.leaky_proxy import LeakyProxy
+
+GRACE_S = 2.0
+LINE = re.compile(r"^watch: cancel (\S+) (released|leaked|stale_gauge|inconclusive) \((\w+)\)", re.M)
+
+
+def wait_listening(port: int, proc: subprocess.Popen, limit_s: float = 90.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError(f"the watch did not listen on {port} within {limit_s:.0f} s")
+
+
+def judged(metrics_port: int) -> dict[str, float]:
+    """verdict -> cancels judged so far, from the watch's /metrics."""
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    out: dict[str, float] = {}
+    for m in re.finditer(r'^cancelwatch_watched_cancels_total\{rule="\w*",verdict="(\w+)"\} (\S+)$', text, re.M):
+        out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def requests_seen(metrics_port: int) -> float:
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    return float(re.search(r"^cancelwatch_watched_requests_total (\S+)$", text, re.M).group(1))
+
+
+def real_clients(url: str, model: str, tokens: int) -> None:
+    """Three cancels by three real clients, one after the other, and one request read to its end."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    # the SDK's stream, broken off after 20 tokens and closed, as an app's Stop button does
+    stream = client.completions.create(model=model, prompt="The sea", max_tokens=tokens, stream=True,
+                                       extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i >= 20:
+            break
+    stream.close()
+    time.sleep(1.0)
+    # a non-streaming call that gives up after its timeout
+    with pytest.raises(openai.APITimeoutError):
+        client.with_options(timeout=1.5).completions.create(model=model, prompt="The hill", max_tokens=tokens,
+                                                            extra_body={"ignore_eos": True})
+    time.sleep(1.0)
+    # curl reading a stream until --max-time
+    body = json.dumps({"model": model, "prompt": "The wind", "max_tokens": tokens, "stream": True, "ignore_eos": True})
+    res = subprocess.run(["curl", "-sN", "--max-time", "1.5", "-H", "content-type: application/json", "-d", body,
+                          f"{url}/v1/completions"], capture_output=True, timeout=30)
+    assert res.returncode == 28, res  # curl's "operation timed out"
+    # and one that runs to its end: no cancel
+    done = client.completions.create(model=model, prompt="The end", max_tokens=8)
+    assert done.choices[0].finish_reason in ("length", "stop")
+
+
+def watch_and_drive(engine, engine_home, tmp_path, upstream: str, tokens: int):
+    """Run the watch in front of `upstream`, drive the real clients through it, wait for their three
+    verdicts, SIGTERM it; (its stdout, the run)."""
+    port, mport, store = free_port(), free_port(), tmp_path / "watch.db"
+    proc = cli_popen("watch", "--listen", f"127.0.0.1:{port}", "--upstream", upstream, "--metrics-url", engine.url,
+                     "--metrics-listen", f"127.0.0.1:{mport}", "--store", str(store), "--grace", str(GRACE_S),
+                     "--duration", "600", home=engine_home)
+    try:
+        wait_listening(port, proc)
+        real_clients(f"http://127.0.0.1:{port}", engine.served_model_name, tokens)
+        deadline = time.monotonic() + 120
+        while sum(judged(mport).values()) < 3 and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.5)
+        assert sum(judged(mport).values()) == 3, judged(mport)
+        assert requests_seen(mport) == 4
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stdout + stderr
+    return stdout, load_run(store, "latest")
+
+
+def live_verdicts(stdout: str) -> dict[str, tuple[str, str]]:
+    return {m.group(1): (m.group(2), m.group(3)) for m in LINE.finditer(stdout)}
+
+
+def test_real_clients_cancelling_direct_to_the_engine_are_released(engine, engine_home, tmp_path):
+    tokens = max(600, int(decode_rate(engine.url, engine.served_model_name) * (GRACE_S + 6) * 1.5))
+    stdout, run = watch_and_drive(engine, engine_home, tmp_path, engine.url, tokens)
+    live = live_verdicts(stdout)
+    assert run.info["status"] == "completed"
+    assert run.info["settings"]["watch"]["request_ids"].startswith("added")
+    ledger = run.ledger.set_index("request_id")
+    assert len(ledger) == 4 and sorted(ledger["terminal_state"]) == ["cancelled"] * 3 + ["completed"]
+    cancelled = set(ledger.index[ledger["terminal_state"] == "cancelled"])
+    assert set(live) == cancelled, stdout
+    assert all(rid.startswith("cw-watch-") for rid in ledger.index)  # the ids the watch added
+    assert {v for v, _ in live.values()} == {"released"}, stdout
+    # the report, judged from the whole run, says what the live judge said
+    doc = json.loads(cli("report", "latest", "--json", "--store", str(tmp_path / "watch.db"),
+                         home=engine_home).stdout)
+    assert {c["request_id"]: c["verdict"] for c in doc["cancels"]} == {r: v for r, (v, _) in live.items()}
+
+
+def test_real_clients_cancelling_behind_a_proxy_that_never_passes_it_on_are_leaked(engine, engine_home, tmp_path):
+    tokens = max(600, int(decode_rate(engine.url, engine.served_model_name) * (GRACE_S + 6) * 1.5))
+    proxy = LeakyProxy(engine.url, free_port()).start()
+    try:
+        stdout, run = watch_and_drive(engine, engine_home, tmp_path, proxy.url, tokens)
+    finally:
+        proxy.stop()
+    live = live_verdicts(stdout)
+    assert run.info["status"] == "completed"
+    assert len(live) == 3 and {v for v, _ in live.values()} == {"leaked"}, stdout
+    ledger = run.ledger
+    assert sorted(ledger["terminal_state"]) == ["cancelled"] * 3 + ["completed"]

@@ -1,0 +1,271 @@
+"""The watch's ledger (collectors/recording/watch_ledger.py) from what a real tap saw on real sockets: a
+client that resets or closes before its response ended is a cancel, stamped when it left; a half-close
+that waits for its answer is not; and the only change the watch makes to the bytes, an X-Request-Id where
+the client sent none, is made to the head alone and only when asked."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from collectors.recording.watch_ledger import CANCELLED, WATCHED, WatchLedger
+from collectors.sources.tap import TapSource, parse_hop
+from runstore.records import EventRecord, LedgerRecord
+from tests.conftest import free_port
+from tests.test_tap import Upstream, kinds, read_to_close, recv_until, request, rst_close
+
+
+def watched_tap(upstream_port: int, ids: str | None = None) -> TapSource:
+    hop = parse_hop(f"watch=127.0.0.1:{free_port()},http://127.0.0.1:{upstream_port}")
+    return TapSource(hop, request_ids=ids).start()
+
+
+def ledger_of(tap: TapSource, until, limit_s: float = 10.0) -> tuple[list, WatchLedger]:
+    """Everything the ledger writes from the tap's events, until `until(records)` or the limit."""
+    led, out = WatchLedger("t0"), []
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        out += led.feed(tap.take_events())
+        if until(out):
+            break
+        time.sleep(0.02)
+    return out, led
+
+
+def rows(records) -> list[LedgerRecord]:
+    return [r for r in records if isinstance(r, LedgerRecord)]
+
+
+def stops(records) -> list[EventRecord]:
+    return [r for r in records if isinstance(r, EventRecord) and r.kind == "user_stop"]
+
+
+def sse_stream(conn, seen, tokens: int = 400, step_s: float = 0.01, started: threading.Event | None = None):
+    """A streamed completion: an SSE event per token, until the client is gone."""
+    recv_until(conn, b"\r\n\r\n")
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+    conn.settimeout(5)
+    try:
+        for i in range(tokens):
+            event = b'data: {"i": %d}\n\n' % i
+            conn.sendall(b"%x\r\n%s\r\n" % (len(event), event))
+            if started is not None and i == 4:
+                started.set()
+            time.sleep(step_s)
+        conn.sendall(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+        seen.append("ended")
+        read_to_close(conn)
+    except (ConnectionResetError, BrokenPipeError, TimeoutError):
+        seen.append("gone")
+
+
+def test_a_client_reset_mid_stream_is_a_cancel_stamped_when_it_left():
+    started = threading.Event()
+    up = Upstream(lambda conn, seen: sse_stream(conn, seen, started=started))
+    tap = watched_tap(up.port)
+    try:
+        c = socket.create_connection(("127.0.0.1", tap.hop.listen_port))
+        c.sendall(request("r-reset", b'{"model": "m", "stream": true, "max_tokens": 400}'))
+        assert started.wait(5)
+        time.sleep(0.05)
+        t_left = time.monotonic_ns()
+        rst_close(c)
+        got, led = ledger_of(tap, lambda out: rows(out))
+        assert up.done.wait(10) and up.seen == ["gone"]
+    finally:
+        tap.close()
+        up.close()
+    (row,) = rows(got)
+    (stop,) = stops(got)
+    assert (row.request_id, row.role, row.terminal_state, row.reason) == ("r-reset", CANCELLED, "cancelled",
+                                                                          "client reset")
+    assert row.max_tokens == 400 and row.first_token_mono_ns is not None
+    assert abs(row.cancel_mono_ns - t_left) < 200e6 and stop.mono_ns == row.cancel_mono_ns
+    assert stop.request_id == "r-reset" and stop.data["phase"] == "decode" and stop.data["mode"] == "client_gone"
+    assert 5 <= stop.data["tokens_at_cancel"] == row.chunks < 400
+    closed = [r for r in got if isinstance(r, EventRecord) and r.kind == "client_closed"]
+    assert [(c.data["source"], c.data["cancel_id"]) for c in closed] == [("tap", stop.data["cancel_id"])]
+    assert led.cancels == ["r-reset"] and led.requests == 1 and led.open_rows() == []
+
+
+def test_a_half_close_then_gone_mid_stream_is_a_cancel_stamped_at_the_half_close():
+    started = threading.Event()
+    up = Upstream(lambda conn, seen: sse_stream(conn, seen, started=started))
+    tap = watched_tap(up.port)
+    try:
+        c = socket.create_connection(("127.0.0.1", tap.hop.listen_port))
+        c.sendall(request("r-close", b'{"stream": true}'))
+        assert started.wait(5)
+        t_left = time.monotonic_ns()
+        c.shutdown(socket.SHUT_WR)  # a FIN: held, it may be a client waiting for its answer
+        time.sleep(0.3)
+        c.close()  # gone, with tokens unread (Linux sends a reset): the response never ends
+        got, _ = ledger_of(tap, lambda out: rows(out))
+        assert up.done.wait(10) and up.seen == ["gone"]
+    finally:
+        tap.close()
+        up.close()
+    (row,) = rows(got)
+    assert (row.terminal_state, row.reason, row.max_tokens) == ("cancelled", "client closed", None)
+    assert abs(row.cancel_mono_ns - t_left) < 200e6
+    assert len(stops(got)) == 1
+
+
+def test_a_half_close_that_waits_for_its_answer_is_no_cancel():
+    def script(conn, seen):
+        recv_until(conn, b"\r\n\r\n")
+        seen.append(read_to_close(conn)[1])  # the client's half-close
+        time.sleep(0.2)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+
+    up = Upstream(script)
+    tap = watched_tap(up.port)
+    try:
+        c = socket.create_connection(("127.0.0.1", tap.hop.listen_port))
+        c.sendall(request("r-half", b'{"stream": false, "max_tokens": 5}'))
+        c.shutdown(socket.SHUT_WR)
+        answer, _ = read_to_close(c)
+        assert answer.endswith(b"hello")
+        got, led = ledger_of(tap, lambda out: rows(out))
+    finally:
+        tap.close()
+        up.close()
+    (row,) = rows(got)
+    assert (row.role, row.terminal_state, row.reason, row.cancel_mono_ns) == (WATCHED, "completed", "HTTP 200", None)
+    assert stops(got) == [] and led.cancels == []
+
+
+def test_a_non_streaming_client_that_times_out_is_a_cancel_when_the_connection_ends():
+    answered = threading.Event()
+
+    def script(conn, seen):  # a server that answers 0.5 s later, to a client long gone
+        recv_until(conn, b"\r\n\r\n")
+        time.sleep(0.5)
+        try:
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+        except OSError:
+            pass
+        answered.set()
+
+    up = Upstream(script)
+    tap = watched_tap(up.port)
+    try:
+        c = socket.create_connection(("127.0.0.1", tap.hop.listen_port))
+        c.sendall(request("r-timeout", b'{"stream": false, "max_tokens": 50}'))
+        time.sleep(0.1)
+        t_left = time.monotonic_ns()
+        c.close()
+        got, _ = ledger_of(tap, lambda out: rows(out))
+        assert answered.is_set()
+    finally:
+        tap.close()
+        up.close()
+    (row,) = rows(got)
+    (stop,) = stops(got)
+    assert row.terminal_state == "cancelled" and abs(row.cancel_mono_ns - t_left) < 200e6
+    assert stop.data["phase"] == "in_flight" and stop.data["tokens_at_cancel"] == 0
+
+
+def test_kept_alive_requests_are_rows_of_their_own_and_a_reused_id_is_kept_apart():
+    def script(conn, seen):
+        for _ in range(2):
+            recv_until(conn, b"\r\n\r\n")
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        read_to_close(conn)
+
+    up = Upstream(script)
+    tap = watched_tap(up.port)
+    try:
+        c = socket.create_connection(("127.0.0.1", tap.hop.listen_port))
+        for _ in range(2):
+            c.sendall(request("same"))
+            assert recv_until(c, b"ok").endswith(b"ok")
+        c.close()
+        got, led = ledger_of(tap, lambda out: len(rows(out)) == 2)
+    finally:
+        tap.close()
+        up.close()
+    ids = [r.request_id for r in rows(got)]
+    assert ids[0] == "same" and ids[1].startswith("same~") and len(set(ids)) == 2
+    assert all(r.terminal_state == "completed" for r in rows(got)) and led.cancels == []
+
+
+def test_the_watch_ending_writes_every_open_request_as_interrupted():
+    started = threading.Event()
+    up = Upstream(lambda conn, seen: sse_stream(conn, seen, started=started))
+    tap = watched_tap(up.port)
+    c = socket.create_connection(("127.0.0.1", tap.hop.listen_port))
+    try:
+        c.sendall(request("r-open", b'{"stream": true}'))
+        assert started.wait(5)
+        led, got = WatchLedger("t0"), []
+        got += led.feed(tap.take_events())
+        assert [r.request_id for r in led.open_rows()] == ["r-open"]
+        tap.close()  # the watch's end: the tap resets both sides
+        got += led.feed(tap.take_events())
+        got += led.finish()
+    finally:
+        c.close()
+        up.close()
+    (row,) = rows(got)
+    assert (row.request_id, row.terminal_state) == ("r-open", "interrupted") and stops(got) == []
+
+
+def upstream_heads(n: int):
+    def script(conn, seen):
+        for _ in range(n):
+            head = recv_until(conn, b"\r\n\r\n")
+            seen.append(head)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        read_to_close(conn)
+    return Upstream(script)
+
+
+def test_a_request_without_an_id_gets_one_in_its_head_and_nothing_else_changes():
+    up = upstream_heads(2)
+    tap = watched_tap(up.port, ids="cw-w")
+    try:
+        c = socket.create_connection(("127.0.0.1", tap.hop.listen_port))
+        # the head in two pieces: held until whole, then given its id
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        time.sleep(0.1)
+        c.sendall(b"Content-Length: 2\r\n\r\n{}")
+        assert recv_until(c, b"ok").endswith(b"ok")
+        c.sendall(request("mine"))  # a client's own id is kept as it is
+        assert recv_until(c, b"ok").endswith(b"ok")
+        c.close()
+        assert up.done.wait(5)
+        evs = []
+        deadline = time.monotonic() + 5
+        while kinds(evs).count("tap_request") < 2 and time.monotonic() < deadline:
+            evs += tap.take_events()
+            time.sleep(0.02)
+    finally:
+        tap.close()
+        up.close()
+    first, second = up.seen
+    lines = first.split(b"\r\n")
+    added = [line for line in lines if line.lower().startswith(b"x-request-id:")]
+    assert len(added) == 1 and added[0].startswith(b"X-Request-Id: cw-w1-")
+    assert [line for line in lines if line not in added] == [b"POST /v1/completions HTTP/1.1", b"Host: x",
+                                                             b"Content-Length: 2", b"", b"{}"]
+    assert second == request("mine")
+    ids = [e.request_id for e in evs if e.kind == "tap_request"]
+    assert ids == [added[0].split(b": ")[1].decode(), "mine"]
+
+
+def test_without_request_ids_the_bytes_pass_unchanged():
+    up = upstream_heads(1)
+    tap = watched_tap(up.port, ids=None)
+    try:
+        c = socket.create_connection(("127.0.0.1", tap.hop.listen_port))
+        raw = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+        c.sendall(raw)
+        assert recv_until(c, b"ok").endswith(b"ok")
+        c.close()
+        assert up.done.wait(5)
+    finally:
+        tap.close()
+        up.close()
+    assert up.seen == [raw]

@@ -1,0 +1,65 @@
+"""runstore.reader.load_window: one stretch of a run holds exactly what the whole run holds in that stretch
+(scrapes, samples, gaps and events in it; the ledger rows open in it), read without the rest."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from bench.synthetic import write_synthetic_run
+from runstore.reader import load_run, load_window
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    path = tmp_path_factory.mktemp("window") / "w.db"
+    write_synthetic_run(path, duration_s=120, cancels=10, name="w")
+    return path
+
+
+def test_a_window_holds_the_runs_rows_in_its_stretch_and_no_others(store):
+    whole = load_run(store, "latest")
+    lo, hi = 40.0, 47.5
+    part = load_window(store, "latest", lo, hi)
+    inside = whole.scrapes[(whole.scrapes["t_s"] >= lo) & (whole.scrapes["t_s"] <= hi)]
+    assert len(part.scrapes) == len(inside) > 0
+    assert sorted(part.scrapes["id"]) == sorted(inside["id"])
+    want = whole.samples[whole.samples["scrape_id"].isin(inside["id"])]
+    assert len(part.samples) == len(want) > 0
+    key = ["scrape_id", "metric", "value"]
+    got = part.samples[key].astype({"metric": str}).sort_values(key).reset_index(drop=True)
+    assert got.equals(want[key].astype({"metric": str}).sort_values(key).reset_index(drop=True))
+    ev = whole.events[(whole.events["t_s"] >= lo) & (whole.events["t_s"] <= hi)]
+    assert sorted(part.events["mono_ns"]) == sorted(ev["mono_ns"])
+    t0 = whole.info["started_mono_ns"]
+    led = whole.ledger
+    open_in = led[(led["sent_mono_ns"] <= t0 + hi * 1e9) & ~(led["closed_mono_ns"] < t0 + lo * 1e9)]
+    assert sorted(part.ledger["request_id"]) == sorted(open_in["request_id"])
+    assert part.info["started_mono_ns"] == t0
+
+
+def test_the_lookback_reaches_earlier_events_and_rows_but_not_samples(store):
+    narrow = load_window(store, "latest", 60.0, 62.0)
+    wide = load_window(store, "latest", 60.0, 62.0, lookback_s=30.0)
+    assert len(wide.samples) == len(narrow.samples)
+    assert wide.events["t_s"].min() >= 30.0 and len(wide.events) >= len(narrow.events)
+    assert set(narrow.ledger["request_id"]) <= set(wide.ledger["request_id"])
+
+
+def test_rows_a_recorder_still_holds_join_the_window(store):
+    extra = pd.DataFrame([{"request_id": "live-1", "scenario": "watched", "role": "watched", "n": 1,
+                           "sent_mono_ns": 1, "closed_mono_ns": None}])
+    part = load_window(store, "latest", 10.0, 12.0, extra_ledger=extra)
+    assert "live-1" in set(part.ledger["request_id"])
+
+
+def test_each_cancel_judged_on_its_own_window_gets_the_verdict_the_whole_run_gives_it(store):
+    from analysis.verdicts import judge_run
+    from analysis.watching import LOOKBACK_S, judge_cancels, window_of
+
+    whole = judge_run(load_run(store, "latest"))
+    assert len(whole) == 10 and {v.verdict for v in whole} >= {"released"}
+    for v in whole:
+        lo, hi = window_of(v.timepoints["user_stop"], 2.0)
+        (alone,) = judge_cancels(load_window(store, "latest", lo, hi, lookback_s=LOOKBACK_S), {v.request_id}, 2.0)
+        assert (alone.verdict, alone.rule) == (v.verdict, v.rule), v.request_id
