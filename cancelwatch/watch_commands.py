@@ -60,8 +60,9 @@ def _listen_address(value: str, option: str) -> tuple[str, int]:
 class _Judge:
     """The cancels waiting for their grace to end, judged in batches off the event loop's thread."""
 
-    def __init__(self, store: Path, run_id: int, t0_ns: int, grace_s: float, ledger, metrics: WatchMetrics | None):
-        self.store, self.run_id, self.t0_ns, self.grace_s = store, run_id, t0_ns, grace_s
+    def __init__(self, store: Path, grace_s: float, ledger, metrics: WatchMetrics | None):
+        self.store, self.grace_s = store, grace_s
+        self.run_id, self.t0_ns = 0, 0  # the run's, once recording has created it (start)
         self.ledger, self.metrics = ledger, metrics
         self.pending: dict[str, float] = {}  # request id -> its stop, s since the run started
         # request id -> when its cancel was decided (s since the run started): a half-close is decided when the
@@ -70,6 +71,9 @@ class _Judge:
         self.tries: dict[str, int] = {}
         self.counts: dict[str, int] = {}
         self.failures = 0
+
+    def start(self, run_id: int, t0_ns: int) -> None:
+        self.run_id, self.t0_ns = run_id, t0_ns
 
     def add(self, request_id: str, t_stop_s: float) -> None:
         self.pending[request_id] = t_stop_s
@@ -261,12 +265,12 @@ def watch(
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     ledger = WatchLedger(targets[0].label)
-    judge_box: dict = {}
+    judge = _Judge(store, grace, ledger, metrics)
     out.print(f"watch: {hop.listen_url} -> {hop.upstream}, sampling {targets[0].url}"
               + (f"; metrics on http://{metrics_listen}/metrics" if metrics_listen else ""), highlight=False)
 
     def driver(writer, sampler):
-        judge = judge_box["judge"] = _Judge(store, writer.run_id, sampler.t0_mono_ns, grace, ledger, metrics)
+        judge.start(writer.run_id, sampler.t0_mono_ns)
         deadline = time.monotonic_ns() + int(seconds * 1e9) if seconds else None
         return _watch_loop(tap, ledger, writer, judge, stop, deadline, metrics)
 
@@ -278,9 +282,7 @@ def watch(
     finally:
         if server is not None:
             server.shutdown()
-    judge = judge_box.get("judge")
-    counts = judge.counts if judge is not None else {}
-    said = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "none judged"
+    said = ", ".join(f"{n} {k}" for k, n in sorted(judge.counts.items())) or "none judged"
     out.print(f"watch: run {result.run_id} {result.status}: {ledger.requests} request(s), "
               f"{len(ledger.cancels)} cancel(s): {said}", highlight=False)
     print_store_error(result.stats)

@@ -275,7 +275,9 @@ def load_run(path: str | Path, run: str | int = "latest", metrics: Iterable[str]
         return _load_run(path, rid, only)
 
 
-def _load_run(path: str | Path, rid: int, only: list[str] | None) -> Run:
+def _load_run(path: str | Path, rid: int, only: list[str] | None,
+              window: tuple[float, float, float] | None = None, extra_ledger: pd.DataFrame | None = None) -> Run:
+    """The run, or with `window` (from_s, to_s, lookback_s; see load_window) only that stretch of it."""
     with closing(connect_readonly(path)) as con:
         con.row_factory = sqlite3.Row
         row = con.execute("SELECT * FROM runs WHERE id = ?", (rid,)).fetchone()
@@ -291,20 +293,37 @@ def _load_run(path: str | Path, rid: int, only: list[str] | None) -> Run:
                 raise StoreError(f"{path} cannot be read, the store is damaged (run {rid}'s {key} is "
                                  f"{type(info[key]).__name__} JSON): record into a new file with --store")
         t0 = info["started_mono_ns"]
-        scrapes = _load_scrapes(con, path, rid)
+        # per table: what narrows it to the window (nothing for the whole run), and its parameters
+        span, within = None, {"gaps": ("", ()), "events": ("", ()), "ledger": ("", ())}
+        if window is not None:
+            lo, hi = t0 + int(window[0] * 1e9), t0 + int(window[1] * 1e9)
+            back = lo - int(window[2] * 1e9)
+            span = (lo, hi)
+            within = {"gaps": (" AND start_mono_ns <= ? AND end_mono_ns >= ?", (hi, lo)),
+                      "events": (" AND mono_ns BETWEEN ? AND ?", (back, hi)),
+                      "ledger": (" AND (sent_mono_ns IS NULL OR sent_mono_ns <= ?) "
+                                 "AND (closed_mono_ns IS NULL OR closed_mono_ns >= ?)", (hi, back))}
+        scrapes = _load_scrapes(con, path, rid, span)
         gaps = pd.read_sql_query(
             "SELECT source, target, kind, start_wall_ns, start_mono_ns, end_mono_ns, ticks, detail "
-            "FROM gaps WHERE run_id = ? ORDER BY start_mono_ns",
+            f"FROM gaps WHERE run_id = ?{within['gaps'][0]} ORDER BY start_mono_ns",
             con,
-            params=(rid,),
+            params=(rid, *within["gaps"][1]),
         )
         events = pd.read_sql_query(
-            "SELECT request_id, kind, wall_ns, mono_ns, data FROM events WHERE run_id = ? ORDER BY mono_ns",
+            f"SELECT request_id, kind, wall_ns, mono_ns, data FROM events WHERE run_id = ?{within['events'][0]} "
+            "ORDER BY mono_ns",
             con,
-            params=(rid,),
+            params=(rid, *within["events"][1]),
         )
-        ledger = pd.read_sql_query("SELECT * FROM ledger WHERE run_id = ?", con, params=(rid,))
-        samples = _load_samples(con, path, rid, only, scrapes)
+        ledger = pd.read_sql_query(f"SELECT * FROM ledger WHERE run_id = ?{within['ledger'][0]}", con,
+                                   params=(rid, *within["ledger"][1]))
+        ids = None if span is None or scrapes.empty else (int(scrapes["id"].min()), int(scrapes["id"].max()))
+        samples = _load_samples(con, path, rid, only, scrapes, ids)
+    if extra_ledger is not None and not extra_ledger.empty:
+        extra = extra_ledger[~extra_ledger["request_id"].isin(ledger["request_id"])].assign(run_id=rid)
+        ledger = pd.concat([ledger, extra.reindex(columns=ledger.columns)], ignore_index=True) if not ledger.empty \
+            else extra
     for df, col in ((samples, "mono_ns"), (scrapes, "mono_ns"), (gaps, "start_mono_ns"), (events, "mono_ns")):
         df["t_s"] = (df[col] - t0) / 1e9
     if not gaps.empty:
@@ -320,38 +339,5 @@ def load_window(path: str | Path, run: str | int, t_from_s: float, t_to_s: float
     a live recorder holds that the store has not got yet). What a watch judges one cancel by, as its grace
     ends: the read is bounded by the stretch, not the run."""
     rid = resolve_run_id(path, run)
-    with _reading(path), closing(connect_readonly(path)) as con:
-        con.row_factory = sqlite3.Row
-        row = con.execute("SELECT * FROM runs WHERE id = ?", (rid,)).fetchone()
-        if row is None:
-            raise StoreError(f"no run {rid} in {path} (it was deleted while being read): list them with "
-                             "`cancelwatch runs`")
-        info = dict(row)
-        con.row_factory = None
-        for key in _JSON_COLUMNS:
-            info[key] = json.loads(info[key] or "{}")
-        t0 = info["started_mono_ns"]
-        lo, hi = t0 + int(t_from_s * 1e9), t0 + int(t_to_s * 1e9)
-        back = lo - int(lookback_s * 1e9)
-        scrapes = _load_scrapes(con, path, rid, (lo, hi))
-        gaps = pd.read_sql_query(
-            "SELECT source, target, kind, start_wall_ns, start_mono_ns, end_mono_ns, ticks, detail "
-            "FROM gaps WHERE run_id = ? AND start_mono_ns <= ? AND end_mono_ns >= ? ORDER BY start_mono_ns",
-            con, params=(rid, hi, lo))
-        events = pd.read_sql_query(
-            "SELECT request_id, kind, wall_ns, mono_ns, data FROM events WHERE run_id = ? AND mono_ns BETWEEN ? AND ? "
-            "ORDER BY mono_ns", con, params=(rid, back, hi))
-        ledger = pd.read_sql_query(
-            "SELECT * FROM ledger WHERE run_id = ? AND (sent_mono_ns IS NULL OR sent_mono_ns <= ?) "
-            "AND (closed_mono_ns IS NULL OR closed_mono_ns >= ?)", con, params=(rid, hi, back))
-        ids = (int(scrapes["id"].min()), int(scrapes["id"].max())) if not scrapes.empty else None
-        samples = _load_samples(con, path, rid, None, scrapes, ids)
-    if extra_ledger is not None and not extra_ledger.empty:
-        extra = extra_ledger[~extra_ledger["request_id"].isin(ledger["request_id"])].assign(run_id=rid)
-        ledger = pd.concat([ledger, extra.reindex(columns=ledger.columns)], ignore_index=True) if not ledger.empty \
-            else extra
-    for df, col in ((samples, "mono_ns"), (scrapes, "mono_ns"), (gaps, "start_mono_ns"), (events, "mono_ns")):
-        df["t_s"] = (df[col] - t0) / 1e9
-    if not gaps.empty:
-        gaps["end_t_s"] = (gaps["end_mono_ns"] - t0) / 1e9
-    return Run(id=rid, info=info, samples=samples, scrapes=scrapes, gaps=gaps, events=events, ledger=ledger)
+    with _reading(path):
+        return _load_run(path, rid, None, (t_from_s, t_to_s, lookback_s), extra_ledger)

@@ -60,22 +60,29 @@ def sse_stream(conn, seen, tokens: int = 400, step_s: float = 0.01, started: thr
         seen.append("gone")
 
 
-def test_a_client_reset_mid_stream_is_a_cancel_stamped_when_it_left():
+def left_mid_stream(rid: str, body: bytes, leave) -> tuple[list, WatchLedger, int]:
+    """A client that asks for a stream and, a few tokens in, leaves by `leave(socket)`: (what the ledger
+    wrote, the ledger, when it began to leave). The upstream must see it gone."""
     started = threading.Event()
     up = Upstream(lambda conn, seen: sse_stream(conn, seen, started=started))
     tap = watched_tap(up.port)
     try:
         c = socket.create_connection(("127.0.0.1", tap.hop.listen_port))
-        c.sendall(request("r-reset", b'{"model": "m", "stream": true, "max_tokens": 400}'))
+        c.sendall(request(rid, body))
         assert started.wait(5)
         time.sleep(0.05)
         t_left = time.monotonic_ns()
-        rst_close(c)
+        leave(c)
         got, led = ledger_of(tap, lambda out: rows(out))
         assert up.done.wait(10) and up.seen == ["gone"]
     finally:
         tap.close()
         up.close()
+    return got, led, t_left
+
+
+def test_a_client_reset_mid_stream_is_a_cancel_stamped_when_it_left():
+    got, led, t_left = left_mid_stream("r-reset", b'{"model": "m", "stream": true, "max_tokens": 400}', rst_close)
     (row,) = rows(got)
     (stop,) = stops(got)
     assert (row.request_id, row.role, row.terminal_state, row.reason) == ("r-reset", CANCELLED, "cancelled",
@@ -90,22 +97,12 @@ def test_a_client_reset_mid_stream_is_a_cancel_stamped_when_it_left():
 
 
 def test_a_half_close_then_gone_mid_stream_is_a_cancel_stamped_at_the_half_close():
-    started = threading.Event()
-    up = Upstream(lambda conn, seen: sse_stream(conn, seen, started=started))
-    tap = watched_tap(up.port)
-    try:
-        c = socket.create_connection(("127.0.0.1", tap.hop.listen_port))
-        c.sendall(request("r-close", b'{"stream": true}'))
-        assert started.wait(5)
-        t_left = time.monotonic_ns()
+    def half_close_then_go(c: socket.socket) -> None:
         c.shutdown(socket.SHUT_WR)  # a FIN: held, it may be a client waiting for its answer
         time.sleep(0.3)
         c.close()  # gone, with tokens unread (Linux sends a reset): the response never ends
-        got, _ = ledger_of(tap, lambda out: rows(out))
-        assert up.done.wait(10) and up.seen == ["gone"]
-    finally:
-        tap.close()
-        up.close()
+
+    got, _, t_left = left_mid_stream("r-close", b'{"stream": true}', half_close_then_go)
     (row,) = rows(got)
     assert (row.terminal_state, row.reason, row.max_tokens) == ("cancelled", "client closed", None)
     assert abs(row.cancel_mono_ns - t_left) < 200e6

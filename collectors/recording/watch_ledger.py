@@ -15,7 +15,7 @@ Pure bookkeeping over the tap's events (runstore/event_kinds.py: tap_*), on the 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from runstore.records import EventRecord, LedgerRecord
 
@@ -29,12 +29,10 @@ MODE = "client_gone"  # the user_stop's mode: how a real client gives up
 class _Open:
     row: LedgerRecord
     status: int | None = None
-    stream: bool | None = None
     fin_ns: int | None = None  # the client half-closed then, the response still open
     fin_chunks: int = 0
     fin_wall_ns: int | None = None
     ended_ns: int | None = None  # its response passed to its end after the client's FIN
-    asked: dict = field(default_factory=dict)
 
 
 class WatchLedger:
@@ -82,7 +80,6 @@ class WatchLedger:
         if o is None:
             return []
         if kind == "tap_request_body":
-            o.stream = d.get("stream")
             if d.get("max_tokens") is not None:
                 o.row.max_tokens = int(d["max_tokens"])
             if d.get("n") is not None:
