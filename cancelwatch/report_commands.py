@@ -46,7 +46,12 @@ def print_report(doc: dict, verdicts: list[CancelVerdict]) -> None:
     out.print(table)
     for note in doc.get("engine_log_notes") or []:  # what to know of the engine log before the verdicts
         out.print(f"note: {note}", highlight=False)
-    out.print(f"neighbours ok: {doc['neighbours_ok']}")
+    if doc.get("watch"):
+        w = doc["watch"]
+        out.print(f"watched: {w['requests']} request(s) through {w['listen']} -> {w['upstream']}, "
+                  f"{len(doc['cancels'])} cancel(s)", highlight=False)
+    else:
+        out.print(f"neighbours ok: {doc['neighbours_ok']}")
 
 
 def _check_html_folder(html_out: Path) -> None:

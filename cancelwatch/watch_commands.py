@@ -37,6 +37,10 @@ class WatchMetrics:
                                 registry=self.registry)
         self.cancels = Counter("cancelwatch_watched_cancels", "Cancels real clients made, judged, by verdict and rule",
                                ["verdict", "rule"], registry=self.registry)
+        self.refused = Counter("cancelwatch_watched_refused", "Connections past --max-connections, answered 503 "
+                               "by the watch itself", registry=self.registry)
+        self.upstream_failed = Counter("cancelwatch_watched_upstream_failures", "Connections the upstream refused "
+                                       "(their clients were reset, as a refusal is)", registry=self.registry)
         self.release = Histogram("cancelwatch_watched_release_seconds",
                                  "Released watched cancels: the client leaving to the request leaving the scheduler",
                                  buckets=BUCKETS, registry=self.registry)
@@ -134,19 +138,55 @@ class _Judge:
             self.metrics.observe(verdicts)
 
 
+class _UpstreamWord:
+    """What the watch says of its upstream and its bound as the tap's events pass: a refusal is said once when
+    the upstream stops answering and once when it answers again (with how many connections it refused),
+    not once per connection; every refusal, and every connection past the bound, is counted on /metrics."""
+
+    def __init__(self, metrics: WatchMetrics | None):
+        self.metrics = metrics
+        self.failing = 0  # connections refused since the upstream last answered
+        self.refused = 0
+
+    def saw(self, rec) -> None:
+        if rec.kind == "tap_upstream_failed":
+            if self.failing == 0:
+                err.print(f"watch: the upstream refused a connection ({rec.data.get('why')}); its client was reset, "
+                          "as a refusal is. The watch goes on", highlight=False)
+            self.failing += 1
+            if self.metrics is not None:
+                self.metrics.upstream_failed.inc()
+        elif rec.kind == "tap_request" and self.failing:
+            err.print(f"watch: the upstream answers again, after {self.failing} refused connection(s)",
+                      highlight=False)
+            self.failing = 0
+        elif rec.kind == "tap_refused":
+            if self.refused == 0:
+                err.print(f"watch: {rec.data.get('open')} connections open, the bound (--max-connections): new ones "
+                          "are answered 503 and counted", highlight=False)
+            self.refused += 1
+            if self.metrics is not None:
+                self.metrics.refused.inc()
+
+
 async def _watch_loop(tap, ledger, writer, judge: _Judge, stop: threading.Event, deadline_ns: int | None,
                       metrics: WatchMetrics | None) -> None:
     """Pass the tap's events through the ledger into the run; judge each cancel as its grace ends. At the
     end: the tap closed, every open request's row written, the last cancels sampled through their grace."""
     from runstore.records import EventRecord
 
+    upstream = _UpstreamWord(metrics)
+
     def feed() -> None:
         for rec in ledger.feed(tap.take_events()):
             writer.put(rec)
-            if isinstance(rec, EventRecord) and rec.kind == "user_stop":
+            if not isinstance(rec, EventRecord):
+                continue
+            if rec.kind == "user_stop":
                 judge.add(rec.request_id, (rec.mono_ns - judge.t0_ns) / 1e9)
-            elif isinstance(rec, EventRecord) and rec.kind == "tap_request" and metrics is not None:
+            elif rec.kind == "tap_request" and metrics is not None:
                 metrics.requests.inc()
+            upstream.saw(rec)
 
     last_judged = 0.0
     try:
@@ -184,6 +224,8 @@ def watch(
     hz: float = typer.Option(20.0),
     nvml: str = typer.Option("auto"),
     name: Optional[str] = typer.Option(None),
+    max_connections: int = typer.Option(1024, help="Connections open through the watch at once, at most; past "
+                                        "it a new one is answered 503 by the watch and counted."),
     no_request_id: bool = typer.Option(False, "--no-request-id", help="Pass every byte unchanged: no X-Request-Id "
                                        "is added to requests that come without one (the engine's log then cannot "
                                        "name them)."),
@@ -207,6 +249,8 @@ def watch(
         raise fail(f"--duration {exc} (or seconds; 0 runs until Ctrl-C or SIGTERM)") from None
     if not grace > 0:
         raise fail(f"--grace {grace:g}: give the engine a positive number of seconds, e.g. --grace 2")
+    if max_connections < 1:
+        raise fail(f"--max-connections {max_connections}: give a bound of 1 or more, e.g. --max-connections 1024")
     try:
         hop = parse_hop(f"watch={listen},{upstream}")
     except TapError as exc:
@@ -223,13 +267,17 @@ def watch(
         targets=targets, store=store, hz=hz, duration_s=None, nvml=nvml, name=name or f"watch {listen}",
         home=home_dir(), engine_log=engine_log, engine_log_tz=engine_log_tz,
         drive=DriveSettings(driven_target=hop.upstream, scenarios=["watched"], grace_s=grace),
-        watch={"listen": hop.listen_url, "upstream": hop.upstream,
+        watch={"listen": hop.listen_url, "upstream": hop.upstream, "max_connections": max_connections,
                "request_ids": f"added where the client sent none ({REQUEST_ID_PREFIX}...)" if ids else "off"})
     try:
         sources, facts = build_vllm_sources(settings)
     except PreflightError as exc:
         raise fail(str(exc)) from None
-    tap = TapSource(hop, request_ids=ids)
+    for s in sources:
+        # an engine that stops answering is a hole in the run, marked as gaps, not its end: clients keep
+        # coming, and the watch keeps passing them on (their refusals as they were)
+        s.critical = False
+    tap = TapSource(hop, request_ids=ids, max_connections=max_connections)
     problem = tap.check()
     try:
         if problem:

@@ -207,6 +207,10 @@ _TAP_KINDS = (
                   *BODY_DATA)),
     EventKind("tap_unparsed", (TAP,), "a tap cannot read the connection as HTTP/1.1: it passes it on untouched",
               "None", (*TAP_DATA, ("why", "why, in words (`encrypted: no request id` for TLS)"))),
+    EventKind("tap_refused", (TAP,),
+              "a connection past the tap's bound (watch --max-connections): the tap answered it 503 itself and "
+              "closed it; it never reached the upstream",
+              "None", (*TAP_DATA, ("open", "the connections open through the tap then"))),
     EventKind("tap_upstream_failed", (TAP,),
               "a tap could not reach its upstream for a connection: its client was reset, as a refusal is",
               "None", (*TAP_DATA, ("why", "the error"))),

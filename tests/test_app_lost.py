@@ -153,3 +153,68 @@ def test_a_scrape_that_answered_late_is_read_where_it_may_have_been_taken():
     sc.loc[sc["t_s"].between(2.9, 3.6), "duration_ns"] = 1
     (v,) = judge_run(run)
     assert v.rule == "app_lost_unconfirmed" and "the server counted 1 request(s) where the ledger had 2" in v.evidence.why, v
+
+
+def neighbour_read_late(engine_end_s: float, read_s: float, target_gone_s: float = 5.0):
+    """The engine ended the neighbour at `engine_end_s` and its client read that end at `read_s` (a hop that
+    held its last tokens back); the engine held the target until `target_gone_s`."""
+    run = build_run(lambda t: (t < engine_end_s) + (t < target_gone_s) + 0.0, lambda t: 0.4, steady_gen)
+    run.ledger.loc[run.ledger["request_id"] == "nb", "closed_mono_ns"] = ns(read_s)
+    return answered(run, end_s=5.0)
+
+
+def test_a_neighbour_the_engine_ended_before_the_stop_does_not_hide_the_loss_once_read():
+    # CI: the engine ran ahead of the client on the neighbour just before the stop (the server counted 1, the
+    # ledger 2), so the count there cannot say which request was gone; once the neighbour's end was read
+    # (2.6 s), the target was the run's only open request and the server still counted it, generating
+    (v,) = judge_run(neighbour_read_late(1.8, 2.6))
+    assert v.evidence.count_before == 1.0 and v.evidence.ledger_before == 2.0, v.evidence
+    assert (v.verdict, v.rule) == ("leaked", "app_lost_cancel"), v
+
+
+def test_a_neighbour_read_after_the_grace_leaves_the_engine_ahead_unconfirmed():
+    # the neighbour's end reached its client only after the grace: no sample of the grace tells the two apart
+    (v,) = judge_run(neighbour_read_late(1.8, 4.5))
+    assert (v.verdict, v.rule) == ("inconclusive", "app_lost_unconfirmed"), v
+    assert "the engine had run ahead of the client before the stop" in v.evidence.why, v.evidence.why
+
+
+def test_a_target_the_engine_ended_early_is_not_confirmed_by_a_neighbour_read_late():
+    # the engine ended the target at 1.9 s (a hop held its tokens back to 5 s) and the neighbour at 1.8 s,
+    # read at 2.6 s: from then the server counts nothing where the ledger holds the target
+    (v,) = judge_run(neighbour_read_late(1.8, 2.6, target_gone_s=1.9))
+    assert (v.verdict, v.rule) == ("inconclusive", "app_lost_unconfirmed"), v
+    assert "the server counted 0 request(s) where the ledger had 1 open" in v.evidence.why, v.evidence.why
+
+
+def test_a_sample_a_probe_might_stand_in_at_is_not_read_when_the_engine_ran_ahead():
+    # the engine ended the target at 3.0 s; a probe sent at 2.95 s enters at 3.0 s, so the server's count
+    # stays at 1. The samples at 2.95-3.2 s, where the probe is starting, could be the probe alone; later
+    # ones count 1 where the ledger holds 2
+    probe = {"request_id": "pr", "scenario": "s", "role": "probe", "n": 1, "sent_mono_ns": ns(2.95),
+             "first_token_mono_ns": ns(3.05), "closed_mono_ns": ns(5.8), "cancel_mono_ns": None,
+             "terminal_state": "completed"}
+    run = build_run(lambda t: (t < 1.8) + (t < 3.0) + (t >= 3.0) + 0.0, lambda t: 0.4, steady_gen,
+                    extra_ledger=[probe])
+    run.ledger.loc[run.ledger["request_id"] == "nb", "closed_mono_ns"] = ns(2.6)
+    (v,) = [v for v in judge_run(answered(run, end_s=5.0)) if v.request_id == "tg"]
+    assert (v.verdict, v.rule) == ("inconclusive", "app_lost_unconfirmed"), v
+
+
+def test_a_request_sent_while_a_slow_scrape_was_answered_does_not_stand_in_for_the_target():
+    # the engine ended the target at 2.3 s (a hop held its tokens back to 5 s); from 2.2 s the app answered
+    # each /metrics 1.8 s after its tick (busy), so the readings from 2.2 s on count a probe sent at 3.9 s
+    # that the ledger holds only from then: the count must not be read as the target's
+    span = 1.8
+    engine = lambda t: 1 + (t < 2.3) + (t >= 3.9) + 0.0  # noqa: E731 - the neighbour, the target, the probe
+    probe = {"request_id": "pr", "scenario": "s", "role": "probe", "n": 1, "sent_mono_ns": ns(3.9),
+             "first_token_mono_ns": ns(4.0), "closed_mono_ns": ns(6.5), "cancel_mono_ns": None,
+             "terminal_state": "completed"}
+    late = lambda t: t + span if t >= 2.2 else t  # noqa: E731 - when the server read its gauges
+    run = build_run(lambda t: engine(late(t)), lambda t: 0.4, lambda t: steady_gen(late(t)), extra_ledger=[probe])
+    run.scrapes = sc = run.samples.drop_duplicates("scrape_id")[
+        ["scrape_id", "t_s", "source", "target", "mono_ns", "duration_ns"]].assign(ok=1).reset_index(drop=True)
+    sc.loc[sc["t_s"] >= 2.2, "duration_ns"] = int(span * 1e9)
+    (v,) = [v for v in judge_run(answered(run, end_s=5.0)) if v.request_id == "tg"]
+    assert (v.verdict, v.rule) == ("inconclusive", "app_lost_unconfirmed"), v
+    assert "sent while its scrape was being answered" in v.evidence.why, v.evidence.why

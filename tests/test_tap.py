@@ -311,6 +311,52 @@ def test_an_upstream_that_refuses_resets_the_client_and_is_recorded():
     assert tap.sample(0, 0)[0].value == 0.0  # no connection left open
 
 
+def test_past_its_bound_the_tap_answers_503_itself_and_counts_it():
+    # an upstream that accepts (its backlog) and never answers: each connection through the tap stays open
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    tap = TapSource(parse_hop(f"gw=127.0.0.1:{free_port()},http://127.0.0.1:{silent.getsockname()[1]}"),
+                    max_connections=2).start()
+    held = []
+    try:
+        for i in range(2):
+            c = socket.create_connection(("127.0.0.1", tap.hop.listen_port))
+            c.sendall(request(f"held-{i}"))
+            held.append(c)
+        deadline = time.monotonic() + 5
+        while tap.sample(0, 0)[0].value < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        third = socket.create_connection(("127.0.0.1", tap.hop.listen_port))
+        third.sendall(request("third"))
+        answer, how = read_to_close(third)
+        third.close()
+        assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n") and b"Retry-After: 1" in answer, answer
+        assert b"--max-connections" in answer.split(b"\r\n\r\n", 1)[1] and how == "fin", (answer, how)
+        evs = events(tap, lambda got: "tap_refused" in kinds(got))
+        (refused,) = [e for e in evs if e.kind == "tap_refused"]
+        assert refused.data["open"] == 2 and "third" not in str(evs), evs
+        # under the bound again (a client reset: the tap passes it on and the connection is over at once; a FIN
+        # would wait for this upstream's own), a connection passes on as before
+        gone = held.pop()
+        gone.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        gone.close()
+        while tap.sample(0, 0)[0].value > 1 and time.monotonic() < deadline + 5:
+            time.sleep(0.02)
+        fourth = socket.create_connection(("127.0.0.1", tap.hop.listen_port))
+        fourth.sendall(request("fourth"))
+        evs = events(tap, lambda got: "tap_request" in kinds(got))
+        assert [e.request_id for e in evs if e.kind == "tap_request"] == ["fourth"], evs
+        held.append(fourth)
+        open_, requests, refused_total = (x.value for x in tap.sample(0, 0))
+        assert (open_, refused_total) == (2.0, 1.0), tap.sample(0, 0)
+    finally:
+        for c in held:
+            c.close()
+        tap.close()
+        silent.close()
+
+
 def test_a_closed_tap_leaves_nothing_listening():
     up = Upstream(lambda conn, seen: None)
     tap = tap_for(up.port)

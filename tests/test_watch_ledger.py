@@ -266,3 +266,32 @@ def test_without_request_ids_the_bytes_pass_unchanged():
         tap.close()
         up.close()
     assert up.seen == [raw]
+
+
+def read_to_eof(conn, seen):
+    """An upstream that keeps every byte until its client's FIN, then closes."""
+    conn.settimeout(5)
+    buf = b""
+    while chunk := conn.recv(65536):
+        buf += chunk
+    seen.append(buf)
+
+
+def test_garbage_and_a_head_past_the_limit_pass_as_they_came_marked_unparsed():
+    big_head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n"
+    for raw in (b"\x00\x01 not http at all\r\n\r\nmore", big_head):
+        up = Upstream(read_to_eof)
+        tap = watched_tap(up.port, ids="cw-w")  # the watch's default: ids added to the heads it reads
+        try:
+            c = socket.create_connection(("127.0.0.1", tap.hop.listen_port))
+            c.sendall(raw)
+            c.shutdown(socket.SHUT_WR)
+            assert read_to_close(c)[1] == "fin"
+            c.close()
+            assert up.done.wait(5)
+            got, _ = ledger_of(tap, lambda out: "tap_connection_end" in kinds(out))
+        finally:
+            tap.close()
+            up.close()
+        assert up.seen == [raw], up.seen[0][:200]  # not a byte changed, no id added
+        assert "tap_unparsed" in kinds(got) and not rows(got) and not stops(got), kinds(got)

@@ -94,13 +94,16 @@ def report_document(run: Run, grace_s: float | None = None, verdicts: list[Cance
     stats = sampling_stats(run)
     driven = DriveSettings.of_run(run.info.get("settings")).driven_target
     family = family_of(run)
+    watch = (run.info.get("settings") or {}).get("watch")
     return {
         "run_id": run.id,
         "name": run.info.get("name"),
         "target": driven or (run.info["targets"][0]["url"] if run.info.get("targets") else None),
         "metrics_url": run.info["targets"][0]["url"] if run.info.get("targets") else None,
         "status": run.info["status"],
-        "neighbours_ok": neighbours_ok(run),
+        # a watch sends nothing of its own: no neighbour to keep going, its traffic is the users'
+        "neighbours_ok": None if watch else neighbours_ok(run),
+        "watch": None if not watch else {**watch, "requests": len(run.ledger)},
         "sampling": json.loads(stats.to_json(orient="records")) if not stats.empty else [],
         "family": family,
         "cancels": [v.as_json() for v in verdicts],

@@ -499,9 +499,15 @@ class VllmCase(Case):
         moment after its send), and its token counter rose. Else what stands in the way, in words: another
         target stopped in the scenario (the count cannot say which one the engine kept), other traffic, a
         restart, a hole in the engine's log or a log clock that cannot be placed, the engine ahead of the
-        client before the stop, too few samples, a counter that did not rise, a sample short of the ledger."""
-        if self.ahead:
-            return "the engine had run ahead of the client before the stop"
+        client before the stop, too few samples, a counter that did not rise, a sample short of the ledger.
+
+        Where the engine had run ahead of the client before the stop (it counted fewer than the ledger: a
+        request it had finished was still reaching its client; CI: the neighbour's end, just before the stop),
+        the count cannot say which request was gone, the target included. Only the samples after every
+        other request open then has been read to its end are read, and only those no request ending or
+        starting around them could stand in for the target at: the server counting the ledger's whole open
+        set there holds the target."""
+        ahead = "the engine had run ahead of the client before the stop"
         if self.restart():
             return "the engine restarted in the window"
         if self.log_gap() or self.log_clock_off():
@@ -516,23 +522,46 @@ class VllmCase(Case):
         times = self.sched["t_s"]
         count, gen, inflight = self.sched["count"], self.sched["gen_tokens"], self.inflight
         grace = (times >= self.t_stop) & (times <= self.t_stop + self.grace_s) & ~np.isnan(count) & ~np.isnan(gen)
-        if grace.sum() < 2:
-            return f"{int(grace.sum())} scheduler sample(s) answered in the grace"
-        if not gen[grace][-1] > gen[grace][0]:
-            return "the engine's token counter did not rise across the grace"
+        if self.ahead:
+            grace &= times > self.ahead_read_until()
         others = ledger["request_id"] != self.rid
         closes = (ledger.loc[others, "closed_mono_ns"].dropna().to_numpy(float) - t0) / 1e9
         sends = (ledger.loc[others, "sent_mono_ns"].dropna().to_numpy(float) - t0) / 1e9
-        spans = self._scrape_spans(times[grace])
-        for t, k, f, span in zip(times[grace], count[grace], inflight[grace], spans):
-            # the server read its gauges somewhere in the scrape's span (CI: an app busy generating answered
-            # its /metrics ~1 s after the tick): a request whose client read its end by then may be gone
-            ending = int(((closes > t) & (closes <= t + span + LAG_S)).sum())
-            starting = int(((sends <= t) & (sends > t - LAG_S)).sum())
-            if k < f - ending - starting - 0.5:
-                return (f"{t - self.t_stop:.2f} s after the stop the server counted {k:g} request(s) where the "
-                        f"ledger had {f:g} open")
+        spans = np.zeros(len(times))
+        spans[grace] = self._scrape_spans(times[grace])
+        # the server read its gauges somewhere in the scrape's span (CI: an app busy generating answered its
+        # /metrics ~1 s after the tick): a request whose client read its end by then may be gone, and one sent
+        # by then may be counted though the ledger's tick does not hold it yet; one sent within LAG_S before
+        # the tick may not be the engine's yet
+        ending = np.array([((closes > t) & (closes <= t + sp + LAG_S)).sum() for t, sp in zip(times, spans)])
+        starting = np.array([((sends <= t) & (sends > t - LAG_S)).sum() for t in times])
+        arriving = np.array([((sends > t) & (sends <= t + sp)).sum() for t, sp in zip(times, spans)])
+        if self.ahead:
+            # no slack where any request might stand in for the target
+            grace &= (ending == 0) & (starting == 0) & (arriving == 0)
+        if grace.sum() < 2:
+            return ahead if self.ahead else f"{int(grace.sum())} scheduler sample(s) answered in the grace"
+        if not gen[grace][-1] > gen[grace][0]:
+            return "the engine's token counter did not rise across the grace"
+        for t, k, f, e, s, a in zip(times[grace], count[grace], inflight[grace], ending[grace], starting[grace],
+                                    arriving[grace]):
+            if k - a < f - e - s - 0.5:
+                late = f", {a} sent while its scrape was being answered" if a else ""
+                return (f"{t - self.t_stop:.2f} s after the stop the server counted {k:g} request(s){late} where "
+                        f"the ledger had {f:g} open")
         return None
+
+    def ahead_read_until(self) -> float:
+        """When the last of the other requests the ledger had open at the sample before the stop was read to
+        its end (plus LAG_S), the engine having run ahead of the client there: from then on no request the
+        engine finished early is still on its way. inf where one of them never ended."""
+        times, ledger, t0 = self.sched["t_s"], self.run.ledger, self.run.info["started_mono_ns"]
+        t_b = float(times[self.baseline.before][-1])
+        sent = (ledger["sent_mono_ns"].to_numpy(float) - t0) / 1e9
+        gone = np.array([self.ledger_ends.get(rid, (c - t0) / 1e9) for rid, c
+                         in zip(ledger["request_id"], ledger["closed_mono_ns"].to_numpy(float))])
+        open_then = (ledger["request_id"] != self.rid).to_numpy() & (sent <= t_b) & ~(gone <= t_b)
+        return float(np.max(gone[open_then], initial=t_b)) + LAG_S if not np.isnan(gone[open_then]).any() else math.inf
 
     def _scrape_spans(self, times: np.ndarray) -> np.ndarray:
         """Per sample instant of this target's scheduler: how long its scrape took to answer (s; 0 where

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import re
 import socket
 import struct
 import threading
@@ -36,9 +37,11 @@ from runstore.records import EventRecord, Sample
 SOURCE_NAME = "tap"
 READ_BYTES = 64 * 1024
 UPSTREAM_CONNECT_S = 5.0
+REFUSE_READ_S = 1.0  # a connection past the bound: how long its first bytes are waited for, and its 503 written
 ENCRYPTED = "encrypted: no request id"
 BODY_BYTES = 64 * 1024  # a request body read for what it asks (model, stream, max_tokens, n), at most
 _SSE_DONE = b"\ndata: [DONE]"
+_REQUEST_LINE = re.compile(rb"[A-Z]+ \S+ HTTP/1\.[01]")  # the first line of a head an id may be added to
 
 
 def asked_for(body: bytes) -> dict:
@@ -345,11 +348,17 @@ class TapSource(Source):
     name = SOURCE_NAME
     critical = False
 
-    def __init__(self, hop: Hop, clock=time.monotonic_ns, request_ids: str | None = None):
+    def __init__(self, hop: Hop, clock=time.monotonic_ns, request_ids: str | None = None,
+                 max_connections: int | None = None):
         """`request_ids`: a prefix; when given, a request that comes without an X-Request-Id gets one
-        (`<prefix><n>-<8 hex>`), so that the engine's log names it. None: bytes pass unchanged."""
+        (`<prefix><n>-<8 hex>`), so that the engine's log names it. None: bytes pass unchanged.
+        `max_connections`: past this many open at once, a new connection is answered 503 by the tap itself
+        and never reaches the upstream (a flood must not take the watch's memory, nor the engine); None:
+        no bound (a hop of `record`, whose traffic the run makes)."""
         self.hop = hop
         self.request_ids = request_ids
+        self.max_connections = max_connections
+        self._refused = 0
         self._ids_added = 0
         self.target = hop.name
         self._clock = clock
@@ -375,7 +384,8 @@ class TapSource(Source):
 
     def sample(self, wall_ns: int, mono_ns: int) -> list[Sample]:
         return [Sample(self.name, "tap_connections_open", float(self._open), (), wall_ns, mono_ns),
-                Sample(self.name, "tap_requests_total", float(self._requests), (), wall_ns, mono_ns)]
+                Sample(self.name, "tap_requests_total", float(self._requests), (), wall_ns, mono_ns),
+                Sample(self.name, "tap_refused_total", float(self._refused), (), wall_ns, mono_ns)]
 
     def take_events(self) -> list[EventRecord]:
         with self._lock:
@@ -463,6 +473,9 @@ class TapSource(Source):
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._conns += 1
+        if self.max_connections is not None and self._open >= self.max_connections:
+            await self._refuse(self._conns, reader, writer)
+            return
         flow = _Flow(self._conns, writer)
         self._flows.add(flow)
         self._open += 1
@@ -493,6 +506,29 @@ class TapSource(Source):
             for w in (writer, flow.upstream_w):
                 if w is not None and not w.transport.is_closing():
                     w.transport.close()
+
+    async def _refuse(self, conn: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A connection past the bound: answered 503 by the tap (Retry-After, Connection: close), recorded,
+        closed. What the client sent first is read (briefly): closing on unread bytes would reset the
+        connection before the client read the answer."""
+        self._refused += 1
+        with self._lock:
+            self._events.append(EventRecord(kind="tap_refused", wall_ns=time.time_ns(), mono_ns=self._clock(),
+                                            request_id=None, data={"hop": self.hop.name, "conn": conn,
+                                                                   "open": self._open}))
+        body = (f"cancelwatch: {self._open} connections open through this tap, its bound "
+                f"(--max-connections); try again\n").encode()
+        try:
+            await asyncio.wait_for(reader.read(READ_BYTES), REFUSE_READ_S)
+        except (TimeoutError, ConnectionError, OSError):
+            pass
+        try:
+            writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nRetry-After: 1\r\n"
+                         b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            await asyncio.wait_for(writer.drain(), REFUSE_READ_S)
+        except (TimeoutError, ConnectionError, OSError):
+            pass
+        writer.transport.close()
 
     async def _pump(self, flow: _Flow, reader: asyncio.StreamReader, out: asyncio.StreamWriter, side: str) -> None:
         """One direction, bytes as they come; `side` is who sends them (client or upstream)."""
@@ -557,7 +593,10 @@ class TapSource(Source):
                 return b""
             return data
         head, rest = data[: end + 2], data[end + 2:]
-        if any(line.lower().startswith(b"x-request-id:") for line in head.split(b"\r\n")[1:]):
+        lines = head.split(b"\r\n")
+        if not _REQUEST_LINE.fullmatch(lines[0]):
+            return data  # not an HTTP/1.x request head (garbage, another protocol): passed as it came
+        if any(line.lower().startswith(b"x-request-id:") for line in lines[1:]):
             return data
         self._ids_added += 1
         rid = f"{self.request_ids}{self._ids_added}-{uuid.uuid4().hex[:8]}"
