@@ -189,7 +189,7 @@ def _arrow(path: Path, sql: str, params: tuple) -> pa.Table:
 
 
 def _load_samples(con: sqlite3.Connection, path: Path, rid: int, only: list[str] | None,
-                  scrapes: pd.DataFrame, scrape_ids: tuple[int, int] | None = None) -> pd.DataFrame:
+                  scrapes: pd.DataFrame, scrape_ids: np.ndarray | None = None) -> pd.DataFrame:
     """Samples joined to their series and scrape in pandas: SQLite hands over three numbers a row
     (the joined strings would cost more than the numbers)."""
     where, params = "run_id = ?", [rid]
@@ -202,10 +202,15 @@ def _load_samples(con: sqlite3.Connection, path: Path, rid: int, only: list[str]
         return pd.DataFrame({c: pd.Series(dtype=object if c in ("source", "target", "metric", "labels") else float)
                              for c in SAMPLE_COLUMNS})
     ids = ", ".join(str(int(i)) for i in series["id"])
-    # through the series ids: the (run_id, series_id) index then reads only those samples
-    within, params = ("", (rid,)) if scrape_ids is None else (" AND scrape_id BETWEEN ? AND ?", (rid, *scrape_ids))
+    # through the series ids: the (run_id, series_id) index then reads only those samples. A window goes
+    # through (run_id, scrape_id) instead, its cost its own length's, not the run's ("+" keeps the planner
+    # off the series index, which would read every sample of those series)
+    if scrape_ids is None:
+        within = f"series_id IN ({ids})"
+    else:  # the window's scrapes by id: a source's ids need not lie between another's
+        within = f"scrape_id IN ({', '.join(str(int(i)) for i in scrape_ids)}) AND +series_id IN ({ids})"
     tbl = _arrow(path, f"SELECT series_id, scrape_id, CAST(value AS REAL) AS value FROM samples "
-                       f"WHERE run_id = ? AND series_id IN ({ids}){within}", params)
+                       f"WHERE run_id = ? AND {within}", (rid,))
     series_id = tbl.column("series_id").to_numpy()
     scrape_id = tbl.column("scrape_id").to_numpy()
     value = tbl.column("value").to_numpy(zero_copy_only=False).astype(float)
@@ -318,7 +323,7 @@ def _load_run(path: str | Path, rid: int, only: list[str] | None,
         )
         ledger = pd.read_sql_query(f"SELECT * FROM ledger WHERE run_id = ?{within['ledger'][0]}", con,
                                    params=(rid, *within["ledger"][1]))
-        ids = None if span is None or scrapes.empty else (int(scrapes["id"].min()), int(scrapes["id"].max()))
+        ids = None if span is None else scrapes["id"].to_numpy()
         samples = _load_samples(con, path, rid, only, scrapes, ids)
     if extra_ledger is not None and not extra_ledger.empty:
         extra = extra_ledger[~extra_ledger["request_id"].isin(ledger["request_id"])].assign(run_id=rid)

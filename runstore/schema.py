@@ -55,6 +55,8 @@ CREATE TABLE IF NOT EXISTS samples (
     value REAL                       -- NULL only when the server sent NaN
 );
 CREATE INDEX IF NOT EXISTS samples_run ON samples(run_id, series_id);
+-- a window of a run (a live judge's, per cancel) reads its scrapes' samples alone, whatever the run's length
+CREATE INDEX IF NOT EXISTS samples_scrape ON samples(run_id, scrape_id);
 CREATE TABLE IF NOT EXISTS gaps (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     run_id INTEGER NOT NULL REFERENCES runs(id),
