@@ -13,7 +13,6 @@ Usage: python bench/window.py [--hours 0.25,1,4] [--windows 20] [--filler-series
 from __future__ import annotations
 
 import argparse
-import sqlite3
 import statistics
 import sys
 import tempfile
@@ -26,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from analysis.watching import LOOKBACK_S, window_of  # noqa: E402
 from bench.synthetic import write_synthetic_run  # noqa: E402
 from runstore.reader import load_run, load_window  # noqa: E402
+from runstore.writer import drop_window_index  # noqa: E402
 
 GRACE_S = 2.0
 
@@ -57,14 +57,11 @@ def main() -> None:
             rid = write_synthetic_run(store, duration_s=hours * 3600, cancels=max(10, int(hours * 1000 / 24)),
                                       filler_series=args.filler_series)
             wrote_s = time.perf_counter() - t
-            with sqlite3.connect(store) as con:
-                samples = con.execute("SELECT count(*) FROM samples").fetchone()[0]
             indexed = window_reads(store, rid, hours * 3600, args.windows)
-            with sqlite3.connect(store) as con:
-                con.execute("DROP INDEX samples_scrape")
+            drop_window_index(store)
             bare = window_reads(store, rid, hours * 3600, args.windows)
             t = time.perf_counter()
-            load_run(store, rid)
+            samples = len(load_run(store, rid).samples)
             whole_s = time.perf_counter() - t
             rows.append((hours, samples, wrote_s, indexed, bare, whole_s))
     print(f"{'run':>6} {'samples':>10} {'written s':>9} | {'window p50 ms':>13} {'max':>7} | "

@@ -30,7 +30,7 @@ class WatchMetrics:
     """The watch's own registry, served on --metrics-listen."""
 
     def __init__(self):
-        from prometheus_client import CollectorRegistry, Counter, Histogram
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
         self.requests = Counter("cancelwatch_watched_requests", "Requests that passed the watch's tap",
@@ -41,6 +41,11 @@ class WatchMetrics:
                                "by the watch itself", registry=self.registry)
         self.upstream_failed = Counter("cancelwatch_watched_upstream_failures", "Connections the upstream refused "
                                        "(their clients were reset, as a refusal is)", registry=self.registry)
+        self.ghosts = Gauge("cancelwatch_ghost_requests", "Watched cancels judged leaked that the engine may still "
+                            "hold: at most its count beyond the requests the watch has in flight",
+                            registry=self.registry)
+        self.ghost_age = Gauge("cancelwatch_ghost_oldest_seconds", "How long ago the client of the oldest ghost left",
+                               registry=self.registry)
         self.release = Histogram("cancelwatch_watched_release_seconds",
                                  "Released watched cancels: the client leaving to the request leaving the scheduler",
                                  buckets=BUCKETS, registry=self.registry)
@@ -75,6 +80,9 @@ class _Judge:
         self.tries: dict[str, int] = {}
         self.counts: dict[str, int] = {}
         self.failures = 0
+        from analysis.ghosts import Ghosts
+
+        self.ghosts = Ghosts()  # the leaked ones the engine may still hold
 
     def start(self, run_id: int, t0_ns: int) -> None:
         self.run_id, self.t0_ns = run_id, t0_ns
@@ -132,6 +140,8 @@ class _Judge:
                               "from the run")
         for v in verdicts:
             self.counts[v.verdict] = self.counts.get(v.verdict, 0) + 1
+            if v.verdict == "leaked":
+                self.ghosts.leaked(v.request_id, ready[v.request_id])
             why = f": {v.evidence.why}" if v.evidence.why else ""
             out.print(f"watch: cancel {v.request_id} {v.verdict} ({v.rule}){why}", highlight=False)
         if self.metrics is not None:
@@ -169,8 +179,21 @@ class _UpstreamWord:
                 self.metrics.refused.inc()
 
 
+def _count_ghosts(judge: _Judge, ledger, scheduler, metrics: WatchMetrics | None) -> None:
+    """The ghosts against the engine's latest count and the watch's requests in flight; said as they go."""
+    running, waiting = scheduler()
+    in_flight = sum(row.n or 1 for row in ledger.open_rows())
+    gone = judge.ghosts.update(running + waiting, in_flight)
+    if gone:
+        out.print(f"watch: {len(gone)} leaked request(s) left the engine (by its count; the oldest taken first): "
+                  f"{', '.join(gone)}", highlight=False)
+    if metrics is not None:
+        metrics.ghosts.set(judge.ghosts.count())
+        metrics.ghost_age.set(judge.ghosts.oldest_age_s(judge.now_s()))
+
+
 async def _watch_loop(tap, ledger, writer, judge: _Judge, stop: threading.Event, deadline_ns: int | None,
-                      metrics: WatchMetrics | None) -> None:
+                      metrics: WatchMetrics | None, scheduler) -> None:
     """Pass the tap's events through the ledger into the run; judge each cancel as its grace ends. At the
     end: the tap closed, every open request's row written, the last cancels sampled through their grace."""
     from runstore.records import EventRecord
@@ -195,6 +218,7 @@ async def _watch_loop(tap, ledger, writer, judge: _Judge, stop: threading.Event,
             if time.monotonic() - last_judged >= 0.5:
                 last_judged = time.monotonic()
                 await judge.due()
+                _count_ghosts(judge, ledger, scheduler, metrics)
             await asyncio.sleep(0.1)
     finally:
         tap.close()  # connections still open are reset: the watch is over
@@ -232,7 +256,7 @@ def watch(
 ):
     """Watch real traffic: judge every cancel real clients make, live."""
     from collectors.families import family_for_target, refused_command
-    from collectors.recording.session import PreflightError, RecordSettings, parse_targets, record
+    from collectors.recording.session import PreflightError, RecordSettings, parse_targets, record, scheduler_reader
     from collectors.recording.vllm_session import build_vllm_sources
     from collectors.recording.watch_ledger import WatchLedger
     from collectors.sources.prometheus_api import parse_duration
@@ -320,7 +344,8 @@ def watch(
     def driver(writer, sampler):
         judge.start(writer.run_id, sampler.t0_mono_ns)
         deadline = time.monotonic_ns() + int(seconds * 1e9) if seconds else None
-        return _watch_loop(tap, ledger, writer, judge, stop, deadline, metrics)
+        scheduler = scheduler_reader(sampler, targets[0].label, family.scheduler_source)
+        return _watch_loop(tap, ledger, writer, judge, stop, deadline, metrics, scheduler)
 
     try:
         result = record(settings, sources, facts, driver_factory=driver)

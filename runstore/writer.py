@@ -117,6 +117,14 @@ def _open_once(p: Path) -> sqlite3.Connection:
     return con
 
 
+def drop_window_index(path: str | Path) -> None:
+    """The store as stores before the (run, scrape) index were: bench/window.py reads windows with and
+    without it, side by side. The next open_store makes it again."""
+    with sqlite3.connect(path) as con:
+        con.execute("DROP INDEX IF EXISTS samples_scrape")
+    con.close()
+
+
 def create_run(
     con: sqlite3.Connection,
     *,

@@ -46,6 +46,11 @@ def judged(metrics_port: int) -> dict[str, float]:
     return out
 
 
+def gauge(metrics_port: int, name: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
 def requests_seen(metrics_port: int) -> float:
     text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
     return float(re.search(r"^cancelwatch_watched_requests_total (\S+)$", text, re.M).group(1))
@@ -77,9 +82,10 @@ def real_clients(url: str, model: str, tokens: int) -> None:
     assert done.choices[0].finish_reason in ("length", "stop")
 
 
-def watch_and_drive(engine, engine_home, tmp_path, upstream: str, tokens: int):
+def watch_and_drive(engine, engine_home, tmp_path, upstream: str, tokens: int, ghosts: list | None = None):
     """Run the watch in front of `upstream`, drive the real clients through it, wait for their three
-    verdicts, SIGTERM it; (its stdout, the run)."""
+    verdicts, SIGTERM it; (its stdout, the run). `ghosts` gets the watch's ghost gauge as read while the
+    verdicts came, then until it is 0 and the engine idle (bounded)."""
     port, mport, store = free_port(), free_port(), tmp_path / "watch.db"
     proc = cli_popen("watch", "--listen", f"127.0.0.1:{port}", "--upstream", upstream, "--metrics-url", engine.url,
                      "--metrics-listen", f"127.0.0.1:{mport}", "--store", str(store), "--grace", str(GRACE_S),
@@ -88,10 +94,16 @@ def watch_and_drive(engine, engine_home, tmp_path, upstream: str, tokens: int):
         wait_listening(port, proc)
         real_clients(f"http://127.0.0.1:{port}", engine.served_model_name, tokens)
         deadline = time.monotonic() + 120
+        seen = [] if ghosts is None else ghosts
         while sum(judged(mport).values()) < 3 and time.monotonic() < deadline:
             assert proc.poll() is None, proc.communicate()
+            seen.append(gauge(mport, "cancelwatch_ghost_requests"))
             time.sleep(0.5)
         assert sum(judged(mport).values()) == 3, judged(mport)
+        # the leaked requests run on to their ends in the engine: the ghosts go with them
+        while time.monotonic() < deadline + 60 and (seen[-1:] != [0.0] or engine_busy(engine.url)):
+            seen.append(gauge(mport, "cancelwatch_ghost_requests"))
+            time.sleep(0.5)
         assert requests_seen(mport) == 4
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=60)
@@ -103,15 +115,23 @@ def watch_and_drive(engine, engine_home, tmp_path, upstream: str, tokens: int):
     return stdout, load_run(store, "latest")
 
 
+def engine_busy(url: str) -> bool:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return any(float(m.group(1)) > 0 for m in
+               re.finditer(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text, re.M))
+
+
 def live_verdicts(stdout: str) -> dict[str, tuple[str, str]]:
     return {m.group(1): (m.group(2), m.group(3)) for m in LINE.finditer(stdout)}
 
 
 def test_real_clients_cancelling_direct_to_the_engine_are_released(engine, engine_home, tmp_path):
     tokens = max(600, int(decode_rate(engine.url, engine.served_model_name) * (GRACE_S + 6) * 1.5))
-    stdout, run = watch_and_drive(engine, engine_home, tmp_path, engine.url, tokens)
+    ghosts: list[float] = []
+    stdout, run = watch_and_drive(engine, engine_home, tmp_path, engine.url, tokens, ghosts)
     live = live_verdicts(stdout)
     assert run.info["status"] == "completed"
+    assert set(ghosts) == {0.0}, ghosts  # released: nothing left in the engine for nobody
     assert run.info["settings"]["watch"]["request_ids"].startswith("added")
     ledger = run.ledger.set_index("request_id")
     assert len(ledger) == 4 and sorted(ledger["terminal_state"]) == ["cancelled"] * 3 + ["completed"]
@@ -129,11 +149,16 @@ def test_real_clients_cancelling_behind_a_proxy_that_never_passes_it_on_are_leak
     tokens = max(600, int(decode_rate(engine.url, engine.served_model_name) * (GRACE_S + 6) * 1.5))
     proxy = LeakyProxy(engine.url, free_port()).start()
     try:
-        stdout, run = watch_and_drive(engine, engine_home, tmp_path, proxy.url, tokens)
+        ghosts: list[float] = []
+        stdout, run = watch_and_drive(engine, engine_home, tmp_path, proxy.url, tokens, ghosts)
     finally:
         proxy.stop()
     live = live_verdicts(stdout)
     assert run.info["status"] == "completed"
     assert len(live) == 3 and {v for v, _ in live.values()} == {"leaked"}, stdout
+    # these clients close with a FIN, and the proxy, once it sees it, sends them nothing more: the watch
+    # learns they are gone only when the connection ends, with the request's end, and judges the leak then,
+    # when the engine holds no ghost any more (a client's reset is a ghost at once: tests/test_ghosts.py)
+    assert ghosts[-1] == 0.0, (ghosts, stdout)
     ledger = run.ledger
     assert sorted(ledger["terminal_state"]) == ["cancelled"] * 3 + ["completed"]
