@@ -527,24 +527,24 @@ class VllmCase(Case):
         others = ledger["request_id"] != self.rid
         closes = (ledger.loc[others, "closed_mono_ns"].dropna().to_numpy(float) - t0) / 1e9
         sends = (ledger.loc[others, "sent_mono_ns"].dropna().to_numpy(float) - t0) / 1e9
-        spans = np.zeros(len(times))
-        spans[grace] = self._scrape_spans(times[grace])
         # the server read its gauges somewhere in the scrape's span (CI: an app busy generating answered its
         # /metrics ~1 s after the tick): a request whose client read its end by then may be gone, and one sent
         # by then may be counted though the ledger's tick does not hold it yet; one sent within LAG_S before
         # the tick may not be the engine's yet
-        ending = np.array([((closes > t) & (closes <= t + sp + LAG_S)).sum() for t, sp in zip(times, spans)])
-        starting = np.array([((sends <= t) & (sends > t - LAG_S)).sum() for t in times])
-        arriving = np.array([((sends > t) & (sends <= t + sp)).sum() for t, sp in zip(times, spans)])
+        at = np.flatnonzero(grace)
+        spans = self._scrape_spans(times[at])
+        ending = np.array([((closes > t) & (closes <= t + sp + LAG_S)).sum() for t, sp in zip(times[at], spans)])
+        starting = np.array([((sends <= t) & (sends > t - LAG_S)).sum() for t in times[at]])
+        arriving = np.array([((sends > t) & (sends <= t + sp)).sum() for t, sp in zip(times[at], spans)])
         if self.ahead:
             # no slack where any request might stand in for the target
-            grace &= (ending == 0) & (starting == 0) & (arriving == 0)
-        if grace.sum() < 2:
-            return ahead if self.ahead else f"{int(grace.sum())} scheduler sample(s) answered in the grace"
-        if not gen[grace][-1] > gen[grace][0]:
+            keep = (ending == 0) & (starting == 0) & (arriving == 0)
+            at, ending, starting, arriving = at[keep], ending[keep], starting[keep], arriving[keep]
+        if len(at) < 2:
+            return ahead if self.ahead else f"{len(at)} scheduler sample(s) answered in the grace"
+        if not gen[at][-1] > gen[at][0]:
             return "the engine's token counter did not rise across the grace"
-        for t, k, f, e, s, a in zip(times[grace], count[grace], inflight[grace], ending[grace], starting[grace],
-                                    arriving[grace]):
+        for t, k, f, e, s, a in zip(times[at], count[at], inflight[at], ending, starting, arriving):
             if k - a < f - e - s - 0.5:
                 late = f", {a} sent while its scrape was being answered" if a else ""
                 return (f"{t - self.t_stop:.2f} s after the stop the server counted {k:g} request(s){late} where "

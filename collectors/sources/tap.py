@@ -448,10 +448,14 @@ class TapSource(Source):
 
     # ------------------------------------------------------------------ one connection
     def _event(self, kind: str, flow: _Flow, at_ns: int, request_id: str | None = None, **data) -> None:
+        self._record(kind, flow.conn, at_ns, request_id, **data)
+
+    def _record(self, kind: str, conn: int, at_ns: int, request_id: str | None = None, **data) -> None:
+        """One event of connection `conn` (a refused one has no flow)."""
         wall = time.time_ns() - (self._clock() - at_ns)
         with self._lock:
             self._events.append(EventRecord(kind=kind, wall_ns=wall, mono_ns=at_ns, request_id=request_id,
-                                            data={"hop": self.hop.name, "conn": flow.conn, **data}))
+                                            data={"hop": self.hop.name, "conn": conn, **data}))
 
     def _http_events(self, flow: _Flow, at_ns: int, found: list[tuple[str, dict]]) -> None:
         """What the HTTP reading found, as events (the row's request id: the request's X-Request-Id)."""
@@ -512,10 +516,7 @@ class TapSource(Source):
         closed. What the client sent first is read (briefly): closing on unread bytes would reset the
         connection before the client read the answer."""
         self._refused += 1
-        with self._lock:
-            self._events.append(EventRecord(kind="tap_refused", wall_ns=time.time_ns(), mono_ns=self._clock(),
-                                            request_id=None, data={"hop": self.hop.name, "conn": conn,
-                                                                   "open": self._open}))
+        self._record("tap_refused", conn, self._clock(), open=self._open)
         body = (f"cancelwatch: {self._open} connections open through this tap, its bound "
                 f"(--max-connections); try again\n").encode()
         try:
