@@ -8,6 +8,7 @@ Here, above collectors and analysis, as the canary is: collectors write the run,
 from __future__ import annotations
 
 import asyncio
+import math
 import signal
 import threading
 import time
@@ -24,6 +25,8 @@ BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 REQUEST_ID_PREFIX = "cw-watch-"
 VERDICT_NAMES = ("released", "leaked", "stale_gauge", "inconclusive")
 MAX_TRIES = 5  # judging a cancel whose window the store does not hold yet, at most
+# a source this far behind the clock is not waited for: its cancels are judged by the clock, with its gaps
+LATE_S = 10.0
 
 
 class WatchMetrics:
@@ -84,8 +87,9 @@ class _Judge:
 
         self.ghosts = Ghosts()  # the leaked ones the engine may still hold
 
-    def start(self, run_id: int, t0_ns: int) -> None:
+    def start(self, run_id: int, t0_ns: int, committed_through_ns=lambda: None) -> None:
         self.run_id, self.t0_ns = run_id, t0_ns
+        self.committed_through_ns = committed_through_ns  # the writer's: how far the store holds every source
 
     def add(self, request_id: str, t_stop_s: float) -> None:
         self.pending[request_id] = t_stop_s
@@ -95,11 +99,26 @@ class _Judge:
         return (time.monotonic_ns() - self.t0_ns) / 1e9
 
     async def due(self, everything: bool = False) -> None:
-        from analysis.watching import SETTLE_S, due
+        from analysis.watching import due, window_of
 
         now = self.now_s()
+        # a window is judged once the store holds every source's reads past its end, not once the clock is
+        # past it: on a starved host (seen: the watch's threads stalled 3 s under AIPerf and the engine on two
+        # cores) the engine log's lines come seconds late, and a window read by the clock lacked its Added and
+        # abort lines. Sources further behind than LATE_S: judged by the clock, their gaps in the window
+        # and once the stops of every cancel in its window are in the store too: a cancel is put when it is
+        # decided (a half-close at its connection's end, long after its stop), and a window without another
+        # cancel's stop would count that request as the engine's surplus
+        through = self.committed_through_ns()
+        held = -math.inf if through is None else (through - self.t0_ns) / 1e9
+
+        def stops_held(t: float) -> bool:
+            end = window_of(t, self.grace_s)[1]
+            return all(held >= self.decided[r] for r, s in self.pending.items() if s <= end)
+
         ready = {rid: t for rid, t in self.pending.items()
-                 if everything or (due(t, self.grace_s, now) and now >= self.decided[rid] + SETTLE_S)}
+                 if everything or ((due(t, self.grace_s, min(now, held)) and stops_held(t))
+                                   or (due(t, self.grace_s, now - LATE_S) and now >= self.decided[rid] + LATE_S))}
         if ready:
             await self._judge(ready, last_try=everything)
 
@@ -112,7 +131,8 @@ class _Judge:
 
         lo = window_of(min(ready.values()), self.grace_s)[0]
         hi = window_of(max(ready.values()), self.grace_s)[1]
-        open_rows = pd.DataFrame([asdict(r) for r in self.ledger.open_rows()])
+        # the store's mark before the rows: a row handed out before it is in the store when the store is read
+        open_rows = pd.DataFrame([asdict(r) for r in self.ledger.live_rows(self.committed_through_ns())])
 
         def judge():
             from analysis.watching import judge_cancels
@@ -201,7 +221,8 @@ async def _watch_loop(tap, ledger, writer, judge: _Judge, stop: threading.Event,
     upstream = _UpstreamWord(metrics)
 
     def feed() -> None:
-        for rec in ledger.feed(tap.take_events()):
+        records = ledger.feed(tap.take_events())
+        for rec in records:
             writer.put(rec)
             if not isinstance(rec, EventRecord):
                 continue
@@ -210,6 +231,7 @@ async def _watch_loop(tap, ledger, writer, judge: _Judge, stop: threading.Event,
             elif rec.kind == "tap_request" and metrics is not None:
                 metrics.requests.inc()
             upstream.saw(rec)
+        ledger.handed_out(records, time.monotonic_ns())  # read after the last put
 
     last_judged = 0.0
     try:
@@ -223,12 +245,14 @@ async def _watch_loop(tap, ledger, writer, judge: _Judge, stop: threading.Event,
     finally:
         tap.close()  # connections still open are reset: the watch is over
         feed()
-        for row in ledger.finish():
+        rows = ledger.finish()
+        for row in rows:
             writer.put(row)
+        ledger.handed_out(rows, time.monotonic_ns())
     # the last cancels: sampled through their grace (bounded), then judged
     from analysis.watching import SETTLE_S
 
-    until = time.monotonic() + judge.grace_s + SETTLE_S + 1.0
+    until = time.monotonic() + judge.grace_s + SETTLE_S + 1.0 + LATE_S
     while judge.pending and time.monotonic() < until:
         await judge.due()
         await asyncio.sleep(0.2)
@@ -342,7 +366,8 @@ def watch(
               + (f"; metrics on http://{metrics_listen}/metrics" if metrics_listen else ""), highlight=False)
 
     def driver(writer, sampler):
-        judge.start(writer.run_id, sampler.t0_mono_ns)
+        writer.expect((s.name, s.target) for s in sampler.sources)
+        judge.start(writer.run_id, sampler.t0_mono_ns, writer.committed_through_ns)
         deadline = time.monotonic_ns() + int(seconds * 1e9) if seconds else None
         scheduler = scheduler_reader(sampler, targets[0].label, family.scheduler_source)
         return _watch_loop(tap, ledger, writer, judge, stop, deadline, metrics, scheduler)

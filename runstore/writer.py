@@ -286,6 +286,8 @@ class StoreWriter:
         self.path = store_path(con)
         self._q: queue.Queue = queue.Queue()
         self._series: dict[tuple, int] = {}
+        # (source, target) -> the last two committed reads' mono_ns: see committed_through_ns
+        self._committed: dict[tuple[str, str], tuple[int | None, int]] = {}
         self._thread = threading.Thread(target=self._loop, name="store-writer", daemon=True)
         self._thread.start()
 
@@ -300,6 +302,23 @@ class StoreWriter:
         self._thread.join(timeout_s)
         if self.error is not None:
             raise StoreError(self.error_line()) from self.error
+
+    def committed_through_ns(self) -> int | None:
+        """The monotonic instant up to which every source's reads, and the events read with them, are in the
+        store: per source the read before its last committed one (a read's events are put after its scrape
+        and may be a commit behind it, but are always before the next read's), the earliest over the sources;
+        None before every source has two. What a live reader waits for: under a starved host the sources fall
+        seconds behind the clock, and a window read by the clock then lacks the log lines it is judged on."""
+        marks = list(self._committed.values())
+        if not marks or any(prev is None for prev, _ in marks) or self.error is not None:
+            return None  # a failed batch's records are lost: nothing past it is held
+        return min(prev for prev, _ in marks)
+
+    def expect(self, keys) -> None:
+        """The (source, target) pairs the mark waits for before any of them has a read committed: a source whose
+        first read is slow (a starved host) must not be left out of it."""
+        for key in keys:
+            self._committed.setdefault(tuple(key), (None, None))
 
     def error_line(self) -> str:
         """One line: which store, what failed, what to do, and that the earlier writes are kept."""
@@ -358,6 +377,10 @@ class StoreWriter:
             try:
                 with self.con:
                     written = [self._write(rec) for rec in batch]
+                for rec in batch:
+                    if isinstance(rec, ScrapeRecord):
+                        key = (rec.source, rec.target)
+                        self._committed[key] = (self._committed.get(key, (None, None))[1], rec.mono_ns)
                 counts = [n for n in written if n is not None]
                 self.samples_written += sum(counts)
                 self.scrapes_written += len(counts)

@@ -81,6 +81,8 @@ NOT_RUN = {
     ".venv/bin/python -m pytest -m \"not engine and not browser and not triton and not prometheus\" tests":
         "what `make test-fast` runs (see there)",
     "make fuzz": "tests/test_fuzz.py with thousands of examples a test; the suite runs the same tests bounded",
+    "make test-aiperf": "the AIPerf tests (tests/test_watch_aiperf.py) with a 1.2 GB venv of their own: a suite "
+        "target beside `make test`, run by hand",
     "make prometheus": "an install step that `make test` runs first",
     "make sample-run": "re-records the shipped sample run; the engine tests record the same scenarios",
     "make bench": "a benchmark: prints figures for minutes, read by a person, not asserted",

@@ -295,3 +295,21 @@ def test_garbage_and_a_head_past_the_limit_pass_as_they_came_marked_unparsed():
             up.close()
         assert up.seen == [raw], up.seen[0][:200]  # not a byte changed, no id added
         assert "tap_unparsed" in kinds(got) and not rows(got) and not stops(got), kinds(got)
+
+
+def test_a_row_handed_to_the_writer_stays_live_until_the_store_surely_holds_it():
+    """A live judge reads the store plus the ledger's live rows: a request that ended a moment before (its
+    row put to the writer, not yet committed; on a starved host, seconds later) must be in one of them, or
+    the judge counts its entry in the engine as traffic nobody sent (seen with AIPerf through the watch)."""
+    def ev(kind, t_s, rid=None, **data):
+        return EventRecord(kind, 0, int(t_s * 1e9), rid, {"conn": 1, "seq": 0, **data})
+
+    led = WatchLedger("t0")
+    led.handed_out(led.feed([ev("tap_request", 1.0, "r-done"), ev("tap_response", 1.1, status=200)]), int(1.2e9))
+    assert [r.request_id for r in led.live_rows()] == ["r-done"]
+    written = led.feed([ev("tap_response_end", 2.0)])
+    led.handed_out(written, int(9.0e9))  # handed out late: the watch's loop was held up
+    assert [r.request_id for r in rows(written)] == ["r-done"] and led.open_rows() == []
+    # the store is held through 8.5 s: put at 9.0 s, the row may not be in it yet, however old its events
+    assert [r.request_id for r in led.live_rows(committed_ns=int(8.5e9))] == ["r-done"]
+    assert led.live_rows(committed_ns=int(9.5e9)) == []  # surely in the store: the store's row is the one

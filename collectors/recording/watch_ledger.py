@@ -15,6 +15,7 @@ Pure bookkeeping over the tap's events (runstore/event_kinds.py: tap_*), on the 
 from __future__ import annotations
 
 import uuid
+from collections import deque
 from dataclasses import dataclass
 
 from runstore.records import EventRecord, LedgerRecord
@@ -23,6 +24,11 @@ SCENARIO = "watched"  # every watched request's ledger scenario: real traffic, o
 CANCELLED = "target"  # the role of a request its client gave up on (the scripted target's role)
 WATCHED = "watched"  # the role of every other request the watch saw
 MODE = "client_gone"  # the user_stop's mode: how a real client gives up
+# a row handed to the writer is in the store a commit later, or, on a starved host, seconds later: a live judge
+# reading the store in that moment would find the request in neither the store nor the open rows, and count
+# the engine's request as traffic it does not know. Closed rows stay at hand until the store surely holds
+# them (live_rows), and at most this long after they were handed out
+RECENT_NS = 120_000_000_000
 
 
 @dataclass
@@ -46,10 +52,20 @@ class WatchLedger:
         self._held: dict[int, tuple] = {}  # conn -> the request held for its connection's end
         self.requests = 0
         self.cancels: list[str] = []  # request ids of the cancels, in the order they were decided
+        self._recent: deque[tuple[int, LedgerRecord]] = deque()  # (handed out at, row) of rows just written
 
     def open_rows(self) -> list[LedgerRecord]:
         """The rows of requests still in flight (not yet written): a live judge counts them in the engine."""
         return [o.row for o in self._open.values()]
+
+    def live_rows(self, committed_ns: int | None = None) -> list[LedgerRecord]:
+        """The rows a live judge adds to the store's: those in flight, and those handed out that the store may
+        not hold yet: all handed out at or after `committed_ns`, the instant the store holds everything put
+        before (StoreWriter.committed_through_ns, read before the store is). The store's row wins where it
+        has one."""
+        while self._recent and committed_ns is not None and self._recent[0][0] < committed_ns:
+            self._recent.popleft()
+        return [row for _, row in self._recent] + self.open_rows()
 
     def feed(self, events: list[EventRecord]) -> list:
         out: list = []
@@ -57,6 +73,13 @@ class WatchLedger:
             out.append(ev)
             out += self._one(ev)
         return out
+
+    def handed_out(self, records: list, now_ns: int) -> None:
+        """`records` (of feed) were put to the writer, all of them before `now_ns` (the recorder's monotonic
+        clock, read after the last put): their rows stay live until the store surely holds them."""
+        self._recent.extend((now_ns, rec) for rec in records if isinstance(rec, LedgerRecord))
+        while self._recent and self._recent[0][0] < now_ns - RECENT_NS:
+            self._recent.popleft()
 
     def finish(self, why: str = "the watch ended") -> list:
         """Rows of the requests still open when the watch ends, written as interrupted (a held half-close

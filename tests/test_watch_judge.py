@@ -1,0 +1,117 @@
+"""When the watch judges a cancel: once the store holds every source's reads past the end of the cancel's
+window (StoreWriter.committed_through_ns), not once the clock is past it. Seen under AIPerf on two cores: the
+watch's threads stalled seconds, the engine log's lines reached the store late, and windows read by the clock
+lacked the Added and abort lines (live verdicts `finished_on_its_own`, `other_traffic_logged`, `never_added`
+where the report of the same run said `released`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from analysis.watching import SETTLE_S, window_of
+from cancelwatch.watch_commands import LATE_S, _Judge
+from runstore.records import EventRecord, ScrapeRecord
+from runstore.writer import StoreWriter, create_run, open_store
+
+
+def test_the_store_is_held_through_each_sources_read_before_its_last_committed_one(tmp_path):
+    con = open_store(tmp_path / "s.db")
+    rid = create_run(con, name="w", targets=[], engine={}, settings={}, wall_ns=0, mono_ns=0)
+    w = StoreWriter(con, rid, flush_s=0.05)
+    try:
+        def read(source: str, t_s: float) -> None:
+            w.put(ScrapeRecord(source, "t0", 0, 0, int(t_s * 1e9), 1000, True, []))
+
+        read("vllm", 1.0)
+        read("engine_log", 1.0)
+        deadline = time.monotonic() + 5
+        while w.scrapes_written < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert w.committed_through_ns() is None  # one read a source: its events may still be a commit behind
+        read("vllm", 2.0)
+        read("vllm", 3.0)
+        read("engine_log", 1.5)
+        w.put(EventRecord("engine_added", 0, int(1.4e9), "r1", {}))  # read with the engine log's 1.5 s read
+        read("engine_log", 1.55)
+        while w.scrapes_written < 6 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        # vllm is held through 2.0, the engine log only through 1.5 (its 1.55 read's events may lag): 1.5
+        assert w.committed_through_ns() == int(1.5e9)
+    finally:
+        w.close()
+        con.close()
+
+
+class _Seen(_Judge):
+    def __init__(self, through_s: float | None):
+        super().__init__(store=None, grace_s=2.0, ledger=None, metrics=None)
+        self.judged: list[set[str]] = []
+        self.start(1, time.monotonic_ns() - int(100e9),
+                   lambda: None if through_s is None else self.t0_ns + int(through_s * 1e9))
+
+    async def _judge(self, ready, last_try):
+        self.judged.append(set(ready))
+        for rid in ready:
+            self.pending.pop(rid)
+
+
+def test_a_cancel_waits_for_the_store_not_the_clock_and_not_past_a_bound():
+    stop = 90.0  # the clock is at 100 s: the window [88, 94] is long past by the clock
+    end = window_of(stop, 2.0)[1]
+    behind = _Seen(through_s=end - 0.5)  # the engine log half a second short of the window's end
+    behind.pending["r"], behind.decided["r"] = stop, stop
+    asyncio.run(behind.due())
+    assert behind.judged == []
+    caught_up = _Seen(through_s=end + 0.1)
+    caught_up.pending["r"], caught_up.decided["r"] = stop, stop
+    asyncio.run(caught_up.due())
+    assert caught_up.judged == [{"r"}]
+    # a source that stopped answering long ago is not waited for: judged with its gaps
+    stale = _Seen(through_s=10.0)
+    stale.pending["r"], stale.decided["r"] = 100.0 - LATE_S - SETTLE_S - 2.0 - 0.5, 80.0
+    asyncio.run(stale.due())
+    assert stale.judged == [{"r"}]
+    nothing = _Seen(through_s=None)
+    nothing.pending["r"], nothing.decided["r"] = stop, stop
+    asyncio.run(nothing.due())
+    assert nothing.judged == []
+
+
+def test_a_cancel_waits_for_the_stops_of_the_other_cancels_in_its_window():
+    """A half-close is decided, and its stop put, when its connection ends, long after the stop: a window that
+    lacks it counts that request as the engine's surplus (X reset at 90.5 s, Y half-closed at 90.0 s and
+    decided at 94.8 s, X due on the same pass)."""
+    j = _Seen(through_s=94.6)  # the clock at 100 s
+    j.pending["X"], j.decided["X"] = 90.5, 90.5
+    j.pending["Y"], j.decided["Y"] = 90.0, 94.8  # in X's window, put after the store's mark
+    asyncio.run(j.due())
+    assert j.judged == []
+    j.committed_through_ns = lambda: j.t0_ns + int(94.9e9)
+    asyncio.run(j.due())
+    assert j.judged == [{"X", "Y"}]
+
+
+def test_the_mark_waits_for_every_expected_source_and_stops_at_a_failed_write(tmp_path):
+    con = open_store(tmp_path / "s.db")
+    rid = create_run(con, name="w", targets=[], engine={}, settings={}, wall_ns=0, mono_ns=0)
+    w = StoreWriter(con, rid, flush_s=0.05)
+    try:
+        w.expect([("vllm", "t0"), ("nvml", "gpu0")])  # NVML's first read is slow: no read of it yet
+        for t in (1.0, 2.0, 3.0):
+            w.put(ScrapeRecord("vllm", "t0", 0, 0, int(t * 1e9), 1000, True, []))
+        deadline = time.monotonic() + 5
+        while w.scrapes_written < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert w.committed_through_ns() is None
+        for t in (1.0, 2.0):
+            w.put(ScrapeRecord("nvml", "gpu0", 0, 0, int(t * 1e9), 1000, True, []))
+        while w.scrapes_written < 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert w.committed_through_ns() == int(1e9)
+        w.error = RuntimeError("a batch was rolled back")  # its records are lost: no mark past them
+        assert w.committed_through_ns() is None
+        w.error = None
+    finally:
+        w.close()
+        con.close()
