@@ -105,10 +105,10 @@ class _Judge:
         # a window is judged once the store holds every source's reads past its end, not once the clock is
         # past it: on a starved host (seen: the watch's threads stalled 3 s under AIPerf and the engine on two
         # cores) the engine log's lines come seconds late, and a window read by the clock lacked its Added and
-        # abort lines. Sources further behind than LATE_S: judged by the clock, their gaps in the window
-        # and once the stops of every cancel in its window are in the store too: a cancel is put when it is
-        # decided (a half-close at its connection's end, long after its stop), and a window without another
-        # cancel's stop would count that request as the engine's surplus
+        # abort lines. And once the stops of every cancel in the window are in the store too: a cancel is put
+        # when it is decided (a half-close at its connection's end, long after its stop), and a window without
+        # another cancel's stop would count that request as the engine's surplus. A store further behind
+        # than LATE_S is not waited for: judged by the clock, with the gaps in the window
         through = self.committed_through_ns()
         held = -math.inf if through is None else (through - self.t0_ns) / 1e9
 

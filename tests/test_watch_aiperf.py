@@ -15,7 +15,6 @@ within a few ms of its request passing the watch."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import time
 from collections import Counter
@@ -24,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from runstore.reader import load_run
-from tests.conftest import cli, cli_popen, free_port
+from tests.conftest import cli, free_port
 from tests.leaky_proxy import LeakyProxy
-from tests.test_watch_engine import judged, live_verdicts, wait_listening
+from tests.test_watch_engine import judged, live_verdicts, watching
 
 pytestmark = [pytest.mark.engine, pytest.mark.aiperf]
 
@@ -64,13 +63,8 @@ def aiperf_cancelled(summary: dict, records: list[dict]) -> tuple[int, set[str]]
 
 def watch_aiperf(engine, engine_home, tmp_path, upstream: str, seed: int):
     """AIPerf through a watch in front of `upstream`; (AIPerf's count and ids, live verdicts, the run, report)."""
-    port, mport, store = free_port(), free_port(), tmp_path / "watch.db"
-    proc = cli_popen("watch", "--listen", f"127.0.0.1:{port}", "--upstream", upstream, "--metrics-url", engine.url,
-                     "--metrics-listen", f"127.0.0.1:{mport}", "--store", str(store), "--grace", str(GRACE_S),
-                     "--duration", "900", home=engine_home)
-    try:
-        wait_listening(port, proc)
-        summary, records = run_aiperf(f"http://127.0.0.1:{port}", engine.served_model_name, engine.model,
+    with watching(engine, engine_home, tmp_path, upstream, duration_s=900, end_timeout_s=90) as w:
+        summary, records = run_aiperf(f"http://127.0.0.1:{w.port}", engine.served_model_name, engine.model,
                                       tmp_path / "aiperf", seed)
         count, ids = aiperf_cancelled(summary, records)
         # until every cancel is judged, or none more comes for a while (AIPerf may count a request as cancelled
@@ -78,22 +72,15 @@ def watch_aiperf(engine, engine_home, tmp_path, upstream: str, seed: int):
         # judged when its request ends
         deadline, seen, since = time.monotonic() + 240, -1.0, time.monotonic()
         while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.communicate()
-            now = sum(judged(mport).values())
+            assert w.proc.poll() is None, w.proc.communicate()
+            now = sum(judged(w.mport).values())
             if now >= count or time.monotonic() - since > 30:
                 break
             if now != seen:
                 seen, since = now, time.monotonic()
             time.sleep(1.0)
-        proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, stdout + stderr
-    report = json.loads(cli("report", "latest", "--json", "--store", str(store), home=engine_home).stdout)
-    return count, ids, live_verdicts(stdout), load_run(store, "latest"), report
+    report = json.loads(cli("report", "latest", "--json", "--store", str(w.store), home=engine_home).stdout)
+    return count, ids, live_verdicts(w.stdout), load_run(w.store, "latest"), report
 
 
 def side_by_side(ids: set[str], live: dict[str, tuple[str, str]]) -> str:

@@ -12,6 +12,9 @@ import signal
 import socket
 import subprocess
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
@@ -82,17 +85,43 @@ def real_clients(url: str, model: str, tokens: int) -> None:
     assert done.choices[0].finish_reason in ("length", "stop")
 
 
+@dataclass
+class Watch:
+    port: int
+    mport: int
+    store: Path
+    proc: subprocess.Popen
+    stdout: str = ""
+
+
+@contextmanager
+def watching(engine, engine_home, tmp_path, upstream: str, duration_s: int, end_timeout_s: float):
+    """A watch in front of `upstream` (grace GRACE_S, its /metrics served), listening; SIGTERM when the block
+    ends, which must end it with exit 0 within `end_timeout_s` (its stdout then in `.stdout`); killed if not."""
+    w = Watch(free_port(), free_port(), tmp_path / "watch.db", None)
+    w.proc = cli_popen("watch", "--listen", f"127.0.0.1:{w.port}", "--upstream", upstream, "--metrics-url",
+                       engine.url, "--metrics-listen", f"127.0.0.1:{w.mport}", "--store", str(w.store), "--grace",
+                       str(GRACE_S), "--duration", str(duration_s), home=engine_home)
+    stderr = ""
+    try:
+        wait_listening(w.port, w.proc)
+        yield w
+        w.proc.send_signal(signal.SIGTERM)
+        w.stdout, stderr = w.proc.communicate(timeout=end_timeout_s)
+    finally:
+        if w.proc.poll() is None:
+            w.proc.kill()
+            w.proc.communicate()
+    assert w.proc.returncode == 0, w.stdout + stderr
+
+
 def watch_and_drive(engine, engine_home, tmp_path, upstream: str, tokens: int, ghosts: list | None = None):
     """Run the watch in front of `upstream`, drive the real clients through it, wait for their three
     verdicts, SIGTERM it; (its stdout, the run). `ghosts` gets the watch's ghost gauge as read while the
     verdicts came, then until it is 0 and the engine idle (bounded)."""
-    port, mport, store = free_port(), free_port(), tmp_path / "watch.db"
-    proc = cli_popen("watch", "--listen", f"127.0.0.1:{port}", "--upstream", upstream, "--metrics-url", engine.url,
-                     "--metrics-listen", f"127.0.0.1:{mport}", "--store", str(store), "--grace", str(GRACE_S),
-                     "--duration", "600", home=engine_home)
-    try:
-        wait_listening(port, proc)
-        real_clients(f"http://127.0.0.1:{port}", engine.served_model_name, tokens)
+    with watching(engine, engine_home, tmp_path, upstream, duration_s=600, end_timeout_s=60) as w:
+        proc, mport = w.proc, w.mport
+        real_clients(f"http://127.0.0.1:{w.port}", engine.served_model_name, tokens)
         deadline = time.monotonic() + 120
         seen = [] if ghosts is None else ghosts
         while sum(judged(mport).values()) < 3 and time.monotonic() < deadline:
@@ -105,14 +134,7 @@ def watch_and_drive(engine, engine_home, tmp_path, upstream: str, tokens: int, g
             seen.append(gauge(mport, "cancelwatch_ghost_requests"))
             time.sleep(0.5)
         assert requests_seen(mport) == 4
-        proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, stdout + stderr
-    return stdout, load_run(store, "latest")
+    return w.stdout, load_run(w.store, "latest")
 
 
 def engine_busy(url: str) -> bool:
