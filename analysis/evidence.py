@@ -78,8 +78,14 @@ class Evidence:
         send and its first token (analysis/verdicts/log_ids.py); None when the log names it by the ledger's
     app_answer: what the app answered an explicit cancel the request then ran on past (`abort_sent`,
         `not_here`, `HTTP 404`, `no answer: ConnectError`, ...)
-    kept_running_ms: duration, ms the request stayed in the engine after the stop with no abort in
-        the engine's log (a lost cancel); None while it was still there at the end of the stretch followed
+    kept_running_ms: duration, ms the request stayed in the engine after the stop (from its entry, where the
+        engine took it only after the stop) with no abort in the engine's log (a lost cancel); None while it
+        was still there at the end of the stretch followed
+    tokens_after_client_left: count, tokens the engine generated after the stop for a leaked request, off its
+        generation_tokens_total up to the sample showing the request gone (or the end of the stretch followed);
+        None where the samples cannot say (analysis/verdicts/paid_tokens.py)
+    tokens_after_client_left_is: "attributed" (the engine held nothing else then: all its tokens were this
+        request's) or "at_most" (others ran beside it: a bound)
     model: Triton: the model that served the request
     server_phase: Triton: queued | executing at the stop, by the model's log (started before it or not)
     expected: the verdict the scenario is built to show (Triton's deaf and HTTP-timeout cases: leaked)
@@ -121,6 +127,8 @@ class Evidence:
     log_named_as: str | None = None
     app_answer: str | None = None
     kept_running_ms: float | None = None
+    tokens_after_client_left: float | None = _with("tokens_after_client_left_is")
+    tokens_after_client_left_is: str | None = None
     model: str | None = None
     server_phase: str | None = None
     expected: str | None = None

@@ -14,7 +14,7 @@ from runstore.reader import Run
 
 WHAT = {"nvml": "GPU memory in use", "process": "the engine's memory", "none": "memory"}
 # the rules of a vLLM cancel that never reached the engine (no abort in its log)
-LOST_CANCEL = ("no_abort_ran_to_end", "no_abort_still_there")
+LOST_CANCEL = ("no_abort_ran_to_end", "no_abort_still_there", "entered_after_stop")
 
 
 def _level(t: np.ndarray, v: np.ndarray, lo: float, hi: float) -> float | None:

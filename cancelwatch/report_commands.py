@@ -44,6 +44,13 @@ def print_report(doc: dict, verdicts: list[CancelVerdict]) -> None:
         table.add_row(v.scenario, v.request_id[-8:], v.phase_at_cancel,
                       f"[{colours.get(v.verdict, 'white')}]{v.verdict}[/]", *fmt, abort_from or "", why)
     out.print(table)
+    paid = [(v.evidence.tokens_after_client_left, v.evidence.tokens_after_client_left_is) for v in verdicts
+            if v.evidence.tokens_after_client_left is not None]
+    if paid:  # what the leaks cost: the engine's own tokens, not what the clients were sent
+        exact = sum(n for n, how in paid if how == "attributed")
+        bound = sum(n for n, how in paid if how != "attributed")
+        out.print(f"tokens the engine made after leaked cancels' clients left: {exact + bound:.0f} "
+                  f"({exact:.0f} attributed, at most {bound:.0f} shared with other requests)", highlight=False)
     for note in doc.get("engine_log_notes") or []:  # what to know of the engine log before the verdicts
         out.print(f"note: {note}", highlight=False)
     if doc.get("watch"):

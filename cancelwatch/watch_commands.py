@@ -49,6 +49,11 @@ class WatchMetrics:
                             registry=self.registry)
         self.ghost_age = Gauge("cancelwatch_ghost_oldest_seconds", "How long ago the client of the oldest ghost left",
                                registry=self.registry)
+        # not the ledger's tokens_after_cancel (what the client was sent after its stop): the engine's own tokens
+        self.paid = Counter("cancelwatch_engine_tokens_after_client_left",
+                            "Tokens the engine generated for leaked watched cancels after their clients left, off "
+                            "its generation counter: attributed (it held nothing else) or at_most (a bound)",
+                            ["attribution"], registry=self.registry)
         self.release = Histogram("cancelwatch_watched_release_seconds",
                                  "Released watched cancels: the client leaving to the request leaving the scheduler",
                                  buckets=BUCKETS, registry=self.registry)
@@ -59,6 +64,9 @@ class WatchMetrics:
             lat = v.latency_ms("user_stop", "left_scheduler")
             if v.verdict == "released" and lat is not None:
                 self.release.observe(lat / 1000.0)
+            paid = v.evidence.tokens_after_client_left
+            if paid is not None and paid == paid:
+                self.paid.labels(attribution=v.evidence.tokens_after_client_left_is).inc(paid)
 
 
 def _listen_address(value: str, option: str) -> tuple[str, int]:
@@ -154,6 +162,7 @@ class _Judge:
             if rid in got or last_try or self.tries[rid] >= MAX_TRIES:
                 self.pending.pop(rid, None)
                 self.decided.pop(rid, None)
+                self.tries.pop(rid, None)  # kept for no judged cancel: a watch runs for days
                 if rid not in got:
                     self.failures += 1
                     err.print(f"watch: cancel {rid} could not be judged live; `cancelwatch report` judges it "
@@ -163,6 +172,10 @@ class _Judge:
             if v.verdict == "leaked":
                 self.ghosts.leaked(v.request_id, ready[v.request_id])
             why = f": {v.evidence.why}" if v.evidence.why else ""
+            paid = v.evidence.tokens_after_client_left
+            if paid is not None:
+                how = "" if v.evidence.tokens_after_client_left_is == "attributed" else "at most "
+                why += f" ({how}{paid:.0f} tokens made after its client left)"
             out.print(f"watch: cancel {v.request_id} {v.verdict} ({v.rule}){why}", highlight=False)
         if self.metrics is not None:
             self.metrics.observe(verdicts)
@@ -382,7 +395,7 @@ def watch(
             server.shutdown()
     said = ", ".join(f"{n} {k}" for k, n in sorted(judge.counts.items())) or "none judged"
     out.print(f"watch: run {result.run_id} {result.status}: {ledger.requests} request(s), "
-              f"{len(ledger.cancels)} cancel(s): {said}", highlight=False)
+              f"{ledger.cancels} cancel(s): {said}", highlight=False)
     print_store_error(result.stats)
     if result.exit_code:
         raise typer.Exit(result.exit_code)

@@ -15,6 +15,7 @@ import time
 import pandas as pd
 
 from analysis.verdicts import judge_run
+from collectors.sources.engine_log import EngineLogSource
 from runstore.reader import load_run
 from tests.conftest import FIXTURES, cli_popen
 from tests.fixture_server import MetricsFixtureServer
@@ -29,7 +30,7 @@ def line(i: int) -> str:
     return millisecond_line(f"Added request cmpl-cw-rot-target-{i:04d}-0-0123abcd.", time.time()) + "\n"
 
 
-def record_while(tmp_path, rotate) -> tuple[object, list[str]]:
+def record_while(tmp_path, rotate, duration_s: float = 6) -> tuple[object, list[str]]:
     """`sample --engine-log` for the time a writer appends LINES lines, calling `rotate(log, fh)` halfway
     (it returns the file the writer goes on with); the run, and the ids written."""
     log = tmp_path / "engine.log"
@@ -37,7 +38,7 @@ def record_while(tmp_path, rotate) -> tuple[object, list[str]]:
     store = tmp_path / "cw.db"
     written = []
     with MetricsFixtureServer(LOADED) as server:
-        proc = cli_popen("sample", "--target", server.url, "--engine-log", str(log), "--duration", "6", "--hz", "20",
+        proc = cli_popen("sample", "--target", server.url, "--engine-log", str(log), "--duration", str(duration_s), "--hz", "20",
                          "--nvml", "off", "--store", str(store))
         try:
             deadline = time.monotonic() + 60
@@ -82,6 +83,29 @@ def test_a_log_renamed_away_during_a_recording_loses_no_line(tmp_path):
     run, written = record_while(tmp_path, rename)
     assert added_ids(run) == sorted([*written, *(f"cw-rot-old-{i}" for i in range(5))])
     assert (run.events["kind"] == "engine_log_gap").sum() == 0  # nothing may be missing
+
+
+def test_lines_read_from_a_log_renamed_away_for_good_are_kept_after_its_path_is_given_up(tmp_path):
+    # the log is renamed away and never made again; its writer goes on in it for longer than ROTATED_S.
+    # From then on each read drains what was written and then fails (the path is gone): the lines it
+    # drained must reach the run with that failed read, not wait for a read that never succeeds again
+    old_lines = []
+
+    def rename_for_good(log, fh):
+        os.rename(log, log.with_suffix(".log.1"))
+        end = time.monotonic() + EngineLogSource.ROTATED_S + 2.0
+        i = 0
+        while time.monotonic() < end:
+            fh.write(millisecond_line(f"Added request cmpl-cw-rot-gone-{i:04d}-0-0123abcd.", time.time()) + "\n")
+            old_lines.append(f"cw-rot-gone-{i:04d}")
+            i += 1
+            time.sleep(0.05)
+        fh.close()
+        return open(os.devnull, "a")  # noqa: SIM115 - what the writer goes on with is read by no one
+
+    run, written = record_while(tmp_path, rename_for_good, duration_s=EngineLogSource.ROTATED_S + 6)
+    assert added_ids(run) == sorted([*written[:LINES // 2], *old_lines])
+    assert (run.gaps["source"] == "engine_log").any(), run.gaps  # the reads that failed are a gap
 
 
 def test_a_log_cut_short_in_place_says_where_a_line_may_be_missing(tmp_path):

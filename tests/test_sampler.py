@@ -7,6 +7,7 @@ import time
 from collectors.recording.sampler import Sampler
 from collectors.sources.base import ParseError, Source, SourceError
 from runstore.records import GapRecord, Sample, ScrapeRecord
+from runstore.writer import StoreWriter, create_run, open_store
 
 
 class TimedSource(Source):
@@ -182,3 +183,57 @@ def test_timing_statistics_are_bounded():
     for i in range(1000):
         r.append(i)
     assert 5 <= len(r) <= 10 and list(r)[-1] == 999 and list(r) == sorted(r)
+
+
+class SlowFirstReads(TimedSource):
+    """Reads `slow` of them taking `slow_s`, the rest at once; up to four in flight, as a /metrics source."""
+
+    max_in_flight = 4
+
+    def __init__(self, name, slow, slow_s):
+        super().__init__(name)
+        self.slow, self.slow_s = set(slow), slow_s
+        self.started: dict[int, int] = {}  # read index -> its tick's mono_ns
+
+    def sample(self, wall_ns, mono_ns):
+        i = self.reads
+        self.reads += 1
+        self.started[i] = mono_ns
+        time.sleep(self.slow_s if i in self.slow else 0.0)
+        return [Sample(self.name, "v", float(i), (), wall_ns, mono_ns)]
+
+
+def test_a_slow_read_holds_back_the_reads_started_after_it_so_the_store_never_runs_ahead_of_it(tmp_path):
+    # reads 2 and 9 take 400 ms while the reads after them (50 ms apart) end at once. Handed on as they end,
+    # the store held read 3 and 4 while read 2 was still to come, and a live judge trusting the store up to
+    # the read before its last (StoreWriter.committed_through_ns) judged a window read 2 then filled
+    con = open_store(tmp_path / "s.db")
+    rid = create_run(con, name="order", targets=[], engine={}, settings={}, wall_ns=0, mono_ns=0)
+    writer = StoreWriter(con, rid, flush_s=0.02)
+    src = SlowFirstReads("m", slow=(2, 9), slow_s=0.4)
+    handed, ahead = [], []
+
+    def sink(rec):
+        handed.append(rec)
+        writer.put(rec)
+
+    sampler = Sampler([src], sink, hz=20.0)
+    sampler.start()
+    try:
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:  # while a slow read is in flight, the mark stays below its start
+            mark = writer.committed_through_ns()
+            for i in (2, 9):
+                started = src.started.get(i)
+                if mark is not None and started is not None and mark > started and \
+                        not any(isinstance(r, ScrapeRecord) and r.mono_ns == started for r in handed):
+                    ahead.append((i, mark - started))
+            time.sleep(0.005)
+    finally:
+        sampler.stop()
+        writer.close()
+        con.close()
+    reads = [r.mono_ns for r in handed if isinstance(r, ScrapeRecord)]
+    assert reads == sorted(reads) and len(reads) == src.reads, (reads, src.started)
+    assert {src.started[2], src.started[9]} <= set(reads)
+    assert not ahead, ahead

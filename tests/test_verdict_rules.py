@@ -22,7 +22,7 @@ from analysis.verdicts import RULES, VERDICTS, judge_run, report_document
 from runstore.reader import load_run
 from tests.test_app_lost import answered
 from tests.test_triton_verdicts import RUN, without_log
-from tests.test_verdicts import ADDED, T0, build_run, steady_gen
+from tests.test_verdicts import ADDED, T0, build_run, entered_after_stop_run, steady_gen
 
 CORE = Path(__file__).resolve().parents[1] / "analysis" / "verdicts" / "core.py"
 ABORT = ("engine_aborted", "tg", 2.01)  # the engine's log: the target aborted 10 ms after the 2 s stop
@@ -125,6 +125,8 @@ VLLM_RUNS = {
                                                                    "engine_request_id": "cmpl-tg-0-fedcba98",
                                                                    "clock": "engine_log", "resolution_s": 0.001,
                                                                    "target": "t0"})}]),
+    # the target's client left while a hop still held its request: the engine took it after the stop
+    "entered_after_stop": entered_after_stop_run,
     "never_added": lambda: build_run(step(2.0, 1.0, 3.0), lambda t: 0.4, steady_gen,
                                      engine_log=[("engine_added", "nb", 0.1)]),
     "aborted_before_stop": lambda: build_run(step(2.0, 1.0, 1.5), step(0.4, 0.1, 1.5), steady_gen, probe_first_s=2.2,
@@ -347,3 +349,22 @@ def test_the_code_stands_in_the_cancel_table_and_the_protocol_counts_the_cancels
     counted = {row.split("|")[1].strip().strip("`"): int(row.split("|")[3]) for row in per_rule}
     assert counted == Counter(v.rule for v in verdicts), per_rule
     assert list(counted) == [code for code in RULES if code in counted]  # in the table's order
+
+
+def test_every_leak_says_what_it_cost_and_never_more_than_the_engine_made():
+    # every leaked verdict of the table carries the engine's tokens after its client left: a copy sent again
+    # from its entry, a late abort ending it, an abort the engine ignored ending nothing. The table's engine
+    # makes 20 tokens a second for everything it runs: no request's share is more than its span's 20/s
+    seen = {}
+    for code, make in VLLM_RUNS.items():
+        for v in judge_run(make()):
+            if v.verdict != "leaked":
+                continue
+            ev = v.evidence
+            seen[code] = (ev.tokens_after_client_left, ev.tokens_after_client_left_is)
+            assert ev.tokens_after_client_left_is in ("attributed", "at_most"), (code, seen[code])
+            end = v.timepoints["left_scheduler"] or 6.0
+            assert 0 < ev.tokens_after_client_left <= 20 * (end - v.timepoints["user_stop"] + 0.05) + 1e-6, \
+                (code, seen[code])
+    assert {"no_abort_ran_to_end", "resubmitted_after_stop", "abort_after_grace", "entered_after_stop",
+            "abort_logged_still_generating"} <= set(seen), seen

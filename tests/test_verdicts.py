@@ -491,3 +491,103 @@ def test_no_kv_drop_is_asked_of_a_preempted_or_prefix_sharing_request(series, wa
         assert (v.verdict, v.rule, v.evidence.kv_drop_waived) == ("released", "released", waived), v
     else:
         assert (v.verdict, v.rule) == ("inconclusive", "kv_did_not_fall"), v
+
+
+def test_a_leaked_request_alone_in_the_engine_is_given_every_token_the_engine_made_after_its_stop():
+    # the neighbour ended at 1 s: from the stop (2 s) until the target left at its end (3 s) the engine held
+    # the target alone, so the 20 tokens its counter gained in that second were the target's, made for nobody
+    def gen(t):
+        return 100 + 20 * min(t, 3.0)
+
+    run = build_run(lambda t: 2.0 if t < 1.0 else (1.0 if t < 3.0 else 0.0), lambda t: 0.4 if t < 3.0 else 0.0,
+                    gen, engine_log=ADDED)
+    run.ledger.loc[run.ledger["request_id"] == "nb", "closed_mono_ns"] = T0 + int(1.0e9)
+    (v,) = judge_run(run)
+    assert (v.verdict, v.rule) == ("leaked", "no_abort_ran_to_end"), v
+    assert (v.evidence.tokens_after_client_left, v.evidence.tokens_after_client_left_is) == (20.0, "attributed")
+    assert v.evidence.as_json()["tokens_after_client_left"] == 20.0
+
+
+def test_a_leaked_request_beside_others_is_given_a_bound_and_a_released_one_no_figure():
+    # the neighbour ran on beside the target: the engine's 20 tokens in that second were both requests',
+    # at most all of them the target's
+    run = build_run(lambda t: 2.0 if t < 3.0 else 1.0, lambda t: 0.4 if t < 3.0 else 0.1, steady_gen,
+                    engine_log=ADDED)
+    (v,) = judge_run(run)
+    assert v.verdict == "leaked", v
+    assert (v.evidence.tokens_after_client_left, v.evidence.tokens_after_client_left_is) == (20.0, "at_most")
+    released = build_run(lambda t: 2.0 if t < 2.05 else 1.0, lambda t: 0.4 if t < 2.05 else 0.1, steady_gen,
+                         probe_first_s=2.2, engine_log=[*ADDED, ("engine_aborted", "tg", 2.01)])
+    (r,) = judge_run(released)
+    assert r.verdict == "released" and "tokens_after_client_left" not in r.evidence.as_json(), r
+
+
+def test_two_overlapping_reads_answering_out_of_order_at_the_windows_end_are_not_a_restart():
+    # seen live: a ticker woke late and caught up, two reads 70 us apart at the end of the window; the first
+    # answered 82 ms later with more tokens than the second (54 ms). Its body was built after the second's:
+    # the counter never went back, and the release stands
+    run = build_run(lambda t: 2.0 if t < 2.05 else 1.0, lambda t: 0.4 if t < 2.05 else 0.1, steady_gen,
+                    probe_first_s=2.2, engine_log=[*ADDED, ("engine_aborted", "tg", 2.01)])
+    (v,) = judge_run(run)
+    assert v.verdict == "released", v
+    t_end = v.timepoints["engine_abort"] + v.evidence.grace_s
+    s = run.samples
+    late = s["t_s"] == s["t_s"][s["t_s"] <= t_end].max()  # the last read inside the window: answered late
+    assert late.any()
+    t_late = float(s.loc[late, "t_s"].iloc[0])
+    s.loc[late & (s["metric"] == "generation_tokens_total"), "value"] += 1.0
+    twin = s[late].copy()  # the read started 70 us after it, answered first, with the tokens of its own moment
+    twin["t_s"] += 70e-6
+    twin["mono_ns"] += 70_000
+    twin["scrape_id"] = 99_999
+    twin.loc[twin["metric"] == "generation_tokens_total", "value"] -= 0.5
+    run.samples = pd.concat([s, twin], ignore_index=True)
+    run.scrapes = pd.DataFrame([{"target": "t0", "ok": 1, "t_s": t_late, "duration_ns": 82_000_000},
+                                {"target": "t0", "ok": 1, "t_s": t_late + 70e-6, "duration_ns": 54_000_000}])
+    (v,) = judge_run(run)
+    assert v.verdict == "released", v
+    # had the first read answered before the second started, the second's fewer tokens are a dip; one that
+    # the samples after the window climb out of, not a restart
+    run.scrapes.loc[0, "duration_ns"] = 0
+    (v,) = judge_run(run)
+    assert v.verdict == "released", v
+    # and one they stay below is
+    s = run.samples
+    s.loc[(s["t_s"] > t_late + 0.01) & (s["metric"] == "generation_tokens_total"), "value"] = 5.0
+    (v,) = judge_run(run)
+    assert (v.verdict, v.rule) == ("inconclusive", "engine_restarted"), v
+
+
+def entered_after_stop_run() -> Run:
+    """The target sent at 1.9 s and given up at 2 s before any token, while a hop still held its request: the
+    engine takes it at 2.5 s and runs it to 4 s, with no abort."""
+    run = build_run(lambda t: 2.0 if 2.5 <= t < 4.0 else 1.0, lambda t: 0.4 if 2.5 <= t < 4.0 else 0.2, steady_gen,
+                    engine_log=[("engine_added", "nb", 0.1), ("engine_added", "tg", 2.5)])
+    tg = run.ledger["request_id"] == "tg"
+    run.ledger.loc[tg, "sent_mono_ns"] = T0 + int(1.9e9)
+    run.ledger.loc[tg, "first_token_mono_ns"] = None
+    return run
+
+
+def test_a_request_the_engine_took_only_after_its_client_left_is_leaked_not_already_finished():
+    # seen through the watch on a starved host: the client gave up while a frozen hop held its request, which
+    # reached the engine 5 ms after the stop and ran to its end, with no abort. The server counting one less
+    # than the ledger at the stop was the request not there yet: "already finished" said the opposite
+    (v,) = judge_run(entered_after_stop_run())
+    assert (v.verdict, v.rule) == ("leaked", "entered_after_stop"), v
+    # it was in the engine from its entry (2.5 s) to 4 s; the neighbour ran beside it: its tokens are a bound
+    assert 1450 <= v.evidence.kept_running_ms <= 1550 and v.timepoints["left_scheduler"] == pytest.approx(4.0)
+    assert "0.5 s after its client had left" in v.evidence.why
+    assert (v.evidence.tokens_after_client_left, v.evidence.tokens_after_client_left_is) == (30.0, "at_most")
+    # an Added line after the stop that no sample shows running (the count never above the ledger's): no leak
+    # is read from the line alone
+    run = entered_after_stop_run()
+    running = run.samples["metric"] == "requests_running"
+    run.samples.loc[running, "value"] = (run.samples.loc[running, "t_s"] < 5.5).astype(float)  # the neighbour
+    (q,) = judge_run(run)
+    assert q.rule != "entered_after_stop", q
+    # entering before the stop, the same counts are a request the engine had finished: not this rule
+    early = build_run(lambda t: 2.0 if t < 1.5 else 1.0, lambda t: 0.4 if t < 1.5 else 0.2, steady_gen,
+                      engine_log=ADDED)
+    (e,) = judge_run(early)
+    assert e.rule != "entered_after_stop", e

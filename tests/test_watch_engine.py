@@ -54,6 +54,12 @@ def gauge(metrics_port: int, name: str) -> float:
     return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
 
+def paid_tokens(metrics: str) -> dict[str, float]:
+    """attribution -> cancelwatch_engine_tokens_after_client_left_total, from a /metrics text."""
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^cancelwatch_engine_tokens_after_client_left_total\{attribution="(\w+)"\} (\S+)$', metrics, re.M)}
+
+
 def requests_seen(metrics_port: int) -> float:
     text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
     return float(re.search(r"^cancelwatch_watched_requests_total (\S+)$", text, re.M).group(1))
@@ -111,13 +117,15 @@ def watching(engine, engine_home, tmp_path, upstream: str, duration_s: int, end_
     finally:
         if w.proc.poll() is None:
             w.proc.kill()
-            w.proc.communicate()
+            out, err = w.proc.communicate()
+            # the block failed: what the watch said is what tells why (pytest shows it with the failure)
+            print(f"the watch, killed:\n{out[-6000:]}\n{err[-3000:]}")
     assert w.proc.returncode == 0, w.stdout + stderr
 
 
 def watch_and_drive(engine, engine_home, tmp_path, upstream: str, tokens: int, ghosts: list | None = None):
     """Run the watch in front of `upstream`, drive the real clients through it, wait for their three
-    verdicts, SIGTERM it; (its stdout, the run). `ghosts` gets the watch's ghost gauge as read while the
+    verdicts, SIGTERM it; (its stdout, the run, its /metrics as last read). `ghosts` gets the watch's ghost gauge as read while the
     verdicts came, then until it is 0 and the engine idle (bounded)."""
     with watching(engine, engine_home, tmp_path, upstream, duration_s=600, end_timeout_s=60) as w:
         proc, mport = w.proc, w.mport
@@ -134,7 +142,8 @@ def watch_and_drive(engine, engine_home, tmp_path, upstream: str, tokens: int, g
             seen.append(gauge(mport, "cancelwatch_ghost_requests"))
             time.sleep(0.5)
         assert requests_seen(mport) == 4
-    return w.stdout, load_run(w.store, "latest")
+        metrics = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=5).text
+    return w.stdout, load_run(w.store, "latest"), metrics
 
 
 def engine_busy(url: str) -> bool:
@@ -150,10 +159,11 @@ def live_verdicts(stdout: str) -> dict[str, tuple[str, str]]:
 def test_real_clients_cancelling_direct_to_the_engine_are_released(engine, engine_home, tmp_path):
     tokens = max(600, int(decode_rate(engine.url, engine.served_model_name) * (GRACE_S + 6) * 1.5))
     ghosts: list[float] = []
-    stdout, run = watch_and_drive(engine, engine_home, tmp_path, engine.url, tokens, ghosts)
+    stdout, run, metrics = watch_and_drive(engine, engine_home, tmp_path, engine.url, tokens, ghosts)
     live = live_verdicts(stdout)
     assert run.info["status"] == "completed"
     assert set(ghosts) == {0.0}, ghosts  # released: nothing left in the engine for nobody
+    assert paid_tokens(metrics) == {}, metrics  # and no token made for nobody
     assert run.info["settings"]["watch"]["request_ids"].startswith("added")
     ledger = run.ledger.set_index("request_id")
     assert len(ledger) == 4 and sorted(ledger["terminal_state"]) == ["cancelled"] * 3 + ["completed"]
@@ -172,7 +182,7 @@ def test_real_clients_cancelling_behind_a_proxy_that_never_passes_it_on_are_leak
     proxy = LeakyProxy(engine.url, free_port()).start()
     try:
         ghosts: list[float] = []
-        stdout, run = watch_and_drive(engine, engine_home, tmp_path, proxy.url, tokens, ghosts)
+        stdout, run, metrics = watch_and_drive(engine, engine_home, tmp_path, proxy.url, tokens, ghosts)
     finally:
         proxy.stop()
     live = live_verdicts(stdout)
@@ -184,3 +194,12 @@ def test_real_clients_cancelling_behind_a_proxy_that_never_passes_it_on_are_leak
     assert ghosts[-1] == 0.0, (ghosts, stdout)
     ledger = run.ledger
     assert sorted(ledger["terminal_state"]) == ["cancelled"] * 3 + ["completed"]
+    # what each leak cost: the engine's tokens after its client left, in the report and summed on /metrics
+    doc = json.loads(cli("report", "latest", "--json", "--store", str(tmp_path / "watch.db"),
+                         home=engine_home).stdout)
+    paid = {c["request_id"]: (c["evidence"].get("tokens_after_client_left"),
+                              c["evidence"].get("tokens_after_client_left_is")) for c in doc["cancels"]}
+    print("tokens after the client left:", paid, paid_tokens(metrics))
+    assert all(0 < n <= tokens and how in ("attributed", "at_most") for n, how in paid.values()), paid
+    served = paid_tokens(metrics)
+    assert set(served) <= {"attributed", "at_most"} and sum(served.values()) > 0, metrics

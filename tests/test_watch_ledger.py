@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 
+from collectors.recording import watch_ledger
 from collectors.recording.watch_ledger import CANCELLED, WATCHED, WatchLedger
 from collectors.sources.tap import TapSource, parse_hop
 from runstore.records import EventRecord, LedgerRecord
@@ -93,7 +94,7 @@ def test_a_client_reset_mid_stream_is_a_cancel_stamped_when_it_left():
     assert 5 <= stop.data["tokens_at_cancel"] == row.chunks < 400
     closed = [r for r in got if isinstance(r, EventRecord) and r.kind == "client_closed"]
     assert [(c.data["source"], c.data["cancel_id"]) for c in closed] == [("tap", stop.data["cancel_id"])]
-    assert led.cancels == ["r-reset"] and led.requests == 1 and led.open_rows() == []
+    assert led.cancels == 1 and led.requests == 1 and led.open_rows() == []
 
 
 def test_a_half_close_then_gone_mid_stream_is_a_cancel_stamped_at_the_half_close():
@@ -130,7 +131,7 @@ def test_a_half_close_that_waits_for_its_answer_is_no_cancel():
         up.close()
     (row,) = rows(got)
     assert (row.role, row.terminal_state, row.reason, row.cancel_mono_ns) == (WATCHED, "completed", "HTTP 200", None)
-    assert stops(got) == [] and led.cancels == []
+    assert stops(got) == [] and led.cancels == 0
 
 
 def test_a_non_streaming_client_that_times_out_is_a_cancel_when_the_connection_ends():
@@ -185,7 +186,7 @@ def test_kept_alive_requests_are_rows_of_their_own_and_a_reused_id_is_kept_apart
         up.close()
     ids = [r.request_id for r in rows(got)]
     assert ids[0] == "same" and ids[1].startswith("same~") and len(set(ids)) == 2
-    assert all(r.terminal_state == "completed" for r in rows(got)) and led.cancels == []
+    assert all(r.terminal_state == "completed" for r in rows(got)) and led.cancels == 0
 
 
 def test_the_watch_ending_writes_every_open_request_as_interrupted():
@@ -313,3 +314,25 @@ def test_a_row_handed_to_the_writer_stays_live_until_the_store_surely_holds_it()
     # the store is held through 8.5 s: put at 9.0 s, the row may not be in it yet, however old its events
     assert [r.request_id for r in led.live_rows(committed_ns=int(8.5e9))] == ["r-done"]
     assert led.live_rows(committed_ns=int(9.5e9)) == []  # surely in the store: the store's row is the one
+
+
+def test_the_ledger_keeps_the_latest_ids_only_and_counts_its_cancels(monkeypatch):
+    # a watch runs for days: an id kept for every request grows without end. The latest ID_MEMORY are kept,
+    # enough to tell a client reusing its id from one request to the next; an older one is forgotten
+    monkeypatch.setattr(watch_ledger, "ID_MEMORY", 3)
+    led, t = WatchLedger("t0"), 0
+
+    def one(rid: str, conn: int, reset: bool = False) -> str:
+        nonlocal t
+        t += 1_000_000
+        out = led.feed([EventRecord("tap_request", t, t, rid, {"conn": conn, "seq": 0}),
+                        EventRecord("tap_response", t, t + 1, rid, {"conn": conn, "seq": 0, "status": 200})])
+        end = EventRecord("tap_closed", t, t + 2, rid, {"conn": conn, "seq": 0, "side": "client", "how": "rst"}) \
+            if reset else EventRecord("tap_response_end", t, t + 2, rid, {"conn": conn, "seq": 0, "chunks": 3})
+        (row,) = rows(out + led.feed([end]))
+        return row.request_id
+
+    assert [one(r, i) for i, r in enumerate("abcd")] == ["a", "b", "c", "d"]
+    assert one("b", 4, reset=True).startswith("b~")  # among the latest three: a row of its own
+    assert one("a", 5) == "a"  # forgotten: taken as a new id
+    assert led.requests == 6 and led.cancels == 1 and led.open_rows() == []

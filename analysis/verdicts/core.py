@@ -224,6 +224,9 @@ RULES: dict[str, Rule] = {
                                         "the stop, so whether within the {grace_s:g} s grace cannot be told (log "
                                         "with milliseconds, on the recorder's clock)"),
     # vLLM (vllm.py): the engine log's lines, the scheduler's gauges against the ledger
+    "entered_after_stop": Rule(LEAKED, "the request entered the engine only {after_s:.1f} s after its client had "
+                               "left, and the engine's log shows no abort of it: something on the path held the "
+                               "request and sent it on after the client was gone, and the engine ran it for nobody"),
     "resubmitted_after_stop": Rule(LEAKED, "the request entered the engine again {after_s:.1f} s after the stop (a "
                                    "second 'Added request' line for its id): something on the path, a gateway "
                                    "retrying upstream after its client left, sent it once more, and the engine ran "

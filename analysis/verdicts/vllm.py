@@ -57,6 +57,7 @@ from analysis.verdicts.core import (
     ledger_by_scenario,
 )
 from analysis.verdicts.engine_done import engine_done_at, solo_tokens_per_s
+from analysis.verdicts.paid_tokens import tokens_after_left
 from analysis.verdicts.log_clock import LogClock, log_evidence
 from analysis.verdicts.log_ids import LogIds
 from runstore.reader import Run
@@ -319,8 +320,29 @@ def judge_vllm(run: Run, grace_s: float, metrics_target: str | None = None) -> l
         lagged = sorted(r for r in englog.ended_early.get(target, {}) if rows.get(r, {}).get("scenario") == scenario)
         case.ev.lagging_clients = lagged or None
         case.ev.log_named_as = englog.ids.renamed_as(target, rid)
-        out.append(judge(case, EVIDENCE_RULES))
+        verdict = judge(case, EVIDENCE_RULES)
+        if verdict.verdict == "leaked":  # what the leak cost: the tokens made for nobody
+            paid_for_nobody(case)
+        out.append(verdict)
     return out
+
+
+def paid_for_nobody(c: VllmCase) -> None:
+    """A leaked request's tokens after its client left (analysis/verdicts/paid_tokens.py): from the stop, or
+    its entry when the engine took it later; to the sample that shows it gone, or its abort when one came
+    (late) and no sample did. A request sent again has no cap: the copy could make its whole length again."""
+    times = c.sched["t_s"]
+    firsts = sorted(c.englog.entered.get((c.target, c.rid), {}).values()) if c.has_log else []
+    # a copy sent again runs from its own entry; an abort logged while the request ran on ends nothing
+    later = [t for t in firsts if t >= c.t_stop] if c.ev.rule == "resubmitted_after_stop" else firsts[:1]
+    t_from = max([c.t_stop, *later[:1]])
+    t_left = c.tp["left_scheduler"]
+    if t_left is None and c.ev.rule == "abort_after_grace":
+        t_left = c.t_abort
+    others = c.inflight - c.n * ((times >= c.t_stop) & (times < c.gone_until))
+    c.ev.tokens_after_client_left, c.ev.tokens_after_client_left_is = tokens_after_left(
+        times, c.sched["count"], c.sched["gen_tokens"], others, n=c.n, t_from=t_from, t_left=t_left,
+        remaining=None if c.ev.rule == "resubmitted_after_stop" else c.remaining)
 
 
 class _Baseline(NamedTuple):
@@ -430,7 +452,8 @@ class VllmCase(Case):
         return self.ev.foreign_requests, int(((self.sched["count"] > self.inflight + 0.5) & before).sum())
 
     def restart(self) -> str | None:
-        return _restart_in(self.run, self.target, self.sched, self.t_stop - 1.0, self.t_end)
+        return _restart_in(self.run, self.target, self.sched, self.t_stop - 1.0, self.t_end,
+                           self._scrape_spans(self.sched["t_s"]))
 
     def log_gap(self) -> str | None:
         if not self.has_log:
@@ -674,7 +697,7 @@ def without_abort(c: VllmCase) -> CancelVerdict | None:
     if not c.has_log or c.t_abort is not None:
         return None
     c.note_race()
-    return climb(c, (names_no_requests, never_added, aborted_first, left_on_its_own_or_stayed))
+    return climb(c, (names_no_requests, never_added, aborted_first, entered_after_stop, left_on_its_own_or_stayed))
 
 
 def names_no_requests(c: VllmCase) -> CancelVerdict | None:
@@ -699,6 +722,31 @@ def aborted_first(c: VllmCase) -> CancelVerdict | None:
         # the engine ended it itself before the client's stop (an error in the stream, another cancel)
         return c.verdict("aborted_before_stop", before_ms=1000 * (c.t_stop - max(early)))
     return None
+
+
+def entered_after_stop(c: VllmCase) -> CancelVerdict | None:
+    """The engine's log has the request entering only after its stop, and no abort: a hop held it (a queue, a
+    frozen gateway) and sent it on after the client left. The server counting fewer than the ledger at the
+    stop is then a request not yet there, never one already finished; when it left is read from its entry on."""
+    firsts = sorted(c.englog.entered.get((c.target, c.rid), {}).values())
+    if not firsts or firsts[0] < c.t_stop + max(LOG_SLACK_S, c.englog.resolution_of(c.target, c.rid)):
+        return None
+    if c.run.ledger["request_id"].astype(str).str.startswith(f"{c.rid}~").any():
+        return None  # the client sent this id again (the watch's `id~xxxxxx` row): the line may be the other's
+    times, t_in = c.sched["t_s"], firsts[0]
+    without = c.inflight - c.n * ((times >= c.t_stop) & (times < c.gone_until))
+    after = np.nonzero((times >= t_in) & ~np.isnan(c.sched["count"]))[0]
+    still = c.sched["count"][after] > without[after] + 1e-9
+    counted = np.nonzero(still)[0]
+    if not len(counted):
+        return None  # the server never counted it beyond the ledger: no sample shows it ran
+    # left at the first of three samples in a row without it, once it was counted; it stayed from its entry
+    gone = np.nonzero(_three_without(still) & (np.arange(len(still)) > counted[0]))[0]
+    if len(gone):
+        c.tp["left_scheduler"] = float(times[after[gone[0]]])
+        c.ev.kept_running_ms = round((c.tp["left_scheduler"] - t_in) * 1000, 1)
+    c.ev.note = "the engine's log has this request entering only after its stop"
+    return c.verdict("entered_after_stop", after_s=t_in - c.t_stop)
 
 
 def left_on_its_own_or_stayed(c: VllmCase) -> CancelVerdict:
@@ -961,7 +1009,7 @@ def _outage_end(run: Run, target: str | None, t_from: float, t_to: float) -> flo
 
 
 def _restart_in(run: Run, target: str | None, sched: dict[str, np.ndarray], t_from: float,
-                t_to: float) -> str | None:
+                t_to: float, spans: np.ndarray | None = None) -> str | None:
     """How an engine restart shows between the instants `t_from` and `t_to`, else None: the target
     lost in between, or the engine's token counter going back (a new process counts from 0) and
     staying back. A scrape outage that covers part of the window stretches it to the first sample
@@ -971,14 +1019,21 @@ def _restart_in(run: Run, target: str | None, sched: dict[str, np.ndarray], t_fr
         return "the target was lost"
     t_to = max(t_to, _outage_end(run, target, t_from, t_to) + 0.5)
     times, gen = sched["t_s"], sched["gen_tokens"]
-    sel = (times >= t_from) & (times <= t_to) & ~np.isnan(gen)
-    vals = gen[sel]
-    if len(vals) < 2:
-        return None
-    # two overlapping scrapes can answer out of order (each body is as old as the moment the server
-    # built it): a dip that the next samples climb out of at once is not a restart
-    peak = np.maximum.accumulate(vals)
-    for i in np.nonzero(vals[1:] < peak[:-1])[0] + 1:
-        if (vals[i:i + 3] < peak[i - 1]).all():
+    # the dips are looked for up to t_to, and each is checked on the samples after it, past t_to too
+    sel = (times >= t_from) & ~np.isnan(gen)
+    vals, at = gen[sel], times[sel]
+    # a sample is stamped when its read started, and its body was built somewhere before the read ended:
+    # two reads that overlap (a ticker woke late and caught up: two reads 70 us apart, seen answering 54 and
+    # 82 ms later, the later one with fewer tokens) can answer out of order. Only a read started after an
+    # earlier one had its answer can show the counter gone back
+    ends = at + (np.zeros(len(at)) if spans is None else spans[sel])
+    for i in range(1, int(np.searchsorted(at, t_to, side="right"))):
+        answered = ends[:i] <= at[i]
+        if not answered.any():
+            continue
+        peak = vals[:i][answered].max()
+        # and it stays back: a dip that the next samples climb out of at once is not a restart (at the end
+        # of the stretch, the samples there are)
+        if vals[i] < peak and (vals[i:i + 3] < peak).all():
             return "generation_tokens_total went back"
     return None

@@ -2,7 +2,8 @@
 
 Each tick's read starts on the grid even when the previous read of the same source is still in
 flight (up to the source's `max_in_flight`): a busy server answering late widens that scrape's
-duration, which is stored with it, instead of shifting every later sample. Timing, retries,
+duration, which is stored with it, instead of shifting every later sample; its scrape is still handed
+on before theirs (a store is never ahead of a read still in flight). Timing, retries,
 back-off and gap bookkeeping live here once; sources only read.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 from array import array
+from collections import deque
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -124,6 +126,10 @@ class _SourceState:
         self.stats = stats
         self.lock = threading.Lock()
         self.in_flight = 0
+        # the reads started and not yet handed on, oldest first, and the records of those done: a read's
+        # scrape is handed to the sink only after every read started before it (see _in_order)
+        self.order: deque[int] = deque()
+        self.held: dict[int, ScrapeRecord] = {}
         self.fail_gap: _Gap | None = None
         self.missed_gap: _Gap | None = None
         self.backoff_s = 0.0
@@ -289,6 +295,7 @@ class Sampler:
             else:
                 with state.lock:
                     state.in_flight += 1
+                    state.order.append(mono_ns)
                     if state.missed_gap is not None:
                         self._emit_gap(src, state.missed_gap, mono_ns)
                         state.missed_gap = None
@@ -335,11 +342,23 @@ class Sampler:
                 st.first_ok_mono_ns = min(st.first_ok_mono_ns or mono_ns, mono_ns)
                 st.last_ok_mono_ns = max(st.last_ok_mono_ns or mono_ns, mono_ns)
                 self.latest[(src.name, src.target)] = samples
-                self.sink(ScrapeRecord(src.name, src.target, tick, wall_ns, mono_ns, duration, True, samples))
+                self._in_order(state, ScrapeRecord(src.name, src.target, tick, wall_ns, mono_ns, duration, True, samples))
             else:
                 self._record_failure(state, error, tick, wall_ns, mono_ns, duration, end)
-        if error is None and self.on_samples is not None:
+        # a failed read too: a source may have taken events before it failed (an engine log drained, then
+        # found gone), and they must reach the store beside that read, not wait for a success that may never come
+        if self.on_samples is not None:
             self.on_samples(src, samples)
+
+    def _in_order(self, state: _SourceState, record: ScrapeRecord) -> None:
+        """Hand a read's scrape on once every read of its source started before it is handed on (under the
+        source's lock). A source reads up to max_in_flight at once, and a slow read ends after later ones:
+        handed on as they end, the store would hold a later read while an earlier one is still to come, and
+        a live reader trusting the store up to its last read (StoreWriter.committed_through_ns) would judge
+        a window that a late scrape then fills."""
+        state.held[record.mono_ns] = record
+        while state.order and state.order[0] in state.held:
+            self.sink(state.held.pop(state.order.popleft()))
 
     def _record_failure(self, state: _SourceState, error: SourceError, tick: int, wall_ns: int, mono_ns: int,
                         duration: int, end: int) -> None:
@@ -353,7 +372,7 @@ class Sampler:
             state.backoff_s = min(BACKOFF_MAX_S, max(BACKOFF_START_S, state.backoff_s * 2))
             state.backoff_until_ns = end + int(state.backoff_s * 1e9)
         st.last_error = str(error)
-        self.sink(ScrapeRecord(src.name, src.target, tick, wall_ns, mono_ns, duration, False, []))
+        self._in_order(state, ScrapeRecord(src.name, src.target, tick, wall_ns, mono_ns, duration, False, []))
         if state.fail_gap is not None and state.fail_gap.kind != kind:
             self._emit_gap(src, state.fail_gap, mono_ns)
             state.fail_gap = None

@@ -235,7 +235,8 @@ def record(
         # the first scrape of each vLLM target carries its cache config: keep it as run metadata. Targets
         # are read on worker threads at once: under the lock, the last snapshot queued holds every target
         # (without it, a snapshot of one target could be queued after the one of both, and win)
-        if isinstance(src, VllmMetricsSource) and src.target not in caches:
+        # (called after a failed read too, with no samples: the events a source took before failing)
+        if samples and isinstance(src, VllmMetricsSource) and src.target not in caches:
             with caches_lock:
                 if src.target not in caches:
                     caches[src.target] = {**cache_config(samples), "model_names": model_names(samples)}

@@ -29,6 +29,10 @@ MODE = "client_gone"  # the user_stop's mode: how a real client gives up
 # the engine's request as traffic it does not know. Closed rows stay at hand until the store surely holds
 # them (live_rows), and at most this long after they were handed out
 RECENT_NS = 120_000_000_000
+# the ids of this many latest requests are kept to tell a client reusing its id (a row of its own, `id~xxxxxx`):
+# a watch runs for days and every id kept forever grows without end (~130 bytes each). A reuse further apart
+# than this is not told: its row replaces the earlier one in the store
+ID_MEMORY = 100_000
 
 
 @dataclass
@@ -48,10 +52,10 @@ class WatchLedger:
     def __init__(self, metrics_target: str):
         self.metrics_target = metrics_target
         self._open: dict[tuple[int, int], _Open] = {}  # (conn, seq) -> the request in flight
-        self._ids: set[str] = set()
+        self._ids: dict[str, None] = {}  # the latest ID_MEMORY request ids, oldest first (an ordered set)
         self._held: dict[int, tuple] = {}  # conn -> the request held for its connection's end
         self.requests = 0
-        self.cancels: list[str] = []  # request ids of the cancels, in the order they were decided
+        self.cancels = 0  # how many cancels were decided
         self._recent: deque[tuple[int, LedgerRecord]] = deque()  # (handed out at, row) of rows just written
 
     def open_rows(self) -> list[LedgerRecord]:
@@ -147,7 +151,9 @@ class WatchLedger:
         rid = ev.request_id or f"tap-{key[0]}-{key[1]}"
         if rid in self._ids:  # a client reusing its id: the ledger keeps one row per request
             rid = f"{rid}~{uuid.uuid4().hex[:6]}"
-        self._ids.add(rid)
+        self._ids[rid] = None
+        if len(self._ids) > ID_MEMORY:
+            del self._ids[next(iter(self._ids))]
         row = LedgerRecord(request_id=rid, scenario=SCENARIO, role=WATCHED, max_tokens=None,
                            sent_mono_ns=ev.mono_ns)
         self._open[key] = _Open(row)
@@ -176,7 +182,7 @@ class WatchLedger:
         row.role, row.cancel_mono_ns, row.closed_mono_ns = CANCELLED, at_ns, at_ns
         row.terminal_state, row.reason = "cancelled", how
         row.tokens_after_cancel = 0  # the tap passes nothing on after the client left
-        self.cancels.append(row.request_id)
+        self.cancels += 1
         cancel_id = uuid.uuid4().hex[:8]
         phase = "decode" if row.first_token_mono_ns is not None and row.first_token_mono_ns <= at_ns else "in_flight"
         wall = wall_ns if wall_ns is not None else 0
