@@ -65,7 +65,7 @@ class WatchMetrics:
             if v.verdict == "released" and lat is not None:
                 self.release.observe(lat / 1000.0)
             paid = v.evidence.tokens_after_client_left
-            if paid is not None and paid == paid:
+            if paid is not None:
                 self.paid.labels(attribution=v.evidence.tokens_after_client_left_is).inc(paid)
 
 

@@ -332,16 +332,15 @@ def paid_for_nobody(c: VllmCase) -> None:
     its entry when the engine took it later; to the sample that shows it gone, or its abort when one came
     (late) and no sample did. A request sent again has no cap: the copy could make its whole length again."""
     times = c.sched["t_s"]
-    firsts = sorted(c.englog.entered.get((c.target, c.rid), {}).values()) if c.has_log else []
+    firsts = c.entries if c.has_log else []
     # a copy sent again runs from its own entry; an abort logged while the request ran on ends nothing
     later = [t for t in firsts if t >= c.t_stop] if c.ev.rule == "resubmitted_after_stop" else firsts[:1]
     t_from = max([c.t_stop, *later[:1]])
     t_left = c.tp["left_scheduler"]
     if t_left is None and c.ev.rule == "abort_after_grace":
         t_left = c.t_abort
-    others = c.inflight - c.n * ((times >= c.t_stop) & (times < c.gone_until))
     c.ev.tokens_after_client_left, c.ev.tokens_after_client_left_is = tokens_after_left(
-        times, c.sched["count"], c.sched["gen_tokens"], others, n=c.n, t_from=t_from, t_left=t_left,
+        times, c.sched["count"], c.sched["gen_tokens"], c.without, n=c.n, t_from=t_from, t_left=t_left,
         remaining=None if c.ev.rule == "resubmitted_after_stop" else c.remaining)
 
 
@@ -479,6 +478,18 @@ class VllmCase(Case):
     def n(self) -> int:
         lrow = self.lrow
         return 1 if lrow is None or pd.isna(lrow.get("n")) else int(lrow["n"])
+
+    @cached_property
+    def without(self) -> np.ndarray:
+        """Per sample of the stretch: what the server should count without this request. The ledger keeps a
+        request with no abort in flight from its stop until gone_until; the other requests stay as they are."""
+        times = self.sched["t_s"]
+        return self.inflight - self.n * ((times >= self.t_stop) & (times < self.gone_until))
+
+    @cached_property
+    def entries(self) -> list[float]:
+        """When each engine request under this id first entered the engine, by its log, in time order."""
+        return sorted(self.englog.entered.get((self.target, self.rid), {}).values())
 
     @cached_property
     def remaining(self) -> int | None:
@@ -728,15 +739,14 @@ def entered_after_stop(c: VllmCase) -> CancelVerdict | None:
     """The engine's log has the request entering only after its stop, and no abort: a hop held it (a queue, a
     frozen gateway) and sent it on after the client left. The server counting fewer than the ledger at the
     stop is then a request not yet there, never one already finished; when it left is read from its entry on."""
-    firsts = sorted(c.englog.entered.get((c.target, c.rid), {}).values())
+    firsts = c.entries
     if not firsts or firsts[0] < c.t_stop + max(LOG_SLACK_S, c.englog.resolution_of(c.target, c.rid)):
         return None
     if c.run.ledger["request_id"].astype(str).str.startswith(f"{c.rid}~").any():
         return None  # the client sent this id again (the watch's `id~xxxxxx` row): the line may be the other's
     times, t_in = c.sched["t_s"], firsts[0]
-    without = c.inflight - c.n * ((times >= c.t_stop) & (times < c.gone_until))
     after = np.nonzero((times >= t_in) & ~np.isnan(c.sched["count"]))[0]
-    still = c.sched["count"][after] > without[after] + 1e-9
+    still = c.sched["count"][after] > c.without[after] + 1e-9
     counted = np.nonzero(still)[0]
     if not len(counted):
         return None  # the server never counted it beyond the ledger: no sample shows it ran
@@ -751,9 +761,7 @@ def entered_after_stop(c: VllmCase) -> CancelVerdict | None:
 
 def left_on_its_own_or_stayed(c: VllmCase) -> CancelVerdict:
     """No abort: when the request left the engine after the stop, by the samples that count it."""
-    times = c.sched["t_s"]
-    # the ledger keeps the request in flight (no abort): without it, what the server should count
-    without = c.inflight - c.n * ((times >= c.t_stop) & (times < c.gone_until))
+    times, without = c.sched["t_s"], c.without
     refreshed_after = np.nonzero((times >= c.t_stop) & c.moved)[0]
     if not len(refreshed_after):
         return c.verdict("already_finished" if c.ahead else "no_refresh_after_stop")
@@ -872,7 +880,7 @@ def resubmitted(c: VllmCase) -> CancelVerdict | None:
         return None
     # a second engine request under the client's id, entering from the stop on (the first is the one
     # cancelled; a copy sent again by a gateway gets an engine id of its own)
-    firsts = sorted(c.englog.entered.get((c.target, c.rid), {}).values())
+    firsts = c.entries
     again = [t for t in firsts[1:] if t >= c.t_stop - max(LOG_SLACK_S, c.englog.resolution_of(c.target, c.rid))]
     if not again:
         return None
@@ -1009,7 +1017,7 @@ def _outage_end(run: Run, target: str | None, t_from: float, t_to: float) -> flo
 
 
 def _restart_in(run: Run, target: str | None, sched: dict[str, np.ndarray], t_from: float,
-                t_to: float, spans: np.ndarray | None = None) -> str | None:
+                t_to: float, spans: np.ndarray) -> str | None:
     """How an engine restart shows between the instants `t_from` and `t_to`, else None: the target
     lost in between, or the engine's token counter going back (a new process counts from 0) and
     staying back. A scrape outage that covers part of the window stretches it to the first sample
@@ -1026,14 +1034,14 @@ def _restart_in(run: Run, target: str | None, sched: dict[str, np.ndarray], t_fr
     # two reads that overlap (a ticker woke late and caught up: two reads 70 us apart, seen answering 54 and
     # 82 ms later, the later one with fewer tokens) can answer out of order. Only a read started after an
     # earlier one had its answer can show the counter gone back
-    ends = at + (np.zeros(len(at)) if spans is None else spans[sel])
+    ends = at + spans[sel]
     for i in range(1, int(np.searchsorted(at, t_to, side="right"))):
         answered = ends[:i] <= at[i]
         if not answered.any():
             continue
         peak = vals[:i][answered].max()
         # and it stays back: a dip that the next samples climb out of at once is not a restart (at the end
-        # of the stretch, the samples there are)
+        # of the stretch, the samples left are all there is to go by)
         if vals[i] < peak and (vals[i:i + 3] < peak).all():
             return "generation_tokens_total went back"
     return None
