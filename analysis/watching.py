@@ -12,16 +12,21 @@ SETTLE_S = 2.0  # a cancel is judged this long after its grace ends: the store's
 # the ledger rows and engine-log events a cancel's window also reads from before it: a request cancelled
 # earlier with no abort may still be in the engine (the rules' own horizon)
 LOOKBACK_S = HORIZON_S
+# a cancel whose request the engine log does not name by its window's end (never_added) is judged again on a
+# window this much longer: a hop holding the request, or a starved API server (CI: over 5 s after the watch saw
+# it sent), gets it to the engine after its stop, and its Added line then makes it a leak (entered_after_stop)
+ENTRY_WAIT_S = 10.0
+NOT_YET_ENTERED = ("never_added",)  # the rules that a later Added line can overturn
 
 
-def window_of(t_stop_s: float, grace_s: float) -> tuple[float, float]:
-    """The stretch one cancel is judged on, s since the run started."""
-    return t_stop_s - BEFORE_S, t_stop_s + grace_s + SETTLE_S
+def window_of(t_stop_s: float, grace_s: float, extra_s: float = 0.0) -> tuple[float, float]:
+    """The stretch one cancel is judged on, s since the run started (`extra_s` longer: ENTRY_WAIT_S)."""
+    return t_stop_s - BEFORE_S, t_stop_s + grace_s + SETTLE_S + extra_s
 
 
-def due(t_stop_s: float, grace_s: float, now_s: float) -> bool:
+def due(t_stop_s: float, grace_s: float, now_s: float, extra_s: float = 0.0) -> bool:
     """Whether a cancel stopped at `t_stop_s` can be judged at `now_s` (its window is all recorded)."""
-    return now_s >= window_of(t_stop_s, grace_s)[1]
+    return now_s >= window_of(t_stop_s, grace_s, extra_s)[1]
 
 
 def judge_cancels(window: Run, request_ids: set[str], grace_s: float) -> list[CancelVerdict]:

@@ -89,6 +89,8 @@ class _Judge:
         # connection ends, long after the stop, and its events reach the store a commit later
         self.decided: dict[str, float] = {}
         self.tries: dict[str, int] = {}
+        # request id -> how much longer its window is: its request was not in the engine's log yet (ENTRY_WAIT_S)
+        self.extra: dict[str, float] = {}
         self.counts: dict[str, int] = {}
         self.failures = 0
         from analysis.ghosts import Ghosts
@@ -120,25 +122,28 @@ class _Judge:
         through = self.committed_through_ns()
         held = -math.inf if through is None else (through - self.t0_ns) / 1e9
 
-        def stops_held(t: float) -> bool:
-            end = window_of(t, self.grace_s)[1]
+        def stops_held(rid: str, t: float) -> bool:
+            end = window_of(t, self.grace_s, self.extra.get(rid, 0.0))[1]
             return all(held >= self.decided[r] for r, s in self.pending.items() if s <= end)
 
-        ready = {rid: t for rid, t in self.pending.items()
-                 if everything or ((due(t, self.grace_s, min(now, held)) and stops_held(t))
-                                   or (due(t, self.grace_s, now - LATE_S) and now >= self.decided[rid] + LATE_S))}
+        def ready_now(rid: str, t: float) -> bool:
+            extra = self.extra.get(rid, 0.0)
+            return ((due(t, self.grace_s, min(now, held), extra) and stops_held(rid, t))
+                    or (due(t, self.grace_s, now - LATE_S, extra) and now >= self.decided[rid] + LATE_S))
+
+        ready = {rid: t for rid, t in self.pending.items() if everything or ready_now(rid, t)}
         if ready:
             await self._judge(ready, last_try=everything)
 
     async def _judge(self, ready: dict[str, float], last_try: bool) -> None:
         import pandas as pd
 
-        from analysis.watching import LOOKBACK_S, window_of
+        from analysis.watching import ENTRY_WAIT_S, LOOKBACK_S, NOT_YET_ENTERED, window_of
         from runstore.errors import StoreError
         from runstore.reader import load_window
 
         lo = window_of(min(ready.values()), self.grace_s)[0]
-        hi = window_of(max(ready.values()), self.grace_s)[1]
+        hi = max(window_of(t, self.grace_s, self.extra.get(rid, 0.0))[1] for rid, t in ready.items())
         # the store's mark before the rows: a row handed out before it is in the store when the store is read
         open_rows = pd.DataFrame([asdict(r) for r in self.ledger.live_rows(self.committed_through_ns())])
 
@@ -155,13 +160,21 @@ class _Judge:
             err.print(f"watch: {len(ready)} cancel(s) could not be judged ({str(exc).splitlines()[0][:200]}); "
                       "`cancelwatch report` judges them from the run")
             verdicts = []
-        got = {v.request_id for v in verdicts}
-        for rid in ready:
+        # a request the engine's log does not name yet may still reach the engine after its stop: judged again
+        # once on a window ENTRY_WAIT_S longer, where its Added line, if it comes, tells (entered_after_stop)
+        later = {v.request_id for v in verdicts if v.rule in NOT_YET_ENTERED and not last_try
+                 and not self.extra.get(v.request_id)}
+        for rid in later:
+            self.extra[rid] = ENTRY_WAIT_S
+        verdicts = [v for v in verdicts if v.request_id not in later]
+        got = {v.request_id for v in verdicts} | later
+        for rid in set(ready) - later:
             # a cancel the window did not hold yet (the store a commit behind) is tried again, a few times
             self.tries[rid] = self.tries.get(rid, 0) + 1
             if rid in got or last_try or self.tries[rid] >= MAX_TRIES:
                 self.pending.pop(rid, None)
                 self.decided.pop(rid, None)
+                self.extra.pop(rid, None)
                 self.tries.pop(rid, None)  # kept for no judged cancel: a watch runs for days
                 if rid not in got:
                     self.failures += 1
@@ -338,6 +351,12 @@ def watch(
         # an engine that stops answering is a hole in the run, marked as gaps, not its end: clients keep
         # coming, and the watch keeps passing them on (their refusals as they were)
         s.critical = False
+    # what judging reads with (the verdict rules, pandas) is imported before the tap listens: imported at the
+    # first judgement, its seconds of CPU on a starved host came with the first requests (seen on two cores
+    # beside the engine: their first tokens 6 to 10 s late)
+    import analysis.watching  # noqa: F401
+    import runstore.reader  # noqa: F401
+
     tap = TapSource(hop, request_ids=ids, max_connections=max_connections)
     problem = tap.check()
     try:

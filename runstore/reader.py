@@ -143,6 +143,9 @@ class Run:
     gaps: pd.DataFrame
     events: pd.DataFrame = field(default_factory=pd.DataFrame)
     ledger: pd.DataFrame = field(default_factory=pd.DataFrame)
+    # a window's (first, last) instant its events cover, s since the run started (load_window: the lookback
+    # before it); None: the whole run's. What a window's log does not name before its end, the log had not written
+    events_span: tuple[float, float] | None = None
     # (the samples frame it was built from, metric -> row positions in it): a mask over millions of
     # samples per call cost more than the figures built from them
     _rows_by_metric: tuple[pd.DataFrame, dict] | None = field(default=None, init=False, repr=False, compare=False)
@@ -345,7 +348,9 @@ def _load_run(path: str | Path, rid: int, only: list[str] | None,
         df["t_s"] = (df[col] - t0) / 1e9
     if not gaps.empty:
         gaps["end_t_s"] = (gaps["end_mono_ns"] - t0) / 1e9
-    return Run(id=rid, info=info, samples=samples, scrapes=scrapes, gaps=gaps, events=events, ledger=ledger)
+    events_span = None if window is None else (window[0] - window[2], window[1])
+    return Run(id=rid, info=info, samples=samples, scrapes=scrapes, gaps=gaps, events=events, ledger=ledger,
+               events_span=events_span)
 
 
 def load_window(path: str | Path, run: str | int, t_from_s: float, t_to_s: float,

@@ -1,11 +1,15 @@
 """A test-only HTTP proxy that forwards to the engine but keeps reading upstream after its client
-disconnects: the lost cancel of a gateway that never passes the disconnect on.
+disconnects: the lost cancel of a gateway that never passes the disconnect on. With `hold_s`, a request
+whose body holds `hold_if` is sent on only that long after it came (a hop, or a starved API server, that
+gets a request to the engine seconds late: CI saw over 5 s); `held` names them (X-Request-Id), and
+`upstream_done` says when the engine's answer to each request was read to its end (time.monotonic()).
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import httpx
 
@@ -27,9 +31,12 @@ async def read_request(reader: asyncio.StreamReader) -> tuple[str, str, dict[str
 
 
 class LeakyProxy:
-    def __init__(self, upstream: str, port: int):
+    def __init__(self, upstream: str, port: int, hold_s: float = 0.0, hold_if: bytes = b""):
         self.upstream = upstream.rstrip("/")
         self.port = port
+        self.hold_s, self.hold_if = hold_s, hold_if
+        self.held: list[str] = []
+        self.upstream_done: dict[str, float] = {}
         self.url = f"http://127.0.0.1:{port}"
         self.client_gone = 0
         self._loop = asyncio.new_event_loop()
@@ -43,6 +50,10 @@ class LeakyProxy:
             writer.close()
             return
         fwd = {k: v for k, v in headers.items() if k not in HOP_HEADERS}
+        rid = headers.get("x-request-id", "")
+        if self.hold_s and self.hold_if and self.hold_if in body:
+            self.held.append(rid)
+            await asyncio.sleep(self.hold_s)
         gone = False
         if True:
             async with self._client.stream(method, self.upstream + path, content=body, headers=fwd) as resp:
@@ -60,6 +71,7 @@ class LeakyProxy:
                     except (ConnectionError, RuntimeError):
                         gone = True
                         self.client_gone += 1
+            self.upstream_done[rid] = time.monotonic()
         try:
             if not gone:
                 writer.write(b"0\r\n\r\n")

@@ -98,6 +98,7 @@ NOT_RUN = {
     "python bench/tap.py": "a benchmark (see make bench)",
     "python bench/watch.py": "a benchmark of a few minutes on the embedded engine: prints figures, read by a person",
     "python bench/window.py": "a benchmark of ~3 minutes writing synthetic runs: prints figures, read by a person",
+    "python bench/engine_nice.py": "a benchmark of ~3 minutes on the embedded engine: prints figures, read by a person",
 }
 
 _ENV = r"(?:[A-Z][A-Z0-9_]*=\S+ )*"  # VAR=value words before a command

@@ -119,6 +119,22 @@ def test_start_wait_refuse_and_stop_the_whole_tree(home):
     lifecycle.refuse_if_running(home, port)  # and nothing to refuse
 
 
+def test_the_engine_and_its_session_yield_the_cpu(home):
+    """The embedded engine runs at ENGINE_NICE (the processes it starts later inherit it), and so does its
+    session's autogroup where the kernel has them: on two cores vLLM's engine core starved the recorder, the
+    taps and the clients beside it."""
+    port = lifecycle.free_port()
+    state = start_server(home, port)
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, state.pid) == lifecycle.ENGINE_NICE
+        autogroup = Path(f"/proc/{state.pid}/autogroup")
+        if autogroup.exists():
+            assert autogroup.read_text().split()[-1] == str(lifecycle.ENGINE_NICE), autogroup.read_text()
+            assert Path("/proc/self/autogroup").read_text().split()[-1] != str(lifecycle.ENGINE_NICE)  # not ours
+    finally:
+        lifecycle.stop(home, port)
+
+
 def dead_pid() -> int:
     proc = psutil.Popen([sys.executable, "-c", "pass"])
     proc.wait(timeout=30)

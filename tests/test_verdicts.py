@@ -591,3 +591,54 @@ def test_a_request_the_engine_took_only_after_its_client_left_is_leaked_not_alre
                       engine_log=ADDED)
     (e,) = judge_run(early)
     assert e.rule != "entered_after_stop", e
+
+
+# ------------------------------------------------------------- requests on their way (CI, stop 29)
+def on_its_way(added_s: float | None, first_s: float | None, count):
+    """The target (no abort in the log) runs on to 3 s, a second after its 2 s stop. A third request is sent
+    at 2.3 s, after the stop, and enters the engine at `added_s` (None: not by the run's end: a hop holds it)
+    with its first token at `first_s`; `count` is what the engine counts."""
+    ns = lambda s: T0 + int(s * 1e9)  # noqa: E731
+    held = {"request_id": "hop", "scenario": "s", "role": "neighbour", "n": 1, "sent_mono_ns": ns(2.3),
+            "first_token_mono_ns": None if first_s is None else ns(first_s), "closed_mono_ns": None,
+            "cancel_mono_ns": None, "terminal_state": None}
+    log = [*ADDED, ("engine_added", "hop", added_s)] if added_s is not None else ADDED
+    return build_run(count, lambda t: 0.4, steady_gen, extra_ledger=[held], engine_log=log)
+
+
+@pytest.mark.parametrize("added_s, first_s, count", [
+    # the hop still holds it: the engine never counts it
+    (None, None, lambda t: 2.0 if t < 3.0 else 1.0),
+    # it entered at 2.3 s and the engine counted it only from its first step, 0.3 s later
+    (2.3, 2.6, lambda t: 2.0 if t < 2.6 else (3.0 if t < 3.0 else 2.0)),
+], ids=["held_by_a_hop", "not_counted_yet"])
+def test_a_request_on_its_way_does_not_make_a_leaked_one_read_as_gone(added_s, first_s, count):
+    # counted from its send (or its Added line, the gauges a step behind), the request on its way filled the
+    # target's place in the ledger: the target read as gone at 2.3 s, 0.3 s after its stop, where it ran to 3 s
+    (v,) = judge_run(on_its_way(added_s, first_s, count))
+    assert (v.verdict, v.rule) == ("leaked", "no_abort_ran_to_end"), v.evidence.why
+    assert v.timepoints["left_scheduler"] == pytest.approx(3.0, abs=0.06), v.timepoints
+
+
+def test_a_leaked_request_is_gone_once_the_engine_holds_nothing():
+    """The target leaks (no abort) and leaves at 3 s, when the engine, its neighbour done, holds nothing. A
+    second cancel, sent at 3.2 s and given up at 3.5 s, enters the engine only at 4 s (a hop held it) and runs
+    alone to 5.5 s. With the first kept in the ledger after it left (a watch has no scenario end), the engine
+    counting the second alone was read as never counting it beyond the ledger."""
+    ns = lambda s: T0 + int(s * 1e9)  # noqa: E731
+    late = {"request_id": "lt", "scenario": "s", "role": "target", "n": 1, "sent_mono_ns": ns(3.2),
+            "first_token_mono_ns": None, "closed_mono_ns": ns(3.5), "cancel_mono_ns": ns(3.5),
+            "terminal_state": "cancelled"}
+    stop = [{"request_id": "lt", "kind": "user_stop", "mono_ns": ns(3.5), "data": json.dumps(
+        {"cancel_id": "c2", "scenario": "s", "phase": "in_flight", "metrics_target": "t0"})},
+            {"request_id": "lt", "kind": "client_closed", "mono_ns": ns(3.501), "data": json.dumps(
+                {"cancel_id": "c2", "source": "client"})}]
+    count = lambda t: 2.0 if t < 1.5 else (1.0 if t < 3.0 else (0.0 if t < 4.0 else (1.0 if t < 5.5 else 0.0)))  # noqa: E731
+    run = build_run(count, lambda t: 0.4, steady_gen, extra_ledger=[late], extra_events=stop,
+                    engine_log=[*ADDED, ("engine_added", "lt", 4.0)])
+    run.ledger.loc[run.ledger["request_id"] == "nb", "closed_mono_ns"] = ns(1.5)
+    verdicts = {v.request_id: v for v in judge_run(run)}
+    assert (verdicts["tg"].verdict, verdicts["tg"].rule) == ("leaked", "no_abort_ran_to_end"), verdicts["tg"]
+    lt = verdicts["lt"]
+    assert (lt.verdict, lt.rule) == ("leaked", "entered_after_stop"), lt.evidence.why
+    assert lt.timepoints["left_scheduler"] == pytest.approx(5.5, abs=0.06), lt.timepoints

@@ -49,10 +49,14 @@ def test_a_flood_past_the_bound_gets_503_and_an_engine_gone_does_not_end_the_wat
     try:
         wait_listening(port, proc)
         url = f"http://127.0.0.1:{port}/version"
-        assert httpx.get(url, timeout=5).status_code == 200  # through the watch to the "engine"
+        # through the watch to the "engine", once the connection wait_listening made and closed is over for the
+        # watch too: until then it takes the whole bound (seen under -n 2: the first request got the 503)
+        first: list[int] = []
+        assert until(lambda: first.append(httpx.get(url, timeout=5).status_code) or first[-1] == 200), first
+        assert set(first) <= {200, 503}, first
         # one connection held open (a kept-alive client between requests) takes the whole bound, once the
         # first request's connection is over on both sides
-        refused = 0  # 503s the clients got: each one the watch must count
+        refused = first.count(503)  # 503s the clients got: each one the watch must count
         for _ in range(50):
             held = socket.create_connection(("127.0.0.1", port))
             held.settimeout(5)

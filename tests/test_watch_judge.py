@@ -115,3 +115,43 @@ def test_the_mark_waits_for_every_expected_source_and_stops_at_a_failed_write(tm
     finally:
         w.close()
         con.close()
+
+
+def test_a_cancel_whose_request_the_log_does_not_name_yet_is_judged_again_on_a_longer_window(monkeypatch):
+    """CI (stop 29), on a starved host: a request reached the engine over 5 s after the watch saw it sent, after
+    its client had gone; judged on its window it was `never_added`, where its Added line, seconds later, makes
+    it a leak (entered_after_stop). That verdict is held back, and the cancel judged once more on a window
+    ENTRY_WAIT_S longer; what that one says stands, whatever it is."""
+    import types
+
+    import analysis.watching
+    import runstore.reader
+    from analysis.watching import ENTRY_WAIT_S
+
+    windows: list[tuple[float, float]] = []
+    rules = iter(["never_added", "entered_after_stop"])
+
+    def load_window(store, run, lo, hi, **kw):
+        windows.append((lo, hi))
+        return None
+
+    def judge_cancels(window, ids, grace_s):
+        rule = next(rules)
+        verdict = "inconclusive" if rule == "never_added" else "leaked"
+        ev = types.SimpleNamespace(why="", tokens_after_client_left=None)
+        return [types.SimpleNamespace(request_id=rid, rule=rule, verdict=verdict, evidence=ev) for rid in ids]
+
+    monkeypatch.setattr(runstore.reader, "load_window", load_window)
+    monkeypatch.setattr(analysis.watching, "judge_cancels", judge_cancels)
+    j = _Judge(store=None, grace_s=2.0, ledger=types.SimpleNamespace(live_rows=lambda through: []), metrics=None)
+    j.start(1, time.monotonic_ns() - int(100e9), lambda: j.t0_ns + int(1000e9))  # the clock at 100 s
+    stop = 90.0
+    j.pending["r"], j.decided["r"] = stop, stop
+    asyncio.run(j.due())
+    assert windows == [window_of(stop, 2.0)] and j.counts == {} and "r" in j.pending  # not said: held back
+    asyncio.run(j.due())
+    assert len(windows) == 1  # its longer window ends at 104 s, past the clock
+    j.t0_ns -= int(ENTRY_WAIT_S * 1e9)
+    asyncio.run(j.due())
+    assert windows[1] == window_of(stop, 2.0, ENTRY_WAIT_S) and j.counts == {"leaked": 1} and not j.pending
+    assert not j.extra and not j.tries  # nothing kept of a judged cancel: a watch runs for days

@@ -68,15 +68,16 @@ NAMES_NO_REQUESTS = "the engine log names no requests"
 
 
 def ledger_inflight(ledger: pd.DataFrame, t0_ns: int, times: np.ndarray, aborted_at: dict[str, float],
-                    added_at: dict[str, float] | None = None) -> np.ndarray:
+                    added_at: dict[str, float] | None = None, not_entered: frozenset[str] = frozenset()) -> np.ndarray:
     """Sequences the client believes are in the server at each of `times` (instants, s since the run
     started): sent and not yet closed, or not yet aborted (`aborted_at`: request id -> instant). Where
     the engine's log says when a request entered the engine (`added_at`), it counts from then: a request
-    still on its way (a proxy, the API server) is not yet the engine's."""
+    still on its way (a proxy, the API server) is not yet the engine's; one the log shows never entered
+    (`not_entered`: _EngineLog.not_entered) is never counted."""
     counts = np.zeros(len(times))
     added_at = added_at or {}
     for row in ledger.itertuples(index=False):
-        if pd.isna(row.sent_mono_ns):
+        if pd.isna(row.sent_mono_ns) or row.request_id in not_entered:
             continue
         t_sent = max((row.sent_mono_ns - t0_ns) / 1e9, added_at.get(row.request_id, -math.inf))
         t_gone = aborted_at.get(row.request_id)
@@ -206,6 +207,25 @@ class _EngineLog:
         --enable-log-requests, and then no line can be missing for one request."""
         return any(tgt == target for tgt, _ in self.added)
 
+    def not_entered(self, run: Run, ledger: pd.DataFrame, target: str | None) -> frozenset[str]:
+        """The ledger's requests that had not entered the engine by the end of what the log was read for (the
+        run, or a window's events): sent after the log's first line read, no Added line. Only where the log
+        names every request of the target (no id it does not know) and was read without a hole: then a
+        request on its way is not the engine's. Counted from its send (CI: a starved API server added one 5 s
+        after the watch saw it sent, and a hop may hold one longer), it read as another request leaving."""
+        if not self.names_requests(target) or self.foreign.get(target) or engine_log_state(run, target) != "read":
+            return frozenset()
+        lo, hi = run.events_span or (-math.inf, math.inf)
+        if _log_holes(run, target, lo, hi):
+            return frozenset()
+        clock = self.clock(target)
+        # an Added line may be stamped up to its stamp's rounding (and the clock's spread) before its instant
+        first = lo + LOG_SLACK_S + clock.resolution_s + clock.uncertainty_s
+        t0 = run.info["started_mono_ns"]
+        sent = (ledger["sent_mono_ns"].to_numpy(float) - t0) / 1e9
+        return frozenset(rid for rid, t in zip(ledger["request_id"], sent)
+                         if t >= first and (target, rid) not in self.added)
+
     def foreign_between(self, target: str | None, lo: float, hi: float) -> int:
         return sum(1 for x in self.foreign.get(target, []) if lo <= x <= hi)
 
@@ -221,6 +241,27 @@ class _EngineLog:
             ledger, run.info["started_mono_ns"], sched, sample_period(run, sched["t_s"]), gone_at, added,
             np.array([x for x, _ in aborts], dtype=float), slack)
         return self.ended_early[target]
+
+
+def _gone_by_idle(gone_at: dict[str, float], stopped: dict[str, tuple[float, str | None]], target: str | None,
+                  cols: dict[str, np.ndarray], added: dict[str, float]) -> dict[str, float]:
+    """gone_at with each stopped request of `target` gone, at the latest, at the first sample after its stop
+    and its entry (its Added line) where the engine held nothing (running + waiting 0). A request with no
+    abort is otherwise kept in the ledger to its scenario's end, and a watch has none: kept for ever, every
+    later cancel was read against a request long gone (CI: a request that entered after its stop, with the
+    engine holding it alone, read as never counted beyond the ledger)."""
+    idle = cols["t_s"][cols["count"] == 0]
+    if not len(idle):
+        return gone_at
+    out = dict(gone_at)
+    for rid, t_gone in gone_at.items():
+        t_stop, tgt = stopped.get(rid, (None, None))
+        if t_stop is None or tgt != target:
+            continue
+        k = int(np.searchsorted(idle, max(t_stop, added.get(rid, t_stop)), side="left"))
+        if k < len(idle):
+            out[rid] = min(t_gone, float(idle[k]))
+    return out
 
 
 def _trace_events(run: Run) -> dict[tuple[str, str], tuple[float, str]]:
@@ -292,6 +333,7 @@ def judge_vllm(run: Run, grace_s: float, metrics_target: str | None = None) -> l
         return default_target if target not in targets and default_target is not None else target
 
     gone_at = _gone_at(run, stops, englog, trace, target_of)
+    stopped = {s.request_id: (float(s.t_s), target_of(json.loads(s.data))) for s in stops.itertuples(index=False)}
 
     def frame_for(target):
         if target not in frames:
@@ -300,11 +342,13 @@ def judge_vllm(run: Run, grace_s: float, metrics_target: str | None = None) -> l
             added = {rid: min(ts) for (tgt, rid), ts in englog.added.items() if tgt == target}
             cols = {c: sched[c].to_numpy(dtype=float) for c in ("t_s", "count", "waiting", "kv", "gen_tokens",
                                                                   "prefix_hits", "preemptions")}
-            ends = {**gone_at, **englog.done_with(run, ledger, target, cols, gone_at, added)} if len(times) else gone_at
-            inflight = ledger_inflight(ledger, t0, times, ends, added) if len(times) else np.array([])
+            gone = _gone_by_idle(gone_at, stopped, target, cols, added)
+            ends = {**gone, **englog.done_with(run, ledger, target, cols, gone, added)} if len(times) else gone
+            not_entered = englog.not_entered(run, ledger, target)
+            inflight = ledger_inflight(ledger, t0, times, ends, added, not_entered) if len(times) else np.array([])
             solo = solo_tokens_per_s(cols["t_s"], cols["count"] - np.nan_to_num(cols["waiting"]), cols["waiting"],
                                      cols["gen_tokens"]) if len(times) else None
-            frames[target] = (cols, inflight, solo, ends)
+            frames[target] = (cols, inflight, solo, ends, not_entered, gone)
         return frames[target]
 
     rows = {r["request_id"]: r for r in ledger.to_dict("records")}
@@ -315,7 +359,7 @@ def judge_vllm(run: Run, grace_s: float, metrics_target: str | None = None) -> l
         rid, scenario, target = stop.request_id, data.get("scenario"), target_of(data)
         case = _case(run, frame_for(target), englog, trace, by_scenario.get(scenario, NO_REQUESTS), data=data,
                      rid=rid, target=target, lrow=rows.get(rid), t_stop=float(stop.t_s), grace_s=grace_s, t0=t0,
-                     missed=missed.get(rid), gone_until=gone_at.get(rid, math.inf))
+                     missed=missed.get(rid), gone_until=frame_for(target)[5].get(rid, math.inf))
         case.app_answer = answers.get(data.get("cancel_id"))
         lagged = sorted(r for r in englog.ended_early.get(target, {}) if rows.get(r, {}).get("scenario") == scenario)
         case.ev.lagging_clients = lagged or None
@@ -351,6 +395,9 @@ class _Baseline(NamedTuple):
 
 
 LAG_S = 0.25  # an end the engine made reaches its client this much later through a hop, at the most assumed
+# a request is counted by the gauges within this long of its Added line (the engine's next step), at the most
+# assumed: on a starved host a step took over half a second
+ENTER_S = 1.0
 
 
 @dataclass(kw_only=True, eq=False)
@@ -457,18 +504,8 @@ class VllmCase(Case):
     def log_gap(self) -> str | None:
         if not self.has_log:
             return None
-        lo, hi = self.t_stop - 1.0, self.t_end
-        mine = _gaps_over(self.run, self.target, lo, hi)
-        mine = mine[(mine["source"] == ENGINE_LOG) & (mine["kind"] == "error")] if len(mine) else mine
-        if len(mine):
-            return f"it could not be read from {mine['t_s'].min():.1f} to {mine['end_t_s'].max():.1f} s"
-        t0 = self.run.info["started_mono_ns"]
-        for row in _events(self.run, "engine_log_gap").itertuples(index=False):
-            data = json.loads(row.data)
-            start = (float(data.get("from_mono_ns") or t0) - t0) / 1e9
-            if data.get("target") == self.target and start <= hi and float(row.t_s) >= lo:
-                return f"{data.get('why') or 'a possible loss'}, between {start:.1f} and {float(row.t_s):.1f} s"
-        return None
+        holes = _log_holes(self.run, self.target, self.t_stop - 1.0, self.t_end)
+        return holes[0] if holes else None
 
     def log_clock_off(self) -> dict | None:
         clock = self.englog.clock(self.target)
@@ -485,6 +522,23 @@ class VllmCase(Case):
         request with no abort in flight from its stop until gone_until; the other requests stay as they are."""
         times = self.sched["t_s"]
         return self.inflight - self.n * ((times >= self.t_stop) & (times < self.gone_until))
+
+    @cached_property
+    def entering(self) -> np.ndarray:
+        """Per sample of the stretch: another request of the ledger is entering the engine, from its Added
+        line to its first token, and at most ENTER_S (a non-streamed answer's first byte is its end). The
+        ledger counts it from its Added line, the gauges only from the engine's next step (on a starved host,
+        several samples later): a count at the ledger's there could hold this one in its place."""
+        times = self.sched["t_s"]
+        out = np.zeros(len(times), dtype=bool)
+        t0 = self.run.info["started_mono_ns"]
+        for row in self.run.ledger.itertuples(index=False):
+            added = self.englog.added.get((self.target, row.request_id))
+            if row.request_id == self.rid or not added:
+                continue
+            first = math.inf if pd.isna(row.first_token_mono_ns) else (row.first_token_mono_ns - t0) / 1e9
+            out |= (times >= min(added) - LOG_SLACK_S) & (times < min(first, min(added) + ENTER_S))
+        return out
 
     @cached_property
     def entries(self) -> list[float]:
@@ -623,7 +677,7 @@ class VllmCase(Case):
 def _case(run: Run, frame, englog: _EngineLog, trace: dict, same: dict, *, data: dict, rid: str,
           target: str | None, lrow: dict | None, t_stop: float, grace_s: float, t0: int, missed: dict | None,
           gone_until: float) -> VllmCase:
-    cols_all, inflight_all, solo_rate, ledger_ends = frame
+    cols_all, inflight_all, solo_rate, ledger_ends, not_entered, _ = frame
     cid = data.get("cancel_id")
     log_state = engine_log_state(run, target)
     has_log = log_state == "read"
@@ -668,6 +722,12 @@ def _case(run: Run, frame, englog: _EngineLog, trace: dict, same: dict, *, data:
     horizon = max(max(t_ref, t_stop) + HORIZON_S, _outage_end(run, target, t_stop - 1.0, t_end) + 1.0)
     hi = int(np.searchsorted(cols_all["t_s"], horizon, side="right"))
     sched = {c: a[lo:hi] for c, a in cols_all.items()}
+    inflight = inflight_all[lo:hi]
+    if rid in not_entered and lrow is not None:
+        # its own request, that the log does not name, stays the client's count until its stop: the count
+        # before the stop is read against it, and the rules say why the log does not name it (never_added)
+        n = 1 if pd.isna(lrow.get("n")) else int(lrow["n"])
+        inflight = inflight + n * ((sched["t_s"] >= (lrow["sent_mono_ns"] - t0) / 1e9) & (sched["t_s"] < t_stop))
     hits_at_admission = _admission_hits(cols_all, englog.added.get((target, rid)), lrow, t0, t_stop)
     window = (sched["t_s"] >= t_stop - 1.0) & (sched["t_s"] <= t_end)
     ev = Evidence(grace_s=grace_s, metrics_target=target, samples_in_window=int(window.sum()), engine_log=log_state)
@@ -679,7 +739,7 @@ def _case(run: Run, frame, englog: _EngineLog, trace: dict, same: dict, *, data:
                     t_abort=t_abort, abort_source=abort_source,
                     abort_resolution_s=englog.resolution_of(target, rid) if t_log_abort is not None else 0.0,
                     run=run, englog=englog, target=target, has_log=has_log, t_log_abort=t_log_abort, t_ref=t_ref,
-                    t_end=t_end, sched=sched, inflight=inflight_all[lo:hi], lrow=lrow,
+                    t_end=t_end, sched=sched, inflight=inflight, lrow=lrow,
                     tokens_at_cancel=data.get("tokens_at_cancel"), gone_until=gone_until,
                     hits_at_admission=hits_at_admission, solo_rate=solo_rate, ledger_ends=ledger_ends)
 
@@ -745,8 +805,10 @@ def entered_after_stop(c: VllmCase) -> CancelVerdict | None:
     if c.run.ledger["request_id"].astype(str).str.startswith(f"{c.rid}~").any():
         return None  # the client sent this id again (the watch's `id~xxxxxx` row): the line may be the other's
     times, t_in = c.sched["t_s"], firsts[0]
-    after = np.nonzero((times >= t_in) & ~np.isnan(c.sched["count"]))[0]
-    still = c.sched["count"][after] > c.without[after] + 1e-9
+    still_all = c.sched["count"] > c.without + 1e-9
+    # a sample with another request entering shows nothing of this one leaving (VllmCase.entering)
+    after = np.nonzero((times >= t_in) & ~np.isnan(c.sched["count"]) & (still_all | ~c.entering))[0]
+    still = still_all[after]
     counted = np.nonzero(still)[0]
     if not len(counted):
         return None  # the server never counted it beyond the ledger: no sample shows it ran
@@ -762,10 +824,13 @@ def entered_after_stop(c: VllmCase) -> CancelVerdict | None:
 def left_on_its_own_or_stayed(c: VllmCase) -> CancelVerdict:
     """No abort: when the request left the engine after the stop, by the samples that count it."""
     times, without = c.sched["t_s"], c.without
-    refreshed_after = np.nonzero((times >= c.t_stop) & c.moved)[0]
+    still_all = c.sched["count"] > without + 1e-9
+    # a sample with another request entering shows nothing of this one leaving (VllmCase.entering): read as
+    # gone there, a request sent after the stop and not yet counted made one that ran on read as gone
+    refreshed_after = np.nonzero((times >= c.t_stop) & c.moved & (still_all | ~c.entering))[0]
     if not len(refreshed_after):
         return c.verdict("already_finished" if c.ahead else "no_refresh_after_stop")
-    still = c.sched["count"][refreshed_after] > without[refreshed_after] + 1e-9
+    still = still_all[refreshed_after]
     run3 = _three_without(still)
     if c.ahead:
         # the gauges did not count it at the stop (finished, or not yet counted: a long prefill step):
@@ -903,19 +968,7 @@ def beside_traffic(c: VllmCase) -> CancelVerdict | None:
         return c.verdict("other_traffic_logged", requests=c.ev.foreign_requests)
     times, sched = c.sched["t_s"], c.sched
     window = (times >= c.t_abort) & (times <= c.t_abort + c.grace_s) & c.moved
-    # a request of the ledger entering the engine (its Added line up to its first token) may not be
-    # counted yet: a count at the ledger's then could hold this one in its place
-    entering = np.zeros(len(times), dtype=bool)
-    t0 = c.run.info["started_mono_ns"]
-    for row in c.run.ledger.itertuples(index=False):
-        added = c.englog.added.get((c.target, row.request_id))
-        if row.request_id == c.rid or not added:
-            continue
-        # up to its first token; one that never got one (stopped while queued), up to its client's close
-        end = row.first_token_mono_ns if not pd.isna(row.first_token_mono_ns) else row.closed_mono_ns
-        first = math.inf if pd.isna(end) else (end - t0) / 1e9
-        entering |= (times >= min(added) - LOG_SLACK_S) & (times < first)
-    hits = np.nonzero(window & ~entering & ~_may_stand_in(c) & (sched["count"] <= c.inflight + 1e-9))[0]
+    hits = np.nonzero(window & ~c.entering & ~_may_stand_in(c) & (sched["count"] <= c.inflight + 1e-9))[0]
     if not len(hits):
         return c.verdict("other_traffic_logged", requests=c.ev.foreign_requests)
     left = int(hits[0])
@@ -998,6 +1051,23 @@ def _three_without(still: np.ndarray) -> np.ndarray:
     out = ~still
     for k in (1, 2):
         out[:-k] &= ~still[k:]
+    return out
+
+
+def _log_holes(run: Run, target: str | None, lo: float, hi: float) -> list[str]:
+    """Where the engine log of `target` could not be read, or may have lost lines, within [lo, hi]: what
+    each hole was, in words."""
+    out = []
+    mine = _gaps_over(run, target, lo, hi)
+    mine = mine[(mine["source"] == ENGINE_LOG) & (mine["kind"] == "error")] if len(mine) else mine
+    if len(mine):
+        out.append(f"it could not be read from {mine['t_s'].min():.1f} to {mine['end_t_s'].max():.1f} s")
+    t0 = run.info["started_mono_ns"]
+    for row in _events(run, "engine_log_gap").itertuples(index=False):
+        data = json.loads(row.data)
+        start = (float(data.get("from_mono_ns") or t0) - t0) / 1e9
+        if data.get("target") == target and start <= hi and float(row.t_s) >= lo:
+            out.append(f"{data.get('why') or 'a possible loss'}, between {start:.1f} and {float(row.t_s):.1f} s")
     return out
 
 
