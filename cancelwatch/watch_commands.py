@@ -145,12 +145,15 @@ class _Judge:
         lo = window_of(min(ready.values()), self.grace_s)[0]
         hi = max(window_of(t, self.grace_s, self.extra.get(rid, 0.0))[1] for rid, t in ready.items())
         # the store's mark before the rows: a row handed out before it is in the store when the store is read
-        open_rows = pd.DataFrame([asdict(r) for r in self.ledger.live_rows(self.committed_through_ns())])
+        through = self.committed_through_ns()
+        open_rows = pd.DataFrame([asdict(r) for r in self.ledger.live_rows(through)])
+        held = -math.inf if through is None else (through - self.t0_ns) / 1e9
 
         def judge():
             from analysis.watching import judge_cancels
 
-            window = load_window(self.store, self.run_id, lo, hi, extra_ledger=open_rows, lookback_s=LOOKBACK_S)
+            window = load_window(self.store, self.run_id, lo, hi, extra_ledger=open_rows, lookback_s=LOOKBACK_S,
+                                 held_through_s=held)
             return judge_cancels(window, set(ready), self.grace_s)
 
         try:

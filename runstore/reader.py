@@ -319,7 +319,8 @@ def _load_run(path: str | Path, rid: int, only: list[str] | None,
             lo, hi = t0 + int(window[0] * 1e9), t0 + int(window[1] * 1e9)
             back = lo - int(window[2] * 1e9)
             span = (lo, hi)
-            within = {"gaps": (" AND start_mono_ns <= ? AND end_mono_ns >= ?", (hi, lo)),
+            # gaps from the lookback too: a hole in a source's reads there is one in the events read with it
+            within = {"gaps": (" AND start_mono_ns <= ? AND end_mono_ns >= ?", (hi, back)),
                       "events": (" AND mono_ns BETWEEN ? AND ?", (back, hi)),
                       "ledger": (" AND (sent_mono_ns IS NULL OR sent_mono_ns <= ?) "
                                  "AND (closed_mono_ns IS NULL OR closed_mono_ns >= ?)", (hi, back))}
@@ -354,12 +355,19 @@ def _load_run(path: str | Path, rid: int, only: list[str] | None,
 
 
 def load_window(path: str | Path, run: str | int, t_from_s: float, t_to_s: float,
-                extra_ledger: pd.DataFrame | None = None, lookback_s: float = 0.0) -> Run:
-    """One stretch of a run, [t_from_s, t_to_s] seconds since it started: the scrapes, samples and gaps in
-    it; the events and the ledger rows of requests open in it from `lookback_s` earlier (a request cancelled
+                extra_ledger: pd.DataFrame | None = None, lookback_s: float = 0.0,
+                held_through_s: float | None = None) -> Run:
+    """One stretch of a run, [t_from_s, t_to_s] seconds since it started: the scrapes and samples in it; the
+    gaps, the events and the ledger rows of requests open in it from `lookback_s` earlier (a request cancelled
     before the stretch may still be in the engine, and its log lines say whether), plus `extra_ledger` (rows
-    a live recorder holds that the store has not got yet). What a watch judges one cancel by, as its grace
-    ends: the read is bounded by the stretch, not the run."""
+    a live recorder holds that the store has not got yet). `held_through_s`: how far the store held every
+    source's reads when it was read (Run.events_span ends there). What a watch judges one cancel by, as its
+    grace ends: the read is bounded by the stretch, not the run."""
     rid = resolve_run_id(path, run)
     with _reading(path):
-        return _load_run(path, rid, None, (t_from_s, t_to_s, lookback_s), extra_ledger)
+        window = _load_run(path, rid, None, (t_from_s, t_to_s, lookback_s), extra_ledger)
+    if held_through_s is not None and window.events_span is not None:
+        # the store held every source's reads only this far (a live judge reading a store behind): what the
+        # events do not say past it, they may say a commit later
+        window.events_span = (window.events_span[0], min(window.events_span[1], held_through_s))
+    return window

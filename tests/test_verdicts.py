@@ -642,3 +642,66 @@ def test_a_leaked_request_is_gone_once_the_engine_holds_nothing():
     lt = verdicts["lt"]
     assert (lt.verdict, lt.rule) == ("leaked", "entered_after_stop"), lt.evidence.why
     assert lt.timepoints["left_scheduler"] == pytest.approx(5.5, abs=0.06), lt.timepoints
+
+
+def test_a_request_the_log_has_entering_after_an_idle_sample_is_not_taken_as_gone_there():
+    """The review of the idle bound: `lk` (no abort, its client gone at 1 s) reaches the engine at 2.1 s (its
+    Added line), and the gauges count it only from the engine's next step, 2.25 s; the engine is idle at 2.2 s.
+    Taken as gone there, `lk` left the ledger while the engine ran it, and the target, aborted at 2.01 s and
+    gone at 2.05 s, read as still generating (leaked)."""
+    ns = lambda s: T0 + int(s * 1e9)  # noqa: E731
+    count = lambda t: (1.0 if t < 1.0 else 0.0) + (1.0 if 0.5 <= t < 2.05 else 0.0) + (1.0 if t >= 2.25 else 0.0)  # noqa: E731
+    lk = {"request_id": "lk", "scenario": "w", "role": "watched", "n": 1, "sent_mono_ns": ns(0.6),
+          "first_token_mono_ns": None, "closed_mono_ns": ns(1.0), "cancel_mono_ns": ns(1.0),
+          "terminal_state": "cancelled"}
+    stop = [{"request_id": "lk", "kind": "user_stop", "mono_ns": ns(1.0), "data": json.dumps(
+        {"cancel_id": "c0", "scenario": "w", "phase": "in_flight", "metrics_target": "t0"})},
+            {"request_id": "lk", "kind": "client_closed", "mono_ns": ns(1.001), "data": json.dumps(
+                {"cancel_id": "c0", "source": "client"})}]
+    run = build_run(count, lambda t: 0.4 if t < 2.05 else 0.1, steady_gen, extra_ledger=[lk], extra_events=stop,
+                    engine_log=[*ADDED, ("engine_added", "lk", 2.1), ("engine_aborted", "tg", 2.01)])
+    run.ledger.loc[run.ledger["request_id"] == "nb", "closed_mono_ns"] = ns(1.0)
+    verdicts = {v.request_id: v for v in judge_run(run)}
+    assert (verdicts["tg"].verdict, verdicts["tg"].rule) == ("released", "released"), verdicts["tg"].evidence.why
+
+
+def test_a_client_sending_its_id_again_is_counted_though_the_log_names_it_by_that_id():
+    """The watch keeps a client's id sent again as a row of its own (`rs~a1b2c3`); the engine's log names it
+    by the id the client sent (`rs`). Taken as never entered, it was left out of the ledger's count, and the
+    engine counting it read as other traffic beside a released cancel."""
+    ns = lambda s: T0 + int(s * 1e9)  # noqa: E731
+    rows = [{"request_id": "rs", "scenario": "s", "role": "neighbour", "n": 1, "sent_mono_ns": ns(0.2),
+             "first_token_mono_ns": ns(0.4), "closed_mono_ns": ns(1.0), "cancel_mono_ns": None,
+             "terminal_state": "completed"},
+            {"request_id": "rs~a1b2c3", "scenario": "s", "role": "neighbour", "n": 1, "sent_mono_ns": ns(1.2),
+             "first_token_mono_ns": ns(1.4), "closed_mono_ns": ns(5.0), "cancel_mono_ns": None,
+             "terminal_state": "completed"}]
+    spans = ((0.1, 9.0), (0.5, 2.05), (0.2, 1.0), (1.2, 5.0))  # nb, tg, rs, rs~a1b2c3 in the engine
+    count = lambda t: float(sum(1 for a, b in spans if a <= t < b))  # noqa: E731
+    run = build_run(count, lambda t: 0.4 if t < 2.05 else 0.1, steady_gen, extra_ledger=rows, probe_first_s=2.3,
+                    engine_log=[*ADDED, ("engine_added", "rs", 0.2), ("engine_added", "rs", 1.2), ABORT_AT_2_01])
+    (v,) = judge_run(run)
+    assert (v.verdict, v.rule) == ("released", "released"), v.evidence.why
+
+
+@pytest.mark.parametrize("part", ["whole", "window"])
+def test_a_log_clock_behind_the_runs_does_not_drop_a_request_from_a_windows_count(part):
+    """The review of windows: the engine's clock runs 1 s behind the run's. A window whose events start at 0.5 s
+    (its lookback) holds none of the Added line of `nb`, sent at 1.2 s and stamped 0.2 s: taken as never
+    entered, it was left out of the count, and the target's release read as other traffic."""
+    ns = lambda s: T0 + int(s * 1e9)  # noqa: E731
+    count = lambda t: (1.0 if 1.25 <= t < 5.8 else 0.0) + (1.0 if 2.05 <= t < 4.05 else 0.0)  # noqa: E731
+    run = build_run(count, lambda t: 0.4 if t < 4.05 else 0.2, steady_gen, stop_s=4.0, abort_s=4.01,
+                    engine_log=[("engine_added", "nb", 0.2), ("engine_added", "tg", 1.0), ("engine_aborted", "tg", 3.01)])
+    ledger = run.ledger
+    ledger.loc[ledger["request_id"] == "nb", ["sent_mono_ns", "first_token_mono_ns", "closed_mono_ns"]] = \
+        [ns(1.2), ns(1.4), ns(5.8)]
+    ledger.loc[ledger["request_id"] == "tg", ["sent_mono_ns", "first_token_mono_ns"]] = [ns(2.0), ns(2.2)]
+    if part == "window":
+        run.events = run.events[run.events["t_s"] >= 0.5].reset_index(drop=True)
+        run.events_span = (0.5, 6.0)
+    (v,) = judge_run(run)
+    assert (v.verdict, v.rule) == ("released", "released"), v.evidence.why
+
+
+ABORT_AT_2_01 = ("engine_aborted", "tg", 2.01)

@@ -219,12 +219,17 @@ class _EngineLog:
         if _log_holes(run, target, lo, hi):
             return frozenset()
         clock = self.clock(target)
-        # an Added line may be stamped up to its stamp's rounding (and the clock's spread) before its instant
-        first = lo + LOG_SLACK_S + clock.resolution_s + clock.uncertainty_s
+        # the events were read by their stamps, and a line is placed at its stamp moved by the clock's offset:
+        # the log covers the sends from `first` to `last`, less a stamp's rounding and the clock's doubt
+        doubt = LOG_SLACK_S + clock.resolution_s + clock.uncertainty_s
+        first, last = lo + max(clock.offset_s, 0.0) + doubt, hi + min(clock.offset_s, 0.0)
         t0 = run.info["started_mono_ns"]
         sent = (ledger["sent_mono_ns"].to_numpy(float) - t0) / 1e9
+        # a client that sent its id again has a row of its own (`id~xxxxxx`, the watch's) that the log names by
+        # the id it sent: the row is not told apart from the other, and stays counted from its send
         return frozenset(rid for rid, t in zip(ledger["request_id"], sent)
-                         if t >= first and (target, rid) not in self.added)
+                         if first <= t <= last and (target, rid) not in self.added
+                         and (target, str(rid).split("~", 1)[0]) not in self.added)
 
     def foreign_between(self, target: str | None, lo: float, hi: float) -> int:
         return sum(1 for x in self.foreign.get(target, []) if lo <= x <= hi)
@@ -244,21 +249,23 @@ class _EngineLog:
 
 
 def _gone_by_idle(gone_at: dict[str, float], stopped: dict[str, tuple[float, str | None]], target: str | None,
-                  cols: dict[str, np.ndarray], added: dict[str, float]) -> dict[str, float]:
+                  cols: dict[str, np.ndarray], added: dict[str, float], counted_within_s: float) -> dict[str, float]:
     """gone_at with each stopped request of `target` gone, at the latest, at the first sample after its stop
-    and its entry (its Added line) where the engine held nothing (running + waiting 0). A request with no
-    abort is otherwise kept in the ledger to its scenario's end, and a watch has none: kept for ever, every
+    where the engine held nothing (running + waiting 0), once the gauges surely counted it: `counted_within_s`
+    after its Added line (its stamp's rounding, the log clock's doubt, the engine's next step). A request with
+    no abort is otherwise kept in the ledger to its scenario's end, and a watch has none: kept for ever, every
     later cancel was read against a request long gone (CI: a request that entered after its stop, with the
-    engine holding it alone, read as never counted beyond the ledger)."""
+    engine holding it alone, read as never counted beyond the ledger). None for a request the log does not
+    have entering: the engine idle while a hop holds it says nothing of it."""
     idle = cols["t_s"][cols["count"] == 0]
     if not len(idle):
         return gone_at
     out = dict(gone_at)
     for rid, t_gone in gone_at.items():
         t_stop, tgt = stopped.get(rid, (None, None))
-        if t_stop is None or tgt != target:
+        if t_stop is None or tgt != target or rid not in added:
             continue
-        k = int(np.searchsorted(idle, max(t_stop, added.get(rid, t_stop)), side="left"))
+        k = int(np.searchsorted(idle, max(t_stop, added[rid] + counted_within_s), side="left"))
         if k < len(idle):
             out[rid] = min(t_gone, float(idle[k]))
     return out
@@ -342,7 +349,9 @@ def judge_vllm(run: Run, grace_s: float, metrics_target: str | None = None) -> l
             added = {rid: min(ts) for (tgt, rid), ts in englog.added.items() if tgt == target}
             cols = {c: sched[c].to_numpy(dtype=float) for c in ("t_s", "count", "waiting", "kv", "gen_tokens",
                                                                   "prefix_hits", "preemptions")}
-            gone = _gone_by_idle(gone_at, stopped, target, cols, added)
+            clock = englog.clock(target)
+            gone = _gone_by_idle(gone_at, stopped, target, cols, added,
+                                 LOG_SLACK_S + clock.resolution_s + clock.uncertainty_s + ENTER_S)
             ends = {**gone, **englog.done_with(run, ledger, target, cols, gone, added)} if len(times) else gone
             not_entered = englog.not_entered(run, ledger, target)
             inflight = ledger_inflight(ledger, t0, times, ends, added, not_entered) if len(times) else np.array([])
@@ -532,12 +541,14 @@ class VllmCase(Case):
         times = self.sched["t_s"]
         out = np.zeros(len(times), dtype=bool)
         t0 = self.run.info["started_mono_ns"]
+        clock = self.englog.clock(self.target)
+        doubt = clock.resolution_s + clock.uncertainty_s  # a stamp rounded down, a clock placed at its earliest
         for row in self.run.ledger.itertuples(index=False):
             added = self.englog.added.get((self.target, row.request_id))
             if row.request_id == self.rid or not added:
                 continue
             first = math.inf if pd.isna(row.first_token_mono_ns) else (row.first_token_mono_ns - t0) / 1e9
-            out |= (times >= min(added) - LOG_SLACK_S) & (times < min(first, min(added) + ENTER_S))
+            out |= (times >= min(added) - LOG_SLACK_S) & (times < min(first, min(added) + doubt + ENTER_S))
         return out
 
     @cached_property
