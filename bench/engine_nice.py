@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,27 +30,12 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.watch import wait_listening  # noqa: E402
 from collectors.cancels.load import served_model  # noqa: E402
 from collectors.engines import lifecycle, vllm_server  # noqa: E402
+from collectors.engines.lifecycle import free_port  # noqa: E402
 from collectors.families import family_for_target  # noqa: E402
 from runstore.reader import load_run  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_listening(port: int, limit_s: float = 120.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise SystemExit(f"the watch did not listen on {port} within {limit_s:.0f} s")
 
 
 def schedstat(pid: int) -> tuple[float, float]:

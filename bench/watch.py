@@ -30,13 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from collectors.cancels.load import run_streams, served_model  # noqa: E402
 from collectors.engines import lifecycle  # noqa: E402
+from collectors.engines.lifecycle import free_port  # noqa: E402
 from collectors.engines import vllm_server  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_listening(port: int, limit_s: float = 120.0) -> None:

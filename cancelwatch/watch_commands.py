@@ -108,6 +108,10 @@ class _Judge:
     def now_s(self) -> float:
         return (time.monotonic_ns() - self.t0_ns) / 1e9
 
+    def held_s(self, through_ns: int | None) -> float:
+        """The store's mark (committed_through_ns) in s since the run started; -inf when it holds nothing yet."""
+        return -math.inf if through_ns is None else (through_ns - self.t0_ns) / 1e9
+
     async def due(self, everything: bool = False) -> None:
         from analysis.watching import due, window_of
 
@@ -119,8 +123,7 @@ class _Judge:
         # when it is decided (a half-close at its connection's end, long after its stop), and a window without
         # another cancel's stop would count that request as the engine's surplus. A store further behind
         # than LATE_S is not waited for: judged by the clock, with the gaps in the window
-        through = self.committed_through_ns()
-        held = -math.inf if through is None else (through - self.t0_ns) / 1e9
+        held = self.held_s(self.committed_through_ns())
 
         def stops_held(rid: str, t: float) -> bool:
             end = window_of(t, self.grace_s, self.extra.get(rid, 0.0))[1]
@@ -147,7 +150,7 @@ class _Judge:
         # the store's mark before the rows: a row handed out before it is in the store when the store is read
         through = self.committed_through_ns()
         open_rows = pd.DataFrame([asdict(r) for r in self.ledger.live_rows(through)])
-        held = -math.inf if through is None else (through - self.t0_ns) / 1e9
+        held = self.held_s(through)
 
         def judge():
             from analysis.watching import judge_cancels

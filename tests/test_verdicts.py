@@ -594,6 +594,19 @@ def test_a_request_the_engine_took_only_after_its_client_left_is_leaked_not_alre
 
 
 # ------------------------------------------------------------- requests on their way (CI, stop 29)
+def another_cancel(rid: str, sent_s: float, stop_s: float, scenario: str) -> tuple[dict, list[dict]]:
+    """A second cancel for build_run's extra_ledger and extra_events: `rid` sent at `sent_s`, its client gone
+    at `stop_s` before any token, no abort."""
+    ns = lambda s: T0 + int(s * 1e9)  # noqa: E731
+    row = {"request_id": rid, "scenario": scenario, "role": "target", "n": 1, "sent_mono_ns": ns(sent_s),
+           "first_token_mono_ns": None, "closed_mono_ns": ns(stop_s), "cancel_mono_ns": ns(stop_s),
+           "terminal_state": "cancelled"}
+    events = [{"request_id": rid, "kind": "user_stop", "mono_ns": ns(stop_s), "data": json.dumps(
+        {"cancel_id": f"c-{rid}", "scenario": scenario, "phase": "in_flight", "metrics_target": "t0"})},
+              {"request_id": rid, "kind": "client_closed", "mono_ns": ns(stop_s + 0.001), "data": json.dumps(
+                  {"cancel_id": f"c-{rid}", "source": "client"})}]
+    return row, events
+
 def on_its_way(added_s: float | None, first_s: float | None, count):
     """The target (no abort in the log) runs on to 3 s, a second after its 2 s stop. A third request is sent
     at 2.3 s, after the stop, and enters the engine at `added_s` (None: not by the run's end: a hop holds it)
@@ -626,13 +639,7 @@ def test_a_leaked_request_is_gone_once_the_engine_holds_nothing():
     alone to 5.5 s. With the first kept in the ledger after it left (a watch has no scenario end), the engine
     counting the second alone was read as never counting it beyond the ledger."""
     ns = lambda s: T0 + int(s * 1e9)  # noqa: E731
-    late = {"request_id": "lt", "scenario": "s", "role": "target", "n": 1, "sent_mono_ns": ns(3.2),
-            "first_token_mono_ns": None, "closed_mono_ns": ns(3.5), "cancel_mono_ns": ns(3.5),
-            "terminal_state": "cancelled"}
-    stop = [{"request_id": "lt", "kind": "user_stop", "mono_ns": ns(3.5), "data": json.dumps(
-        {"cancel_id": "c2", "scenario": "s", "phase": "in_flight", "metrics_target": "t0"})},
-            {"request_id": "lt", "kind": "client_closed", "mono_ns": ns(3.501), "data": json.dumps(
-                {"cancel_id": "c2", "source": "client"})}]
+    late, stop = another_cancel("lt", 3.2, 3.5, "s")
     count = lambda t: 2.0 if t < 1.5 else (1.0 if t < 3.0 else (0.0 if t < 4.0 else (1.0 if t < 5.5 else 0.0)))  # noqa: E731
     run = build_run(count, lambda t: 0.4, steady_gen, extra_ledger=[late], extra_events=stop,
                     engine_log=[*ADDED, ("engine_added", "lt", 4.0)])
@@ -651,13 +658,7 @@ def test_a_request_the_log_has_entering_after_an_idle_sample_is_not_taken_as_gon
     gone at 2.05 s, read as still generating (leaked)."""
     ns = lambda s: T0 + int(s * 1e9)  # noqa: E731
     count = lambda t: (1.0 if t < 1.0 else 0.0) + (1.0 if 0.5 <= t < 2.05 else 0.0) + (1.0 if t >= 2.25 else 0.0)  # noqa: E731
-    lk = {"request_id": "lk", "scenario": "w", "role": "watched", "n": 1, "sent_mono_ns": ns(0.6),
-          "first_token_mono_ns": None, "closed_mono_ns": ns(1.0), "cancel_mono_ns": ns(1.0),
-          "terminal_state": "cancelled"}
-    stop = [{"request_id": "lk", "kind": "user_stop", "mono_ns": ns(1.0), "data": json.dumps(
-        {"cancel_id": "c0", "scenario": "w", "phase": "in_flight", "metrics_target": "t0"})},
-            {"request_id": "lk", "kind": "client_closed", "mono_ns": ns(1.001), "data": json.dumps(
-                {"cancel_id": "c0", "source": "client"})}]
+    lk, stop = another_cancel("lk", 0.6, 1.0, "w")
     run = build_run(count, lambda t: 0.4 if t < 2.05 else 0.1, steady_gen, extra_ledger=[lk], extra_events=stop,
                     engine_log=[*ADDED, ("engine_added", "lk", 2.1), ("engine_aborted", "tg", 2.01)])
     run.ledger.loc[run.ledger["request_id"] == "nb", "closed_mono_ns"] = ns(1.0)

@@ -189,6 +189,12 @@ class _EngineLog:
     def clock(self, target: str | None) -> LogClock:
         return self.clocks.get(target) or LogClock(target)
 
+    def entry_doubt_s(self, target: str | None) -> float:
+        """How much later than placed an Added line of `target` may have been written: its stamp's rounding
+        (whole seconds in vLLM's default format) and, where the log's clock was moved, its spread."""
+        clock = self.clock(target)
+        return clock.resolution_s + clock.uncertainty_s
+
     def abort_after(self, target: str | None, rid: str, t: float) -> float | None:
         slack = max(LOG_SLACK_S, self.resolution_of(target, rid))
         times = [x for x in self.aborted.get((target, rid), []) if x >= t - slack]
@@ -218,11 +224,11 @@ class _EngineLog:
         lo, hi = run.events_span or (-math.inf, math.inf)
         if _log_holes(run, target, lo, hi):
             return frozenset()
-        clock = self.clock(target)
+        offset = self.clock(target).offset_s
         # the events were read by their stamps, and a line is placed at its stamp moved by the clock's offset:
         # the log covers the sends from `first` to `last`, less a stamp's rounding and the clock's doubt
-        doubt = LOG_SLACK_S + clock.resolution_s + clock.uncertainty_s
-        first, last = lo + max(clock.offset_s, 0.0) + doubt, hi + min(clock.offset_s, 0.0)
+        first = lo + max(offset, 0.0) + LOG_SLACK_S + self.entry_doubt_s(target)
+        last = hi + min(offset, 0.0)
         t0 = run.info["started_mono_ns"]
         sent = (ledger["sent_mono_ns"].to_numpy(float) - t0) / 1e9
         # a client that sent its id again has a row of its own (`id~xxxxxx`, the watch's) that the log names by
@@ -349,15 +355,14 @@ def judge_vllm(run: Run, grace_s: float, metrics_target: str | None = None) -> l
             added = {rid: min(ts) for (tgt, rid), ts in englog.added.items() if tgt == target}
             cols = {c: sched[c].to_numpy(dtype=float) for c in ("t_s", "count", "waiting", "kv", "gen_tokens",
                                                                   "prefix_hits", "preemptions")}
-            clock = englog.clock(target)
             gone = _gone_by_idle(gone_at, stopped, target, cols, added,
-                                 LOG_SLACK_S + clock.resolution_s + clock.uncertainty_s + ENTER_S)
+                                 LOG_SLACK_S + englog.entry_doubt_s(target) + ENTER_S)
             ends = {**gone, **englog.done_with(run, ledger, target, cols, gone, added)} if len(times) else gone
             not_entered = englog.not_entered(run, ledger, target)
             inflight = ledger_inflight(ledger, t0, times, ends, added, not_entered) if len(times) else np.array([])
             solo = solo_tokens_per_s(cols["t_s"], cols["count"] - np.nan_to_num(cols["waiting"]), cols["waiting"],
                                      cols["gen_tokens"]) if len(times) else None
-            frames[target] = (cols, inflight, solo, ends, not_entered, gone)
+            frames[target] = _Frame(cols, inflight, solo, ends, not_entered, gone)
         return frames[target]
 
     rows = {r["request_id"]: r for r in ledger.to_dict("records")}
@@ -368,7 +373,7 @@ def judge_vllm(run: Run, grace_s: float, metrics_target: str | None = None) -> l
         rid, scenario, target = stop.request_id, data.get("scenario"), target_of(data)
         case = _case(run, frame_for(target), englog, trace, by_scenario.get(scenario, NO_REQUESTS), data=data,
                      rid=rid, target=target, lrow=rows.get(rid), t_stop=float(stop.t_s), grace_s=grace_s, t0=t0,
-                     missed=missed.get(rid), gone_until=frame_for(target)[5].get(rid, math.inf))
+                     missed=missed.get(rid), gone_until=frame_for(target).gone.get(rid, math.inf))
         case.app_answer = answers.get(data.get("cancel_id"))
         lagged = sorted(r for r in englog.ended_early.get(target, {}) if rows.get(r, {}).get("scenario") == scenario)
         case.ev.lagging_clients = lagged or None
@@ -541,8 +546,7 @@ class VllmCase(Case):
         times = self.sched["t_s"]
         out = np.zeros(len(times), dtype=bool)
         t0 = self.run.info["started_mono_ns"]
-        clock = self.englog.clock(self.target)
-        doubt = clock.resolution_s + clock.uncertainty_s  # a stamp rounded down, a clock placed at its earliest
+        doubt = self.englog.entry_doubt_s(self.target)
         for row in self.run.ledger.itertuples(index=False):
             added = self.englog.added.get((self.target, row.request_id))
             if row.request_id == self.rid or not added:
@@ -685,10 +689,22 @@ class VllmCase(Case):
             self.ev.race = f"the stop came {self.remaining} token(s) before the end: the completion could win"
 
 
-def _case(run: Run, frame, englog: _EngineLog, trace: dict, same: dict, *, data: dict, rid: str,
+class _Frame(NamedTuple):
+    """One target's scheduler and the ledger against it, shared by every cancel judged on that target."""
+
+    cols: dict[str, np.ndarray]  # the scheduler frame: t_s, count, waiting, kv, gen_tokens, ...
+    inflight: np.ndarray  # the ledger's sequences in the engine at each sample (ledger_inflight)
+    solo_rate: float | None  # tokens/s of one sequence running alone
+    ends: dict[str, float]  # request id -> where the ledger stops counting it
+    not_entered: frozenset[str]  # _EngineLog.not_entered
+    gone: dict[str, float]  # stopped request id -> gone at the latest (_gone_at, bounded by _gone_by_idle)
+
+
+def _case(run: Run, frame: _Frame, englog: _EngineLog, trace: dict, same: dict, *, data: dict, rid: str,
           target: str | None, lrow: dict | None, t_stop: float, grace_s: float, t0: int, missed: dict | None,
           gone_until: float) -> VllmCase:
-    cols_all, inflight_all, solo_rate, ledger_ends, not_entered, _ = frame
+    cols_all, inflight_all, solo_rate, ledger_ends, not_entered = (frame.cols, frame.inflight, frame.solo_rate,
+                                                                   frame.ends, frame.not_entered)
     cid = data.get("cancel_id")
     log_state = engine_log_state(run, target)
     has_log = log_state == "read"
