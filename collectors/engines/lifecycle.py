@@ -11,6 +11,7 @@ server in a session of its own (its pid is its process group), optionally in a C
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -160,10 +161,17 @@ def yield_cpu(pid: int, nice: int = ENGINE_NICE) -> None:
         os.setpriority(os.PRIO_PROCESS, pid, nice)
     except OSError:
         pass
-    try:
-        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
-    except OSError:
-        pass  # no autogroups (a kernel without them, or not Linux): the process's nice is what there is
+    for attempt in range(2):
+        try:
+            Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+            return
+        except OSError as e:
+            # Without CAP_SYS_ADMIN the kernel takes one autogroup nice per 100 ms, machine-wide (EAGAIN): two
+            # engines started together would leave the second at 0. Anything else is no autogroup (a kernel
+            # without them, the root group, not Linux): the process's nice is what there is.
+            if e.errno != errno.EAGAIN or attempt:
+                return
+            time.sleep(0.11)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float, log_path: Path | None = None, *,
