@@ -4,11 +4,26 @@ A watched cancel judged leaked was still in the engine at its grace's end. From 
 count tells how many it holds beyond the requests the watch has in flight (its surplus), but not which:
 the ghosts are the leaked cancels the surplus can still hold, at most as many as the surplus. Where the
 surplus falls to zero, every leaked request has left the engine; where it falls below their number, the
-oldest are taken to have gone first (the bound is the count, the ages are the oldest still possible)."""
+oldest are taken to have gone first (the bound is the count, the ages are the oldest still possible).
+
+Ghosts is what the watch keeps live; analysis/verdicts/ghost_list.py replays it over a stored run (the
+dashboard's, the report's ghosts). Here too: their vocabulary and how a reader is shown them."""
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from dataclasses import dataclass, field
+
+import pandas as pd
+
+
+
+# how long the engine's count must hold fewer than the ghosts before the oldest are taken to have left: a
+# request on its way is in the watch's flight before the engine counts it (its next step; seconds behind a
+# hop), and a finished one leaves the count before its client closes it (a lagging reader, a buffering proxy).
+# Either makes the surplus dip for a moment, and a ghost once dropped is never taken back
+HOLD_S = 1.0
 
 
 @dataclass
@@ -16,24 +31,94 @@ class Ghosts:
     """The leaked cancels the engine may still hold: request id -> when its client left (s, the run's clock)."""
 
     left_at: dict[str, float] = field(default_factory=dict)
+    hold_s: float = HOLD_S
+    # (instant, surplus) of the samples read, back to the first at or before hold_s ago
+    history: deque = field(default_factory=deque)
 
     def leaked(self, request_id: str, left_at_s: float) -> None:
         self.left_at[request_id] = left_at_s
 
-    def update(self, engine_count: float, in_flight: float) -> list[str]:
-        """Given the engine's count (running + waiting) and the requests the watch has in flight, keep as
-        many leaked cancels as the surplus can hold, newest first; return the ids taken to have left."""
-        surplus = max(0, int(round(engine_count - in_flight)))
-        if len(self.left_at) <= surplus:
+    def update(self, engine_count: float, in_flight: float, t_s: float) -> list[tuple[str, float]]:
+        """Given the engine's count (running + waiting) and the requests the watch has in flight at `t_s`,
+        keep as many leaked cancels as the surplus held at most over the last hold_s can hold, newest first;
+        return (id, by when it had left) of those taken to have left."""
+        self.history.append((t_s, max(0, int(round(engine_count - in_flight)))))
+        while len(self.history) > 1 and self.history[1][0] <= t_s - self.hold_s:
+            self.history.popleft()
+        since = self.history[0][0]
+        surplus = max(s for _, s in self.history)
+        if len(self.left_at) <= surplus or since > t_s - self.hold_s:
             return []
         by_age = sorted(self.left_at, key=self.left_at.get)  # oldest first
         gone = by_age[: len(by_age) - surplus]
         for rid in gone:
             del self.left_at[rid]
-        return gone
+        return [(rid, since) for rid in gone]
 
     def count(self) -> int:
         return len(self.left_at)
 
     def oldest_age_s(self, now_s: float) -> float:
         return max((now_s - t for t in self.left_at.values()), default=0.0)
+
+
+GHOST_COLUMNS = ["request_id", "scenario", "rule", "client_left_s", "in_engine", "left_engine_s", "age_s",
+                 "tokens_after_client_left", "tokens_are", "unknown_why"]
+IN_ENGINE = "still there"  # the engine's count held it at the last sample read
+LEFT = "left"
+UNKNOWN = "unknown"  # nothing after its grace tells where it went (GHOST_UNKNOWN says why)
+GHOST_UNKNOWN = {
+    "targets": "the run has several targets, and its ledger does not say which engine held each request",
+    "no_count": "no count of the engine's requests after its grace (a family whose gauges count none, or a scrape "
+                "outage)",
+}
+
+
+GHOST_CAPTION = ("A leaked request runs on in the engine after its client left. 'still there': the engine's count "
+                 "held it at the last sample read, and its age runs to that sample; 'left': when the count showed "
+                 "it gone. Where the count dropped with several in the engine, the oldest is taken to have gone "
+                 "first. Tokens with ≤ are a bound: other requests ran beside it.")
+
+
+def ghost_headline(table: pd.DataFrame) -> str:
+    held = int((table["in_engine"] == IN_ENGINE).sum())
+    return f"Ghosts: {held} of {len(table)} leaked request(s) still in the engine"
+
+
+def ghost_records(table: pd.DataFrame) -> list[dict]:
+    """ghost_table as JSON records (the report's `ghosts`): unknown values None, never NaN."""
+    return [{k: (None if isinstance(x, float) and math.isnan(x) else x) for k, x in row.items()}
+            for row in table.to_dict("records")]
+
+
+def ghost_view(table: pd.DataFrame) -> pd.DataFrame:
+    """ghost_table for a reader: the ghosts first (youngest last), ages in s, tokens a bound where they are."""
+    if table.empty:
+        return pd.DataFrame(columns=list(GHOST_LABELS.values()))
+    order = table.assign(_held=table["in_engine"] != IN_ENGINE).sort_values(["_held", "client_left_s"], kind="stable")
+
+    def tokens(row) -> str:
+        n = row["tokens_after_client_left"]
+        if n is None or pd.isna(n):
+            return "–"
+        return f"{n:.0f}" if row["tokens_are"] == "attributed" else f"≤ {n:.0f}"
+
+    view = pd.DataFrame({
+        GHOST_LABELS["request_id"]: order["request_id"],
+        GHOST_LABELS["scenario"]: order["scenario"],
+        GHOST_LABELS["client_left_s"]: order["client_left_s"].round(1),
+        GHOST_LABELS["in_engine"]: [w if w != UNKNOWN else f"unknown: {why}" for w, why in
+                                    zip(order["in_engine"], order["unknown_why"])],
+        GHOST_LABELS["age_s"]: order["age_s"].astype(float).round(1),
+        GHOST_LABELS["left_engine_s"]: order["left_engine_s"].astype(float).round(1),
+        GHOST_LABELS["tokens"]: [tokens(r) for _, r in order.iterrows()],
+        GHOST_LABELS["rule"]: order["rule"],
+    })
+    return view.reset_index(drop=True)
+
+
+GHOST_LABELS = {
+    "request_id": "request", "scenario": "scenario", "client_left_s": "client left (s)",
+    "in_engine": "in the engine", "age_s": "ran for nobody (s)", "left_engine_s": "left the engine (s)",
+    "tokens": "tokens after its client left", "rule": "rule",
+}

@@ -14,8 +14,9 @@ from analysis.cancel_table import VERDICT_COLOURS, cancel_table, cancel_window
 from analysis.capacity import capacity, capacity_figure, capacity_frame
 from analysis.explain import memory_story, pick_story_cancel
 from analysis.facts import run_facts
+from analysis.ghosts import GHOST_CAPTION, ghost_headline, ghost_view
 from analysis.timeline import timeline_figure
-from analysis.verdicts import CancelVerdict
+from analysis.verdicts import CancelVerdict, ghosts_of
 from runstore.reader import Run
 
 CSS = """
@@ -89,6 +90,10 @@ def report_html(run: Run, verdicts: list[CancelVerdict], context_len: int = 2048
                                                height=700)))
     parts.append("<h2>Timeline</h2>" + _fig_html(timeline_figure(run, verdicts)))
     parts.append(f"<h2>Cancels ({len(table)})</h2>" + (styled_cancel_table(table) if len(table) else "<p>none</p>"))
+    ghosts = ghosts_of(run, verdicts)
+    if not ghosts.empty:  # the request ids come from the run: to_html escapes them
+        parts.append(f"<h2>{html.escape(ghost_headline(ghosts))}</h2><p>{html.escape(GHOST_CAPTION)}</p>"
+                     + ghost_view(ghosts).to_html(index=False, na_rep="–"))
     parts.append("<h2>Capacity</h2>" + _fig_html(capacity_figure([(f"run {run.id}", cap)]))
                  + capacity_frame(cap).to_html(index=False))
     parts.append("<h2>Run facts</h2>" + facts_frame(facts).to_html(index=False))

@@ -27,6 +27,7 @@ def report_exit(doc: dict) -> int:
 def print_report(doc: dict, verdicts: list[CancelVerdict]) -> None:
     """The cancels as a table (latency columns named as in the dashboard's cancel table), then the
     neighbours' outcome; `doc` is the run's report_document, `verdicts` the cancels it was made of."""
+    from analysis.ghosts import IN_ENGINE
     from analysis.verdicts import LATENCIES, STOP_TO_ABORT, latency_label
 
     # the latencies a reader needs at a glance; the app's own point, where there is one, is in --json
@@ -51,6 +52,11 @@ def print_report(doc: dict, verdicts: list[CancelVerdict]) -> None:
         bound = sum(n for n, how in paid if how != "attributed")
         out.print(f"tokens the engine made after leaked cancels' clients left: {exact + bound:.0f} "
                   f"({exact:.0f} attributed, at most {bound:.0f} shared with other requests)", highlight=False)
+    held = [g for g in doc.get("ghosts") or [] if g["in_engine"] == IN_ENGINE]
+    if held:  # the engine's count still held them at the last sample: running for nobody
+        out.print(f"ghosts: {len(held)} leaked request(s) still in the engine at the last sample: "
+                  + ", ".join(f"{g['request_id']} ({g['age_s']:.0f} s since its client left)" for g in held),
+                  highlight=False)
     for note in doc.get("engine_log_notes") or []:  # what to know of the engine log before the verdicts
         out.print(f"note: {note}", highlight=False)
     if doc.get("watch"):

@@ -188,7 +188,7 @@ class _Judge:
                               "from the run")
         for v in verdicts:
             self.counts[v.verdict] = self.counts.get(v.verdict, 0) + 1
-            if v.verdict == "leaked":
+            if v.verdict == "leaked" and v.timepoints.get("left_scheduler") is None:  # seen leaving: no ghost
                 self.ghosts.leaked(v.request_id, ready[v.request_id])
             why = f": {v.evidence.why}" if v.evidence.why else ""
             paid = v.evidence.tokens_after_client_left
@@ -235,10 +235,10 @@ def _count_ghosts(judge: _Judge, ledger, scheduler, metrics: WatchMetrics | None
     """The ghosts against the engine's latest count and the watch's requests in flight; said as they go."""
     running, waiting = scheduler()
     in_flight = sum(row.n or 1 for row in ledger.open_rows())
-    gone = judge.ghosts.update(running + waiting, in_flight)
+    gone = judge.ghosts.update(running + waiting, in_flight, judge.now_s())
     if gone:
         out.print(f"watch: {len(gone)} leaked request(s) left the engine (by its count; the oldest taken first): "
-                  f"{', '.join(gone)}", highlight=False)
+                  f"{', '.join(rid for rid, _ in gone)}", highlight=False)
     if metrics is not None:
         metrics.ghosts.set(judge.ghosts.count())
         metrics.ghost_age.set(judge.ghosts.oldest_age_s(judge.now_s()))

@@ -15,9 +15,10 @@ from analysis.anatomy import cancel_summary, summary_figure
 from analysis.compare import compare_runs
 from analysis.explain import memory_story, pick_story_cancel
 from analysis.facts import VIEW_METRICS, run_facts
+from analysis.ghosts import GHOST_CAPTION, ghost_headline, ghost_view
 from analysis.html_report import facts_frame, report_html
 from analysis.timeline import timeline_figure
-from analysis.verdicts import judge_run
+from analysis.verdicts import ghosts_of, judge_run
 from dashboard import recording
 from dashboard.params import read_url_params
 from runstore.paths import DEFAULT_STORE, store_dir, store_in_dir, stores_in_dir
@@ -135,6 +136,17 @@ def show_facts(facts: dict) -> None:
         st.dataframe(facts_frame(facts), hide_index=True, width="stretch")
 
 
+def show_ghosts(run, verdicts) -> None:
+    """The leaked requests: which the engine still holds for nobody (ghosts), how long each has run since its
+    client left, and the tokens it cost."""
+    table = ghosts_of(run, verdicts)
+    if table.empty:
+        return
+    st.subheader(ghost_headline(table))
+    st.caption(GHOST_CAPTION)
+    st.dataframe(ghost_view(table), hide_index=True, width="stretch", key="ghost_table")
+
+
 def show_run(path: Path, run_id: int, other_id, sample: bool) -> None:
     run, verdicts = load_view(str(path), run_id, store_version(path))
     facts = run_facts(run)
@@ -182,6 +194,8 @@ def show_run(path: Path, run_id: int, other_id, sample: bool) -> None:
         st.dataframe(styled, hide_index=True, width="stretch", on_select=on_pick, selection_mode="single-row",
                      key="cancel_table")
         st.caption("Choose a row to zoom the timeline to that cancel.")
+
+    show_ghosts(run, verdicts)
 
     st.subheader("Why is GPU memory still high?")
     story = chosen or pick_story_cancel(verdicts)

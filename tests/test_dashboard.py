@@ -155,9 +155,14 @@ def test_recorded_runs_every_section_and_compare(proxy_and_direct_runs, monkeypa
         assert_every_section(at, store, run_id)
     table = next(d.value for d in at.dataframe if "verdict" in d.value.columns)
     assert list(table["verdict"]) == ["released", "released"]
+    assert not any(s.value.startswith("Ghosts") for s in at.subheader)  # nothing leaked, nothing listed
     # run 1 went through the leaky proxy: its verdicts are red, and compare puts both runs side by side
     at = app(store.parent, monkeypatch, store=store.name, run="1")
     assert list(next(d.value for d in at.dataframe if "verdict" in d.value.columns)["verdict"]) == ["leaked", "leaked"]
+    # each leaked request ran on to its end for nobody (the recording waits for the engine to go idle): no ghost left
+    assert "Ghosts: 0 of 2 leaked request(s) still in the engine" in [s.value for s in at.subheader]
+    ghosts = next(d.value for d in at.dataframe if "in the engine" in d.value.columns)
+    assert list(ghosts["in the engine"]) == ["left", "left"] and (ghosts["ran for nobody (s)"] > 0).all(), ghosts
     at.selectbox(key="compare_id").set_value(2).run()
     assert not at.exception
     assert "Compare run 1 with run 2" in [s.value for s in at.subheader]
@@ -290,3 +295,31 @@ def test_the_form_shows_the_command_lines_one_line_error_for_a_dead_target(tmp_p
     (err,) = [e.value for e in at.sidebar.error]
     assert "cannot list models" in err and str(port) in err and "fix --target" in err and "\n" not in err, err
     assert recording.current(tmp_path) is None  # the command ended: the next recording may start
+
+
+def test_the_ghosts_the_engine_still_holds_are_listed_with_their_ages(tmp_path, monkeypatch):
+    """Issue 21 point 2: a leaked request the engine's count still holds is listed first with its age to the
+    last sample; one the count showed leaving, with how long it ran for nobody; a released one not at all."""
+    from analysis.verdicts import ghosts_of
+    from tests.test_protocol import NO_QUEUED, PERIOD_S, write_run
+
+    decode, disconnect = NO_QUEUED[0], NO_QUEUED[1]  # released; leaked, in the engine until 9 s of its stretch
+    store = tmp_path / "cw.db"
+    write_run(store, [decode, disconnect, {**disconnect, "leak_end": 99.0}])
+    run = load_run(store, "latest", metrics=VIEW_METRICS)
+    verdicts = judge_run(run)
+    assert [v.verdict for v in verdicts] == ["released", "leaked", "leaked"], verdicts
+    at = app(tmp_path, monkeypatch, store="cw.db")
+    assert not at.exception, at.exception
+    assert "Ghosts: 1 of 2 leaked request(s) still in the engine" in [s.value for s in at.subheader]
+    shown = next(d.value for d in at.dataframe if "in the engine" in d.value.columns)
+    last = float(run.series("requests_running")["t_s"].max())
+    held, gone = verdicts[2], verdicts[1]
+    assert list(shown["request"]) == [held.request_id, gone.request_id]  # the ghost first
+    assert list(shown["in the engine"]) == ["still there", "left"]
+    stop_held, stop_gone = held.timepoints["user_stop"], gone.timepoints["user_stop"]
+    # the ghost's age runs to the last sample; the other ran 4 s for nobody (its stop at 5 s, its end at 9 s)
+    assert list(shown["ran for nobody (s)"]) == pytest.approx([round(last - stop_held, 1), 4.0], abs=0.06)
+    assert shown["left the engine (s)"].iloc[1] == pytest.approx(stop_gone + 4.0, abs=0.06)
+    assert stop_held == pytest.approx(2 * PERIOD_S + 5.0)
+    assert len(ghosts_of(run, verdicts)) == 2

@@ -4,17 +4,150 @@ from analysis.ghosts import Ghosts
 
 
 def test_ghosts_are_bounded_by_the_engines_surplus_and_cleared_when_it_is_gone():
-    g = Ghosts()
+    g = Ghosts(hold_s=1.0)
     g.leaked("a", 10.0)
     g.leaked("b", 12.0)
     g.leaked("c", 13.0)
-    assert g.update(engine_count=4, in_flight=1) == [] and g.count() == 3  # 3 beyond the watch's one
+    assert g.update(engine_count=4, in_flight=1, t_s=19.0) == [] and g.count() == 3  # 3 beyond the watch's one
     assert g.oldest_age_s(20.0) == 10.0
-    # the engine let one go: which is not known, the oldest is taken to have gone first
-    assert g.update(engine_count=3, in_flight=1) == ["a"] and g.count() == 2
+    # the engine let one go: which is not known, the oldest is taken to have gone first, once the count has
+    # held one fewer for hold_s; by the first sample that showed it
+    assert g.update(engine_count=3, in_flight=1, t_s=19.5) == [] and g.count() == 3
+    assert g.update(engine_count=3, in_flight=1, t_s=20.5) == [("a", 19.5)] and g.count() == 2
     assert g.oldest_age_s(20.0) == 8.0
     # a surplus from traffic the watch did not see never makes a ghost of its own
-    assert g.update(engine_count=9, in_flight=1) == [] and g.count() == 2
+    assert g.update(engine_count=9, in_flight=1, t_s=21.0) == [] and g.count() == 2
     # nothing beyond what the watch has in flight: every leaked request has left
-    assert sorted(g.update(engine_count=1, in_flight=1)) == ["b", "c"] and g.count() == 0
+    assert g.update(engine_count=1, in_flight=1, t_s=21.5) == []
+    assert sorted(g.update(engine_count=1, in_flight=1, t_s=22.5)) == [("b", 21.5), ("c", 21.5)] and g.count() == 0
     assert g.oldest_age_s(20.0) == 0.0
+
+
+def test_a_dip_shorter_than_the_hold_drops_no_ghost():
+    # a request in the watch's flight that the engine counts only a step later, or a finished one whose
+    # client is still reading: the surplus dips for a moment, and the ghost is still there
+    g = Ghosts(hold_s=1.0)
+    g.leaked("a", 10.0)
+    readings = [(2, 1), (1, 1), (1, 1), (2, 2), (3, 2)]  # (engine count, in flight) each 0.25 s
+    assert [g.update(c, f, 11.0 + i * 0.25) for i, (c, f) in enumerate(readings)] == [[]] * 5
+    assert g.count() == 1
+
+
+# ghost_table: every leaked cancel of a run, with its age, on small hand-built runs (tests/test_verdicts.py's)
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+from analysis.ghosts import GHOST_UNKNOWN, IN_ENGINE, LEFT, UNKNOWN  # noqa: E402
+from analysis.verdicts import ghosts_of as ghost_table, judge_run  # noqa: E402
+from tests.test_verdicts import ADDED, T0, build_run, steady_gen  # noqa: E402
+
+
+def ns(s: float) -> int:
+    return T0 + int(s * 1e9)
+
+
+def still_there():
+    """The target's cancel lost (no abort), the engine holding it beside the neighbour to the run's end."""
+    run = build_run(lambda t: 2.0, lambda t: 0.4, steady_gen, engine_log=ADDED)
+    (v,) = judge_run(run)
+    assert (v.verdict, v.rule) == ("leaked", "no_abort_still_there"), v
+    return run, v
+
+
+def test_a_leaked_request_the_engine_still_holds_is_a_ghost_aged_to_the_last_sample():
+    run, v = still_there()
+    (row,) = ghost_table(run, [v]).to_dict("records")
+    last = float(run.samples["t_s"].max())
+    assert (row["request_id"], row["in_engine"], row["left_engine_s"]) == ("tg", IN_ENGINE, None)
+    assert row["age_s"] == pytest.approx(last - 2.0) and row["client_left_s"] == pytest.approx(2.0)
+    assert row["tokens_after_client_left"] == v.evidence.tokens_after_client_left
+
+
+def test_one_that_left_within_its_verdicts_stretch_is_aged_to_when_it_left():
+    run = build_run(lambda t: 2.0 if t < 3.0 else 1.0, lambda t: 0.4, steady_gen, engine_log=ADDED)
+    (v,) = judge_run(run)
+    assert v.rule == "no_abort_ran_to_end", v
+    (row,) = ghost_table(run, [v]).to_dict("records")
+    assert (row["in_engine"], row["left_engine_s"], row["age_s"]) == (LEFT, pytest.approx(3.0), pytest.approx(1.0))
+
+
+def test_past_its_verdicts_window_it_leaves_where_the_count_no_longer_holds_it():
+    # judged live on a window that ended while it was still there: the count after it says when it went
+    _, v = still_there()
+    run = build_run(lambda t: 2.0 if t < 4.5 else 1.0 if t < 5.5 else 0.0, lambda t: 0.4, steady_gen, engine_log=ADDED)
+    (row,) = ghost_table(run, [v]).to_dict("records")
+    assert (row["in_engine"], row["left_engine_s"]) == (LEFT, pytest.approx(4.5)), row
+    assert row["age_s"] == pytest.approx(2.5)
+    # a released cancel is no ghost
+    released = build_run(lambda t: 2.0 if t < 2.05 else 1.0, lambda t: 0.4 if t < 2.05 else 0.1, steady_gen,
+                         probe_first_s=2.2, engine_log=[*ADDED, ("engine_aborted", "tg", 2.01)])
+    assert ghost_table(released, judge_run(released)).empty
+
+
+def test_a_request_on_its_way_to_the_engine_does_not_make_a_ghost_read_as_gone():
+    # another request sent at 4.2 s enters the engine only at 5.5 s (a hop held it): counted from its send, the
+    # count (2: the neighbour and the ghost) would have held nothing beyond the ledger's two for 1.3 s
+    _, v = still_there()
+    late = {"request_id": "nx", "scenario": "s2", "role": "target", "n": 1, "sent_mono_ns": ns(4.2),
+            "first_token_mono_ns": ns(5.6), "closed_mono_ns": None, "cancel_mono_ns": None, "terminal_state": None}
+    run = build_run(lambda t: 2.0 if t < 5.5 else 3.0, lambda t: 0.4, steady_gen, extra_ledger=[late],
+                    engine_log=[*ADDED, ("engine_added", "nx", 5.5)])
+    (row,) = ghost_table(run, [v]).to_dict("records")
+    assert row["in_engine"] == IN_ENGINE, row
+
+
+def test_where_the_count_cannot_say_it_is_unknown_and_says_why():
+    run, v = still_there()
+    run.info["targets"] = [{"label": "t0", "url": "http://x"}, {"label": "t1", "url": "http://y"}]
+    (row,) = ghost_table(run, [v]).to_dict("records")
+    assert (row["in_engine"], row["unknown_why"]) == (UNKNOWN, GHOST_UNKNOWN["targets"])
+    run, v = still_there()
+    run.samples = run.samples[run.samples["t_s"] < 3.0]  # the scrapes stopped after the stop
+    (row,) = ghost_table(run, [v]).to_dict("records")
+    assert (row["in_engine"], row["unknown_why"]) == (UNKNOWN, GHOST_UNKNOWN["no_count"])
+
+
+def test_two_ghosts_and_one_leaving_the_oldest_is_taken_first():
+    second = {"request_id": "tg2", "scenario": "s", "role": "target", "n": 1, "sent_mono_ns": ns(0.5),
+              "first_token_mono_ns": ns(0.8), "closed_mono_ns": ns(2.6), "cancel_mono_ns": ns(2.5),
+              "terminal_state": "cancelled"}
+    stop2 = {"request_id": "tg2", "kind": "user_stop", "mono_ns": ns(2.5),
+             "data": json.dumps({"cancel_id": "c2", "scenario": "s", "phase": "decode", "metrics_target": "t0"})}
+    # three in the engine (the neighbour, both leaked) to 4.6 s, then two, then one from the neighbour's end on
+    run = build_run(lambda t: 3.0 if t < 4.6 else 2.0 if t < 5.5 else 1.0, lambda t: 0.4, steady_gen,
+                    extra_ledger=[second], extra_events=[stop2], engine_log=[*ADDED, ("engine_added", "tg2", 0.5)])
+    verdicts = judge_run(run)
+    # the count shows one of them gone at 4.6 s, not which: neither verdict says it left (each was there after its
+    # grace: leaked), and the ghosts take the oldest to have gone first
+    assert {(x.request_id, x.rule, x.timepoints["left_scheduler"]) for x in verdicts} == {
+        ("tg", "no_abort_still_there", None), ("tg2", "no_abort_still_there", None)}
+    rows = ghost_table(run, verdicts).set_index("request_id")
+    assert list(rows.index) == ["tg", "tg2"]  # oldest first
+    assert (rows.loc["tg", "in_engine"], rows.loc["tg", "left_engine_s"]) == (LEFT, pytest.approx(4.6))
+    assert rows.loc["tg2", "in_engine"] == IN_ENGINE
+
+
+def test_the_report_lists_the_ghosts_in_its_json_and_says_them_in_its_text(tmp_path):
+    from tests.conftest import cli
+    from tests.test_protocol import NO_QUEUED, write_run
+
+    store = tmp_path / "cw.db"
+    disconnect = NO_QUEUED[1]  # leaked: in the engine until 9 s of its stretch, or (leak_end) to the run's end
+    write_run(store, [disconnect, {**disconnect, "leak_end": 99.0}])
+    res = cli("report", "latest", "--json", "--store", str(store), home=tmp_path)
+    doc = json.loads(res.stdout)
+    ghosts = {g["request_id"]: g for g in doc["ghosts"]}
+    leaked = [c["request_id"] for c in doc["cancels"] if c["verdict"] == "leaked"]
+    assert sorted(ghosts) == sorted(leaked) and len(leaked) == 2, doc["cancels"]
+    gone, held = leaked
+    assert (ghosts[gone]["in_engine"], ghosts[gone]["age_s"]) == (LEFT, pytest.approx(4.0, abs=0.06))
+    assert ghosts[held]["in_engine"] == IN_ENGINE and ghosts[held]["left_engine_s"] is None
+    text = cli("report", "latest", "--store", str(store), home=tmp_path).stdout
+    assert (f"ghosts: 1 leaked request(s) still in the engine at the last sample: {held} "
+            f"({ghosts[held]['age_s']:.0f} s since its client left)") in " ".join(text.split()), text
+    # and the offline HTML report has them, as the dashboard does
+    cli("report", "latest", "--store", str(store), "--html", str(tmp_path / "r.html"), home=tmp_path)
+    page = (tmp_path / "r.html").read_text()
+    assert "<h2>Ghosts: 1 of 2 leaked request(s) still in the engine</h2>" in page
+    assert page.index(f"<td>{held}</td>") < page.index(f"<td>{gone}</td>")  # the ghost first

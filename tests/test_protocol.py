@@ -102,7 +102,7 @@ def write_run(path, scenarios: list[dict], *, name: str = "protocol-test", engin
         for j in range(m):
             rid_t = f"cw-{s['name']}-target-{tag}{j:02d}ab{i}{j}"[-28:]
             cancelled = j < k
-            end = (9.0 if s.get("leak") else 5.05) if cancelled else 8.0
+            end = (s.get("leak_end", 9.0) if s.get("leak") else 5.05) if cancelled else 8.0
             live = (u >= 1.5) & (u < end)
             if s["phase"] == "queued" and cancelled:
                 waiting += live

@@ -139,7 +139,8 @@ def test_a_cancel_whose_request_the_log_does_not_name_yet_is_judged_again_on_a_l
         rule = next(rules)
         verdict = "inconclusive" if rule == "never_added" else "leaked"
         ev = types.SimpleNamespace(why="", tokens_after_client_left=None)
-        return [types.SimpleNamespace(request_id=rid, rule=rule, verdict=verdict, evidence=ev) for rid in ids]
+        return [types.SimpleNamespace(request_id=rid, rule=rule, verdict=verdict, evidence=ev, timepoints={})
+                for rid in ids]
 
     monkeypatch.setattr(runstore.reader, "load_window", load_window)
     monkeypatch.setattr(analysis.watching, "judge_cancels", judge_cancels)

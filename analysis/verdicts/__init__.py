@@ -40,7 +40,8 @@ from analysis.verdicts.core import (
     run_grace_s,
 )
 from analysis.verdicts.log_clock import LogClock, log_clocks
-from analysis.verdicts.families import FAMILIES, UnknownFamily, family_of, judge_run, neighbours_ok, report_document
+from analysis.verdicts.families import (FAMILIES, UnknownFamily, family_of, ghosts_of, judge_run, ledger_in_engine,
+                                        neighbours_ok, report_document)
 from analysis.verdicts.triton import TRITON
 from analysis.verdicts.vllm import VLLM, ledger_inflight
 
@@ -49,6 +50,6 @@ __all__ = [
     "RACE_RULES", "RACE_TOKENS", "RULES", "SOURCES", "SOURCE_LABELS", "STOP_TO_ABORT", "TIMEPOINTS", "TRITON",
     "VERDICTS", "VLLM",
     "CancelVerdict", "LogClock", "UnknownFamily",
-    "Rule", "engine_log_state", "family_of", "judge_run", "latency_key", "latency_label", "ledger_by_scenario", "log_clocks",
-    "ledger_inflight", "neighbours_ok", "report_document", "run_grace_s",
+    "Rule", "engine_log_state", "family_of", "ghosts_of", "judge_run", "latency_key", "latency_label", "ledger_by_scenario", "log_clocks",
+    "ledger_in_engine", "ledger_inflight", "neighbours_ok", "report_document", "run_grace_s",
 ]

@@ -10,11 +10,15 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import pandas as pd
+
+from analysis.ghosts import ghost_records
 from analysis.hops import app_received, hop_story, hop_traces, stopped_at
 from analysis.summary import sampling_stats
 from analysis.verdicts.core import TAP_RECEIVED, CancelVerdict, run_grace_s
+from analysis.verdicts.ghost_list import ghost_table
 from analysis.verdicts.triton import TRITON, judge_triton, report_fields
-from analysis.verdicts.vllm import VLLM, judge_vllm, vllm_report_fields
+from analysis.verdicts.vllm import VLLM, judge_vllm, vllm_in_flight, vllm_report_fields
 from runstore.errors import StoreError
 from runstore.reader import Run
 from runstore.records import DriveSettings
@@ -24,16 +28,23 @@ def _nothing(run: Run) -> dict:
     return {}
 
 
+def _no_count(run: Run, target: str | None, times) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class Family:
     # one verdict per cancel: (run, grace_s, metrics_target) -> verdicts
     judge: Callable[[Run, float, str | None], list[CancelVerdict]]
     # the fields the family adds to a run's report document
     report_fields: Callable[[Run], dict] = _nothing
+    # the ledger's requests in the engine at each instant, where the engine's count of requests can be weighed
+    # against it (run, target, times) -> array; None where the family's gauges count no requests
+    in_flight: Callable = _no_count
 
 
 FAMILIES: dict[str, Family] = {
-    VLLM: Family(judge_vllm, vllm_report_fields),
+    VLLM: Family(judge_vllm, vllm_report_fields, vllm_in_flight),
     TRITON: Family(judge_triton, report_fields),
 }
 
@@ -63,6 +74,17 @@ def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None
     verdicts = FAMILIES[family_of(run)].judge(run, grace_s, metrics_target)
     with_hops(run, verdicts, grace_s)
     return verdicts
+
+
+def ledger_in_engine(run: Run, target: str | None, times):
+    """The ledger's requests in `target`'s engine at each of `times`, each until its client closed it, by the
+    run's family (vLLM: from its log's Added lines); None where the family's gauges count no requests."""
+    return FAMILIES[family_of(run)].in_flight(run, target, times)
+
+
+def ghosts_of(run: Run, verdicts: list[CancelVerdict]) -> pd.DataFrame:
+    """The run's leaked cancels as ghosts, with their ages (analysis/verdicts/ghost_list.py)."""
+    return ghost_table(run, verdicts, ledger_in_engine)
 
 
 def with_hops(run: Run, verdicts: list[CancelVerdict], grace_s: float) -> None:
@@ -107,5 +129,7 @@ def report_document(run: Run, grace_s: float | None = None, verdicts: list[Cance
         "sampling": json.loads(stats.to_json(orient="records")) if not stats.empty else [],
         "family": family,
         "cancels": [v.as_json() for v in verdicts],
+        # the leaked requests: which the engine still held at the last sample, and each one's age
+        "ghosts": ghost_records(ghosts_of(run, verdicts)),
         **FAMILIES[family].report_fields(run),
     }

@@ -89,6 +89,16 @@ def ledger_inflight(ledger: pd.DataFrame, t0_ns: int, times: np.ndarray, aborted
     return counts
 
 
+def vllm_in_flight(run: Run, target: str | None, times: np.ndarray) -> np.ndarray:
+    """The ledger's requests in the engine at each of `times` as far as its log says, each until its client
+    closed it: counted from its Added line (on the run's clock), never where the log shows it never entered.
+    What a leaked request's ghost is weighed against (analysis/ghosts.py)."""
+    englog = _EngineLog(run, set(run.ledger["request_id"]))
+    added = {rid: min(ts) for (tgt, rid), ts in englog.added.items() if tgt == target}
+    return ledger_inflight(run.ledger, int(run.info["started_mono_ns"]), times, {}, added,
+                           englog.not_entered(run, run.ledger, target))
+
+
 def vllm_report_fields(run: Run) -> dict:
     """What a vLLM run's report adds: each engine log's clock against the run's (log_clock.py), and what a
     reader must know of the logs before reading the verdicts."""
@@ -538,6 +548,24 @@ class VllmCase(Case):
         return self.inflight - self.n * ((times >= self.t_stop) & (times < self.gone_until))
 
     @cached_property
+    def stopped_beside(self) -> np.ndarray:
+        """Per sample of the stretch: sequences of other requests whose clients had stopped them, with no abort
+        line, that the ledger still holds (until gone_until: they may run on for nobody too). Any of them may
+        be the one a drop in the count lost: with two leaked requests in the engine, a count one lower shows
+        one of them gone, not which (seen: three leaked through a proxy, each read as gone at the first end)."""
+        times = self.sched["t_s"]
+        out = np.zeros(len(times))
+        t0 = self.run.info["started_mono_ns"]
+        for row in self.run.ledger.itertuples(index=False):
+            if row.request_id == self.rid or pd.isna(row.cancel_mono_ns) or pd.isna(row.sent_mono_ns) \
+                    or self.englog.aborted.get((self.target, row.request_id)):
+                continue
+            t_cancel = (row.cancel_mono_ns - t0) / 1e9
+            n = 1 if pd.isna(row.n) else int(row.n)
+            out += n * ((times >= t_cancel) & (times < self.ledger_ends.get(row.request_id, math.inf)))
+        return out
+
+    @cached_property
     def entering(self) -> np.ndarray:
         """Per sample of the stretch: another request of the ledger is entering the engine, from its Added
         line to its first token, and at most ENTER_S (a non-streamed answer's first byte is its end). The
@@ -852,9 +880,12 @@ def left_on_its_own_or_stayed(c: VllmCase) -> CancelVerdict:
     """No abort: when the request left the engine after the stop, by the samples that count it."""
     times, without = c.sched["t_s"], c.without
     still_all = c.sched["count"] > without + 1e-9
+    # a count at the ledger's with other stopped requests beside it (VllmCase.stopped_beside) shows one of them
+    # gone, not that this one is: gone for sure only where it is lower than the ledger's without any of them
+    which = ~still_all & (c.sched["count"] > without - c.stopped_beside + 1e-9)
     # a sample with another request entering shows nothing of this one leaving (VllmCase.entering): read as
     # gone there, a request sent after the stop and not yet counted made one that ran on read as gone
-    refreshed_after = np.nonzero((times >= c.t_stop) & c.moved & (still_all | ~c.entering))[0]
+    refreshed_after = np.nonzero((times >= c.t_stop) & c.moved & (still_all | ~c.entering) & ~which)[0]
     if not len(refreshed_after):
         return c.verdict("already_finished" if c.ahead else "no_refresh_after_stop")
     still = still_all[refreshed_after]
