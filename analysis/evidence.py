@@ -49,7 +49,10 @@ class Evidence:
     kv_drop_waived: why a release was not asked to show KV usage falling though the request held KV at
         its stop: "preempted" (the scheduler preempted a request in the window: this one's blocks may
         have gone back before the stop), "prefix_shared" (the prefix cache gave it part of its prompt
-        while another request of the run ran beside it: those blocks stay held); None when it was asked
+        while another request of the run ran beside it: those blocks stay held), "taken_in_its_place"
+        (another request entered the engine from the abort on and the count held it and not this one, with
+        KV usage no higher than at the stop: the newcomer's prefill took the freed blocks); None when it was
+        asked
     count_after: requests the server counted in the sample that showed the release
     ledger_after: sequences the ledger had in the server at that sample
     kv_after: KV-cache usage ratio (0..1) at that sample
@@ -80,7 +83,8 @@ class Evidence:
         `not_here`, `HTTP 404`, `no answer: ConnectError`, ...)
     kept_running_ms: duration, ms the request stayed in the engine after the stop (from its entry, where the
         engine took it only after the stop) with no abort in the engine's log (a lost cancel); None while it
-        was still there at the end of the stretch followed
+        was still there at the end of the stretch followed; at least this long where other lost requests
+        beside it left with it (no_abort_left_among_others: left_scheduler is then when it had left by)
     tokens_after_client_left: count, tokens the engine generated after the stop for a leaked request, off its
         generation_tokens_total up to the sample showing the request gone (or the end of the stretch followed);
         None where the samples cannot say (analysis/verdicts/paid_tokens.py)

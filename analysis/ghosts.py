@@ -14,6 +14,9 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
 
 import pandas as pd
 
@@ -26,17 +29,30 @@ import pandas as pd
 HOLD_S = 1.0
 
 
+class EngineReading(NamedTuple):
+    """One target's engine count against the ledger, as a family reads it (Family.in_engine)."""
+
+    t_s: np.ndarray  # the scheduler's samples, s since the run started
+    count: np.ndarray  # requests the engine counted (running + waiting)
+    in_flight: np.ndarray  # the ledger's requests in the engine then, the stopped ones with no abort left out
+    # request id -> from when the engine counted it at the latest (its first Added line, and a step's time)
+    counted_from: dict[str, float]
+
+
 @dataclass
 class Ghosts:
     """The leaked cancels the engine may still hold: request id -> when its client left (s, the run's clock)."""
 
     left_at: dict[str, float] = field(default_factory=dict)
+    # request id -> from when it was seen in the engine (its verdict's): it never left before then
+    joined_at: dict[str, float] = field(default_factory=dict)
     hold_s: float = HOLD_S
     # (instant, surplus) of the samples read, back to the first at or before hold_s ago
     history: deque = field(default_factory=deque)
 
-    def leaked(self, request_id: str, left_at_s: float) -> None:
+    def leaked(self, request_id: str, left_at_s: float, seen_at_s: float | None = None) -> None:
         self.left_at[request_id] = left_at_s
+        self.joined_at[request_id] = left_at_s if seen_at_s is None else seen_at_s
 
     def update(self, engine_count: float, in_flight: float, t_s: float) -> list[tuple[str, float]]:
         """Given the engine's count (running + waiting) and the requests the watch has in flight at `t_s`,
@@ -53,7 +69,11 @@ class Ghosts:
         gone = by_age[: len(by_age) - surplus]
         for rid in gone:
             del self.left_at[rid]
-        return [(rid, since) for rid in gone]
+        return [(rid, max(since, self.joined_at.pop(rid))) for rid in gone]
+
+    def short_by(self, engine_count: float, in_flight: float) -> int:
+        """How many ghosts the latest count cannot hold, before the hold has passed (the end of what was read)."""
+        return max(0, len(self.left_at) - max(0, int(round(engine_count - in_flight))))
 
     def count(self) -> int:
         return len(self.left_at)
@@ -69,6 +89,7 @@ LEFT = "left"
 UNKNOWN = "unknown"  # nothing after its grace tells where it went (GHOST_UNKNOWN says why)
 GHOST_UNKNOWN = {
     "targets": "the run has several targets, and its ledger does not say which engine held each request",
+    "last_second": "the engine's count fell in the last second read: it may have left (read the run again later)",
     "no_count": "no count of the engine's requests after its grace (a family whose gauges count none, or a scrape "
                 "outage)",
 }

@@ -4,7 +4,7 @@ cancel. Pure: the window in, the verdicts out."""
 
 from __future__ import annotations
 
-from analysis.verdicts import HORIZON_S, CancelVerdict, judge_run
+from analysis.verdicts import HORIZON_S, SEEN_LEAVING, CancelVerdict, judge_run
 from runstore.reader import Run
 
 BEFORE_S = 2.0  # the window starts this long before the stop: the baseline the rules read (1 s) and slack
@@ -29,8 +29,18 @@ def due(t_stop_s: float, grace_s: float, now_s: float, extra_s: float = 0.0) -> 
     return now_s >= window_of(t_stop_s, grace_s, extra_s)[1]
 
 
-def judge_cancels(window: Run, request_ids: set[str], grace_s: float) -> list[CancelVerdict]:
+def judge_cancels(window: Run, request_ids: set[str], grace_s: float,
+                  seen_leaving: dict[str, float] | None = None) -> list[CancelVerdict]:
     """The verdicts of the cancels `request_ids` in `window`. The window's other stops stay in it (judged
     before, or not yet due): each says how long its request may have stayed in the engine, which the
-    ledger's count beside these cancels rests on."""
+    ledger's count beside these cancels rests on. `seen_leaving`: when the verdicts judged before saw their
+    requests leave the engine (left_scheduler), which the window's samples may start after."""
+    if seen_leaving:
+        window.info[SEEN_LEAVING] = dict(seen_leaving)
     return [v for v in judge_run(window, grace_s) if v.request_id in request_ids]
+
+
+def left_seen(verdicts: list[CancelVerdict]) -> dict[str, float]:
+    """Request id -> when its verdict saw it leave the engine, for the windows judged after it."""
+    return {v.request_id: v.timepoints["left_scheduler"] for v in verdicts
+            if v.timepoints.get("left_scheduler") is not None}

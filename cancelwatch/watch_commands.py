@@ -92,6 +92,7 @@ class _Judge:
         # request id -> how much longer its window is: its request was not in the engine's log yet (ENTRY_WAIT_S)
         self.extra: dict[str, float] = {}
         self.counts: dict[str, int] = {}
+        self.left_seen: dict[str, float] = {}  # request id -> when its verdict saw it leave the engine
         self.failures = 0
         from analysis.ghosts import Ghosts
 
@@ -157,7 +158,7 @@ class _Judge:
 
             window = load_window(self.store, self.run_id, lo, hi, extra_ledger=open_rows, lookback_s=LOOKBACK_S,
                                  held_through_s=held)
-            return judge_cancels(window, set(ready), self.grace_s)
+            return judge_cancels(window, set(ready), self.grace_s, self.left_seen)
 
         try:
             verdicts = await asyncio.to_thread(judge)
@@ -186,10 +187,16 @@ class _Judge:
                     self.failures += 1
                     err.print(f"watch: cancel {rid} could not be judged live; `cancelwatch report` judges it "
                               "from the run")
+        from analysis.watching import left_seen
+
+        # when each left the engine, for the windows judged after it (their samples start just before their
+        # stops); kept for as long as a window looks back
+        self.left_seen.update(left_seen(verdicts))
+        self.left_seen = {r: t for r, t in self.left_seen.items() if t >= self.now_s() - LOOKBACK_S - LATE_S}
         for v in verdicts:
             self.counts[v.verdict] = self.counts.get(v.verdict, 0) + 1
             if v.verdict == "leaked" and v.timepoints.get("left_scheduler") is None:  # seen leaving: no ghost
-                self.ghosts.leaked(v.request_id, ready[v.request_id])
+                self.ghosts.leaked(v.request_id, ready[v.request_id], seen_at_s=self.now_s())
             why = f": {v.evidence.why}" if v.evidence.why else ""
             paid = v.evidence.tokens_after_client_left
             if paid is not None:

@@ -103,7 +103,8 @@ def test_where_the_count_cannot_say_it_is_unknown_and_says_why():
     (row,) = ghost_table(run, [v]).to_dict("records")
     assert (row["in_engine"], row["unknown_why"]) == (UNKNOWN, GHOST_UNKNOWN["targets"])
     run, v = still_there()
-    run.samples = run.samples[run.samples["t_s"] < 3.0]  # the scrapes stopped after the stop
+    # an engine whose gauges count no requests (or a store that kept none of them)
+    run.samples = run.samples[~run.samples["metric"].isin(["requests_running", "requests_waiting"])]
     (row,) = ghost_table(run, [v]).to_dict("records")
     assert (row["in_engine"], row["unknown_why"]) == (UNKNOWN, GHOST_UNKNOWN["no_count"])
 
@@ -126,6 +127,18 @@ def test_two_ghosts_and_one_leaving_the_oldest_is_taken_first():
     assert list(rows.index) == ["tg", "tg2"]  # oldest first
     assert (rows.loc["tg", "in_engine"], rows.loc["tg", "left_engine_s"]) == (LEFT, pytest.approx(4.6))
     assert rows.loc["tg2", "in_engine"] == IN_ENGINE
+    # the other left at 5.8 s: the engine idle. Each verdict says it was there to 4.55 s and had left by 5.8 s
+    run = build_run(lambda t: 3.0 if t < 4.6 else 2.0 if t < 5.5 else 1.0 if t < 5.8 else 0.0, lambda t: 0.4,
+                    steady_gen, extra_ledger=[second], extra_events=[stop2],
+                    engine_log=[*ADDED, ("engine_added", "tg2", 0.5)])
+    verdicts = {x.request_id: x for x in judge_run(run)}
+    for rid, stop in (("tg", 2.0), ("tg2", 2.5)):
+        x = verdicts[rid]
+        assert (x.verdict, x.rule, x.timepoints["left_scheduler"]) == ("leaked", "no_abort_left_among_others",
+                                                                       pytest.approx(5.8)), x
+        assert x.evidence.kept_running_ms == pytest.approx((4.55 - stop) * 1000, abs=1)
+    rows = ghost_table(run, list(verdicts.values())).set_index("request_id")
+    assert rows.loc["tg", "left_engine_s"] == pytest.approx(4.6) and rows.loc["tg2", "left_engine_s"] == pytest.approx(5.8)
 
 
 def test_the_report_lists_the_ghosts_in_its_json_and_says_them_in_its_text(tmp_path):

@@ -127,8 +127,10 @@ def test_aiperf_cancels_direct_to_the_engine_each_get_a_verdict_and_none_leaked(
     # every request went through the watch: none is other traffic to it
     assert not any(rule.startswith("other_traffic") for _, rule in live.values()), side_by_side(ids, live)
     check_never_added_came_with_their_close(run, live)
-    # each inconclusive says why (how many there are depends on how starved the host is: the note's figures)
+    # each inconclusive says why, and under this steady load through the watch at most 1 in 10 is (issue 21
+    # point 7). Seen before the engine-step reading (VllmCase.ended_unseen, taken_in_its_place): 7 in 25
     assert all(c["evidence"].get("why") for c in report["cancels"] if c["verdict"] == "inconclusive")
+    assert verdicts["inconclusive"] <= len(live) // 10, side_by_side(ids, live)
     print(f"AIPerf: {count} cancelled; watch: {len(live)} cancels, {dict(verdicts)}; answered before AIPerf let go: "
           f"{len(answered)}")
 
@@ -144,11 +146,14 @@ def test_aiperf_cancels_behind_a_proxy_that_never_passes_them_on_are_leaked(engi
     answered_before_aiperf_let_go(run, ids, live)
     check_never_added_came_with_their_close(run, live)
     # none released: the proxy passes no cancel on, and a verdict must never say otherwise. Leaked where the
-    # count can place the request; the rest inconclusive, saying why. Seen here: the first leaks leaked, then,
-    # with several ghosts in the engine at once (each runs its 200 tokens out) and new requests queued behind
-    # them, most were `already_finished` (the engine counted fewer than the ledger's requests and ghosts: it
-    # cannot tell which had gone). Issue 21 keeps that open
+    # count can place the request; the rest inconclusive, saying why. Seen here: 3 of 20 leaked while each lost
+    # request stayed the ledger's until the engine went idle; with each ended where its verdict saw it leave
+    # (live too: the windows are told), 10 to 12 of 20. Once several lost requests are in the engine at once and
+    # the count cannot tell which left, the ledger holds them to when they had all left by, and the later
+    # cancels read `already_finished`. Issue 21 keeps that open (point 7)
     assert not any(v == "released" for v, _ in live.values()), side_by_side(ids, live)
     assert any(v == "leaked" for v, _ in live.values()), side_by_side(ids, live)
     assert all(c["evidence"].get("why") for c in report["cancels"] if c["verdict"] == "inconclusive")
     assert {c["request_id"]: c["verdict"] for c in report["cancels"]} == {r: v for r, (v, _) in live.items()}
+    verdicts = Counter(v for v, _ in live.values())
+    print(f"AIPerf: {count} cancelled; watch: {len(live)} cancels, {dict(verdicts)}")

@@ -135,7 +135,7 @@ def test_a_cancel_whose_request_the_log_does_not_name_yet_is_judged_again_on_a_l
         windows.append((lo, hi))
         return None
 
-    def judge_cancels(window, ids, grace_s):
+    def judge_cancels(window, ids, grace_s, seen_leaving=None):
         rule = next(rules)
         verdict = "inconclusive" if rule == "never_added" else "leaked"
         ev = types.SimpleNamespace(why="", tokens_after_client_left=None)

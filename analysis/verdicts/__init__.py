@@ -26,6 +26,7 @@ from analysis.verdicts.core import (
     RACE_RULES,
     RACE_TOKENS,
     RULES,
+    SEEN_LEAVING,
     SOURCE_LABELS,
     SOURCES,
     STOP_TO_ABORT,
@@ -40,16 +41,16 @@ from analysis.verdicts.core import (
     run_grace_s,
 )
 from analysis.verdicts.log_clock import LogClock, log_clocks
-from analysis.verdicts.families import (FAMILIES, UnknownFamily, family_of, ghosts_of, judge_run, ledger_in_engine,
+from analysis.verdicts.families import (FAMILIES, UnknownFamily, family_of, ghosts_of, judge_run, engine_reading,
                                         neighbours_ok, report_document)
 from analysis.verdicts.triton import TRITON
 from analysis.verdicts.vllm import VLLM, ledger_inflight
 
 __all__ = [
     "FAMILIES", "GRACE_S", "HORIZON_S", "LATENCIES", "LOG_SLACK_S", "MIN_SAMPLES", "NO_APP", "NO_LOG", "POINT_LABELS",
-    "RACE_RULES", "RACE_TOKENS", "RULES", "SOURCES", "SOURCE_LABELS", "STOP_TO_ABORT", "TIMEPOINTS", "TRITON",
+    "RACE_RULES", "RACE_TOKENS", "RULES", "SEEN_LEAVING", "SOURCES", "SOURCE_LABELS", "STOP_TO_ABORT", "TIMEPOINTS", "TRITON",
     "VERDICTS", "VLLM",
     "CancelVerdict", "LogClock", "UnknownFamily",
     "Rule", "engine_log_state", "family_of", "ghosts_of", "judge_run", "latency_key", "latency_label", "ledger_by_scenario", "log_clocks",
-    "ledger_in_engine", "ledger_inflight", "neighbours_ok", "report_document", "run_grace_s",
+    "engine_reading", "ledger_inflight", "neighbours_ok", "report_document", "run_grace_s",
 ]

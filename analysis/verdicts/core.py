@@ -256,6 +256,11 @@ RULES: dict[str, Rule] = {
     "no_abort_ran_to_end": Rule(LEAKED, "the cancel never reached the engine: no abort for this request in the "
                                 "engine's log, and it kept running {kept_ms:.0f} ms after the stop and left only at "
                                 "its natural end"),
+    "no_abort_left_among_others": Rule(LEAKED, "the cancel never reached the engine: no abort for this request in "
+                                       "the engine's log, and it was still in the engine {still_s:.1f} s after the "
+                                       "stop; {others} other request(s) whose cancels were lost were in the engine "
+                                       "beside it, and its count cannot tell which of them left when it fell: this "
+                                       "one had left by {by_s:.1f} s after the stop"),
     "no_abort_still_there": Rule(LEAKED, "the cancel never reached the engine: no abort for this request in the "
                                  "engine's log, and it was still in the engine {after_s:.1f} s after the stop"),
     "already_finished_no_log": Rule(INCONCLUSIVE, "the engine had already finished the request before the stop "
@@ -323,6 +328,12 @@ RULES: dict[str, Rule] = {
 }
 # the rules whose evidence concluded a race the completion won (the acceptance counts them apart)
 RACE_RULES = frozenset(code for code, r in RULES.items() if r.race)
+# run.info key: request id -> when an earlier verdict saw a request, stopped with no abort, leave the engine. A
+# watch judges each cancel on a window of the run whose samples start just before its stop; a lost cancel
+# judged before it left the engine before those samples, and without this the window's ledger would hold it
+SEEN_LEAVING = "seen_leaving"
+# the rules whose left_scheduler is when the request had left by, not when it left (others left beside it)
+LEFT_BY_RULES = frozenset({"no_abort_left_among_others"})
 
 
 # ------------------------------------------------------------------------------------------ the ladder

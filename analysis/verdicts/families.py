@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from analysis.ghosts import ghost_records
+from analysis.ghosts import EngineReading, ghost_records
 from analysis.hops import app_received, hop_story, hop_traces, stopped_at
 from analysis.summary import sampling_stats
 from analysis.verdicts.core import TAP_RECEIVED, CancelVerdict, run_grace_s
 from analysis.verdicts.ghost_list import ghost_table
 from analysis.verdicts.triton import TRITON, judge_triton, report_fields
-from analysis.verdicts.vllm import VLLM, judge_vllm, vllm_in_flight, vllm_report_fields
+from analysis.verdicts.vllm import VLLM, judge_vllm, vllm_in_engine, vllm_report_fields
 from runstore.errors import StoreError
 from runstore.reader import Run
 from runstore.records import DriveSettings
@@ -28,7 +28,7 @@ def _nothing(run: Run) -> dict:
     return {}
 
 
-def _no_count(run: Run, target: str | None, times) -> None:
+def _no_count(run: Run, target: str | None) -> None:
     return None
 
 
@@ -38,13 +38,13 @@ class Family:
     judge: Callable[[Run, float, str | None], list[CancelVerdict]]
     # the fields the family adds to a run's report document
     report_fields: Callable[[Run], dict] = _nothing
-    # the ledger's requests in the engine at each instant, where the engine's count of requests can be weighed
-    # against it (run, target, times) -> array; None where the family's gauges count no requests
-    in_flight: Callable = _no_count
+    # the engine's count of requests against the ledger's requests in it (run, target) -> EngineReading, for
+    # ghosts (analysis/ghosts.py); None where the family's gauges count no requests
+    in_engine: Callable[[Run, str | None], EngineReading | None] = _no_count
 
 
 FAMILIES: dict[str, Family] = {
-    VLLM: Family(judge_vllm, vllm_report_fields, vllm_in_flight),
+    VLLM: Family(judge_vllm, vllm_report_fields, vllm_in_engine),
     TRITON: Family(judge_triton, report_fields),
 }
 
@@ -76,15 +76,14 @@ def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None
     return verdicts
 
 
-def ledger_in_engine(run: Run, target: str | None, times):
-    """The ledger's requests in `target`'s engine at each of `times`, each until its client closed it, by the
-    run's family (vLLM: from its log's Added lines); None where the family's gauges count no requests."""
-    return FAMILIES[family_of(run)].in_flight(run, target, times)
+def engine_reading(run: Run, target: str | None) -> EngineReading | None:
+    """`target`'s engine count against the ledger's requests in it, as the run's family reads them."""
+    return FAMILIES[family_of(run)].in_engine(run, target)
 
 
 def ghosts_of(run: Run, verdicts: list[CancelVerdict]) -> pd.DataFrame:
     """The run's leaked cancels as ghosts, with their ages (analysis/verdicts/ghost_list.py)."""
-    return ghost_table(run, verdicts, ledger_in_engine)
+    return ghost_table(run, verdicts, engine_reading)
 
 
 def with_hops(run: Run, verdicts: list[CancelVerdict], grace_s: float) -> None:

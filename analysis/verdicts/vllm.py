@@ -40,6 +40,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.evidence import Evidence
+from analysis.ghosts import EngineReading
 from analysis.series import sample_period, scheduler_frame
 from analysis.verdicts.core import (
     HORIZON_S,
@@ -48,6 +49,7 @@ from analysis.verdicts.core import (
     NO_LOG,
     NO_REQUESTS,
     RACE_TOKENS,
+    SEEN_LEAVING,
     CancelVerdict,
     Case,
     climb,
@@ -87,16 +89,6 @@ def ledger_inflight(ledger: pd.DataFrame, t0_ns: int, times: np.ndarray, aborted
         n = 1 if pd.isna(row.n) else int(row.n)
         counts += n * ((times >= t_sent) & (times < t_gone))
     return counts
-
-
-def vllm_in_flight(run: Run, target: str | None, times: np.ndarray) -> np.ndarray:
-    """The ledger's requests in the engine at each of `times` as far as its log says, each until its client
-    closed it: counted from its Added line (on the run's clock), never where the log shows it never entered.
-    What a leaked request's ghost is weighed against (analysis/ghosts.py)."""
-    englog = _EngineLog(run, set(run.ledger["request_id"]))
-    added = {rid: min(ts) for (tgt, rid), ts in englog.added.items() if tgt == target}
-    return ledger_inflight(run.ledger, int(run.info["started_mono_ns"]), times, {}, added,
-                           englog.not_entered(run, run.ledger, target))
 
 
 def vllm_report_fields(run: Run) -> dict:
@@ -310,10 +302,13 @@ def _app_answers(run: Run) -> dict[str, str]:
     return {d.get("cancel_id"): str(d.get("answer")) for d in datas}
 
 
-def _gone_at(run: Run, stops: pd.DataFrame, englog: _EngineLog, trace: dict, target_of) -> dict[str, float]:
+def _gone_at(run: Run, stops: pd.DataFrame, englog: _EngineLog, trace: dict,
+             target_of) -> tuple[dict[str, float], frozenset[str]]:
     """Request id -> instant it left the engine as far as the evidence goes: the engine log's abort,
-    else the relay's; where the log was read and shows no abort, the request may still be there."""
+    else the relay's; where the log was read and shows no abort, the request may still be there. And the
+    stopped requests with no abort at all (neither the log's nor the relay's)."""
     gone_at: dict[str, float] = {}
+    unaborted = set()
     ends = np.sort(_events(run, "scenario_end")["t_s"].to_numpy(dtype=float)) if not run.events.empty else np.array([])
     for row in stops.itertuples(index=False):
         data = json.loads(row.data)
@@ -323,57 +318,128 @@ def _gone_at(run: Run, stops: pd.DataFrame, englog: _EngineLog, trace: dict, tar
         if t_log is not None or t_relay is not None:
             # a stamp rounded down to the second can read before the stop that caused it
             gone_at[row.request_id] = max(float(row.t_s), min(t for t in (t_log, t_relay) if t is not None))
-        elif engine_log_state(run, target) == "read":
+            continue
+        unaborted.add(row.request_id)
+        if engine_log_state(run, target) == "read":
             # no abort: it may still be there, at most until its scenario ended (the driver waits for
             # the engine to go idle first); past that, the server counting it is the next one's excess
             k = int(np.searchsorted(ends, float(row.t_s)))
             gone_at[row.request_id] = float(ends[k]) if k < len(ends) else math.inf
         elif ("client_closed", cid) in trace:
             gone_at[row.request_id] = trace[("client_closed", cid)][0]
-    return gone_at
+    return gone_at, frozenset(unaborted)
+
+
+class _RunFrames:
+    """What every cancel of a run is judged against: the engine log, the trace of the hops, the stops and
+    where each request left as far as the evidence goes; per target (cached) the scheduler frame with the
+    ledger's reading of it."""
+
+    def __init__(self, run: Run, metrics_target: str | None = None, seen_leaving: dict[str, float] | None = None):
+        self.run, self.t0 = run, run.info["started_mono_ns"]
+        self.targets = [t["label"] for t in run.info.get("targets", [])]
+        self.default_target = metrics_target or (self.targets[0] if self.targets else None)
+        self.frames: dict = {}
+        self.stops = _events(run, "user_stop")
+        self.trace = _trace_events(run)
+        self.englog = _EngineLog(run, set(run.ledger["request_id"]) if not run.ledger.empty else set())
+        self.gone_at, self.unaborted = _gone_at(run, self.stops, self.englog, self.trace, self.target_of)
+        # a stopped request with no abort that its own verdict saw leave the engine (judge_vllm's first pass)
+        for rid, t in (seen_leaving or {}).items():
+            if rid in self.unaborted and t < self.gone_at.get(rid, math.inf):
+                self.gone_at[rid] = t
+        self.stopped = {s.request_id: (float(s.t_s), self.target_of(json.loads(s.data)))
+                        for s in self.stops.itertuples(index=False)}
+
+    def target_of(self, data: dict) -> str | None:
+        target = data.get("metrics_target") or self.default_target
+        return self.default_target if target not in self.targets and self.default_target is not None else target
+
+    def added(self, target: str | None) -> dict[str, float]:
+        return {rid: min(ts) for (tgt, rid), ts in self.englog.added.items() if tgt == target}
+
+    def seen_leaving(self, target: str | None, rid: str, t: float, n: int) -> None:
+        """A stopped request with no abort, that its verdict saw leave the engine at `t`: the ledger no longer
+        counts it from then, for the cancels judged after it (in stop order: a leak's end is seen first)."""
+        frame = self.frame(target)
+        end = frame.ends.get(rid, math.inf)
+        if t >= end:
+            return
+        times = frame.cols["t_s"]
+        frame.inflight[(times >= t) & (times < end)] -= n
+        frame.ends[rid] = frame.gone[rid] = t
+
+    def frame(self, target: str | None) -> _Frame:
+        if target not in self.frames:
+            run, ledger, englog = self.run, self.run.ledger, self.englog
+            sched = scheduler_frame(run, target)
+            times = sched["t_s"].to_numpy()
+            added = self.added(target)
+            cols = {c: sched[c].to_numpy(dtype=float) for c in ("t_s", "count", "waiting", "kv", "gen_tokens",
+                                                                  "prefix_hits", "preemptions")}
+            gone = _gone_by_idle(self.gone_at, self.stopped, target, cols, added,
+                                 LOG_SLACK_S + englog.entry_doubt_s(target) + ENTER_S)
+            ends = {**gone, **englog.done_with(run, ledger, target, cols, gone, added)} if len(times) else gone
+            not_entered = englog.not_entered(run, ledger, target)
+            inflight = ledger_inflight(ledger, self.t0, times, ends, added, not_entered) if len(times) \
+                else np.array([])
+            solo = solo_tokens_per_s(cols["t_s"], cols["count"] - np.nan_to_num(cols["waiting"]), cols["waiting"],
+                                     cols["gen_tokens"]) if len(times) else None
+            self.frames[target] = _Frame(cols, inflight, solo, ends, not_entered, gone)
+        return self.frames[target]
+
+
+def vllm_in_engine(run: Run, target: str | None) -> EngineReading | None:
+    """The engine's count of requests against the ledger's requests in it, for ghosts (analysis/ghosts.py):
+    each counted from its Added line, a completed one until the engine was done with it (a lagging reader:
+    engine_done.py), an aborted one until its abort, and one its client stopped with no abort line until
+    its client's close (from there it is a ghost, if its verdict says leaked). None without a count."""
+    if run.ledger.empty:
+        return None
+    frames = _RunFrames(run, target)
+    frame = frames.frame(target)
+    if not len(frame.cols["t_s"]):
+        return None
+    ends = {rid: t for rid, t in frame.ends.items() if rid not in frames.unaborted}
+    added = frames.added(target)
+    inflight = ledger_inflight(run.ledger, frames.t0, frame.cols["t_s"], ends, added, frame.not_entered)
+    late = LOG_SLACK_S + frames.englog.entry_doubt_s(target) + ENTER_S
+    return EngineReading(frame.cols["t_s"], frame.cols["count"], inflight, {rid: t + late for rid, t in added.items()})
+
+
+# passes of judge_vllm at the most: each ends the ledger's no-abort requests where their verdicts saw them leave
+JUDGE_PASSES = 3
 
 
 def judge_vllm(run: Run, grace_s: float, metrics_target: str | None = None) -> list[CancelVerdict]:
     """One verdict per cancel of a vLLM run, judged against the scheduler of `metrics_target` (default:
     the target each stop names, else the run's first)."""
-    t0 = run.info["started_mono_ns"]
-    targets = [t["label"] for t in run.info.get("targets", [])]
-    default_target = metrics_target or (targets[0] if targets else None)
-    frames: dict = {}
     ledger = run.ledger
-    stops = _events(run, "user_stop")
-    if stops.empty or ledger.empty:
+    if ledger.empty or _events(run, "user_stop").empty:
         return []
+    # a request whose cancel never reached the engine stays the ledger's until its scenario ends (or the engine is
+    # idle): where its own verdict saw it leave, every other cancel is judged again with it gone then. Seen under
+    # AIPerf behind a proxy that passes no cancel on: three leaked requests ran out 0.6 s after their stops and
+    # the ledger held them for the rest of the watch, so every later cancel read as `already_finished`
+    seen: dict[str, float] = dict(run.info.get(SEEN_LEAVING) or {})
+    for _ in range(JUDGE_PASSES):
+        frames = _RunFrames(run, metrics_target, seen)
+        out = _judge_all(run, grace_s, frames)
+        left = {v.request_id: v.timepoints["left_scheduler"] for v in out
+                if v.timepoints.get("left_scheduler") is not None and v.request_id in frames.unaborted}
+        more = {rid: t for rid, t in left.items() if t < seen.get(rid, math.inf)}
+        if not more:
+            break
+        seen.update(more)
+    return out
 
-    trace = _trace_events(run)
+
+def _judge_all(run: Run, grace_s: float, frames: _RunFrames) -> list[CancelVerdict]:
+    t0, ledger = run.info["started_mono_ns"], run.ledger
+    stops, trace, englog, target_of, frame_for = (frames.stops, frames.trace, frames.englog, frames.target_of,
+                                                  frames.frame)
     answers = _app_answers(run)
     missed = {r.request_id: json.loads(r.data) for r in _events(run, "trigger_missed").itertuples(index=False)}
-    known = set(ledger["request_id"])
-    englog = _EngineLog(run, known)
-
-    def target_of(data: dict) -> str | None:
-        target = data.get("metrics_target") or default_target
-        return default_target if target not in targets and default_target is not None else target
-
-    gone_at = _gone_at(run, stops, englog, trace, target_of)
-    stopped = {s.request_id: (float(s.t_s), target_of(json.loads(s.data))) for s in stops.itertuples(index=False)}
-
-    def frame_for(target):
-        if target not in frames:
-            sched = scheduler_frame(run, target)
-            times = sched["t_s"].to_numpy()
-            added = {rid: min(ts) for (tgt, rid), ts in englog.added.items() if tgt == target}
-            cols = {c: sched[c].to_numpy(dtype=float) for c in ("t_s", "count", "waiting", "kv", "gen_tokens",
-                                                                  "prefix_hits", "preemptions")}
-            gone = _gone_by_idle(gone_at, stopped, target, cols, added,
-                                 LOG_SLACK_S + englog.entry_doubt_s(target) + ENTER_S)
-            ends = {**gone, **englog.done_with(run, ledger, target, cols, gone, added)} if len(times) else gone
-            not_entered = englog.not_entered(run, ledger, target)
-            inflight = ledger_inflight(ledger, t0, times, ends, added, not_entered) if len(times) else np.array([])
-            solo = solo_tokens_per_s(cols["t_s"], cols["count"] - np.nan_to_num(cols["waiting"]), cols["waiting"],
-                                     cols["gen_tokens"]) if len(times) else None
-            frames[target] = _Frame(cols, inflight, solo, ends, not_entered, gone)
-        return frames[target]
 
     rows = {r["request_id"]: r for r in ledger.to_dict("records")}
     by_scenario = ledger_by_scenario(ledger)
@@ -392,6 +458,9 @@ def judge_vllm(run: Run, grace_s: float, metrics_target: str | None = None) -> l
         if verdict.verdict == "leaked":  # what the leak cost: the tokens made for nobody
             paid_for_nobody(case)
         out.append(verdict)
+        left = verdict.timepoints.get("left_scheduler")
+        if left is not None and rid in frames.unaborted:
+            frames.seen_leaving(target, rid, left, case.n)
     return out
 
 
@@ -444,6 +513,7 @@ class VllmCase(Case):
     solo_rate: float | None = None  # tokens/s of one sequence running alone in the run: no sequence is faster
     # request id -> where the ledger stops counting it, when not its client's close (ledger_inflight)
     ledger_ends: dict[str, float] = field(default_factory=dict)
+    not_entered: frozenset[str] = frozenset()  # the ledger's requests the log shows never entered
     app_answer: str | None = None  # what the app answered an explicit cancel (None: no explicit cancel)
 
     @cached_property
@@ -519,7 +589,8 @@ class VllmCase(Case):
         before = self.baseline.before
         self.ev.foreign_requests = self.englog.foreign_between(self.target, self.t_stop - 1.0, self.t_end) \
             if self.has_log else None
-        return self.ev.foreign_requests, int(((self.sched["count"] > self.inflight + 0.5) & before).sum())
+        over = self.sched["count"] > self.inflight + self.ended_unseen + 0.5
+        return self.ev.foreign_requests, int((over & before).sum())
 
     def restart(self) -> str | None:
         return _restart_in(self.run, self.target, self.sched, self.t_stop - 1.0, self.t_end,
@@ -550,20 +621,72 @@ class VllmCase(Case):
     @cached_property
     def stopped_beside(self) -> np.ndarray:
         """Per sample of the stretch: sequences of other requests whose clients had stopped them, with no abort
-        line, that the ledger still holds (until gone_until: they may run on for nobody too). Any of them may
-        be the one a drop in the count lost: with two leaked requests in the engine, a count one lower shows
-        one of them gone, not which (seen: three leaked through a proxy, each read as gone at the first end)."""
+        line, that the ledger counts in the engine there (as `inflight` does: from their Added line, until
+        gone_until; they may run on for nobody too). Any of them may be the one a drop in the count lost: with
+        two leaked requests in the engine, a count one lower shows one of them gone, not which (seen: three
+        leaked through a proxy, each read as gone at the first end)."""
         times = self.sched["t_s"]
         out = np.zeros(len(times))
         t0 = self.run.info["started_mono_ns"]
         for row in self.run.ledger.itertuples(index=False):
-            if row.request_id == self.rid or pd.isna(row.cancel_mono_ns) or pd.isna(row.sent_mono_ns) \
-                    or self.englog.aborted.get((self.target, row.request_id)):
+            if row.request_id == self.rid or row.request_id in self.not_entered or pd.isna(row.cancel_mono_ns) \
+                    or pd.isna(row.sent_mono_ns) or self.englog.aborted.get((self.target, row.request_id)):
                 continue
-            t_cancel = (row.cancel_mono_ns - t0) / 1e9
+            added = self.englog.added.get((self.target, row.request_id))
+            t_in = max((row.sent_mono_ns - t0) / 1e9, (row.cancel_mono_ns - t0) / 1e9, min(added or [-math.inf]))
+            t_gone = self.ledger_ends.get(row.request_id)
+            if t_gone is None:
+                t_gone = math.inf if pd.isna(row.closed_mono_ns) else (row.closed_mono_ns - t0) / 1e9
             n = 1 if pd.isna(row.n) else int(row.n)
-            out += n * ((times >= t_cancel) & (times < self.ledger_ends.get(row.request_id, math.inf)))
+            out += n * ((times >= t_in) & (times < t_gone))
         return out
+
+    @cached_property
+    def ended_unseen(self) -> np.ndarray:
+        """Per sample of the stretch: sequences of other requests the ledger ended (their abort, their close)
+        after the engine's last step before that sample. The gauges are the engine's as of its last step
+        (generation_tokens_total rose since the sample before): an end after it is not in them yet, and read
+        against a ledger that has it, the count reads one too high (seen under AIPerf on two cores: a step of
+        the engine stalled 0.3 s while two other cancels' aborts came, and the stretch's excess was theirs)."""
+        times, gen = self.sched["t_s"], self.sched["gen_tokens"]
+        rises = np.nonzero(gen[1:] > gen[:-1])[0] + 1
+        # a rise is a step's output; that step was scheduled (its gauges made, the aborts before it taken) before
+        # it, maybe before the sample ahead of it (seen: a step of 2 tokens stretched over 50 ms with two aborts
+        # in it, its count still 4). The step after it was scheduled after that sample: the gauges hold every end
+        # before the sample ahead of the second-latest rise
+        k = np.searchsorted(rises, np.arange(len(times)), side="right")
+        last_step = np.full(len(times), -math.inf)
+        two = k >= 2
+        last_step[two] = times[rises[k[two] - 2] - 1]
+        out = np.zeros(len(times))
+        t0 = self.run.info["started_mono_ns"]
+        for row in self.run.ledger.itertuples(index=False):
+            if row.request_id == self.rid or pd.isna(row.sent_mono_ns):
+                continue
+            t_gone = self.ledger_ends.get(row.request_id)
+            if t_gone is None:
+                t_gone = math.inf if pd.isna(row.closed_mono_ns) else (row.closed_mono_ns - t0) / 1e9
+            if not math.isfinite(t_gone):
+                continue
+            n = 1 if pd.isna(row.n) else int(row.n)
+            out += n * ((times >= t_gone) & (last_step < t_gone))
+        return out
+
+    def taken_in_its_place(self, kv_before: float) -> np.ndarray:
+        """Per sample of the stretch: another request of the ledger entered the engine (its Added line) from
+        the abort on, the count holds it and not this one (the ledger's exactly), and KV usage is no higher
+        than at the stop. Under steady load the step that drops an aborted request admits the next in its
+        place: the newcomer's prefill takes the freed blocks, and KV usage cannot fall (seen under AIPerf at
+        concurrency 4: two cancels' aborts and two new requests' Added lines in the same 5 ms, the count at 4
+        throughout). A newcomer holds blocks once counted: usage no higher with it counted and this one not
+        says this one's blocks went back."""
+        times, sched = self.sched["t_s"], self.sched
+        doubt = self.englog.entry_doubt_s(self.target)
+        entered = [min(ts) for (tgt, rid), ts in self.englog.added.items()
+                   if tgt == self.target and rid != self.rid and ts and min(ts) >= self.t_ref - LOG_SLACK_S - doubt]
+        first = min(entered, default=math.inf)
+        exact = np.abs(sched["count"] - (self.inflight + self.ended_unseen)) < 1e-9
+        return (times >= first) & exact & (sched["kv"] <= kv_before + 1e-12)
 
     @cached_property
     def entering(self) -> np.ndarray:
@@ -796,7 +919,8 @@ def _case(run: Run, frame: _Frame, englog: _EngineLog, trace: dict, same: dict, 
                     run=run, englog=englog, target=target, has_log=has_log, t_log_abort=t_log_abort, t_ref=t_ref,
                     t_end=t_end, sched=sched, inflight=inflight, lrow=lrow,
                     tokens_at_cancel=data.get("tokens_at_cancel"), gone_until=gone_until,
-                    hits_at_admission=hits_at_admission, solo_rate=solo_rate, ledger_ends=ledger_ends)
+                    hits_at_admission=hits_at_admission, solo_rate=solo_rate, ledger_ends=ledger_ends,
+                    not_entered=not_entered)
 
 
 def _admission_hits(cols: dict[str, np.ndarray], added: list[float] | None, lrow: dict | None, t0: int,
@@ -882,7 +1006,7 @@ def left_on_its_own_or_stayed(c: VllmCase) -> CancelVerdict:
     still_all = c.sched["count"] > without + 1e-9
     # a count at the ledger's with other stopped requests beside it (VllmCase.stopped_beside) shows one of them
     # gone, not that this one is: gone for sure only where it is lower than the ledger's without any of them
-    which = ~still_all & (c.sched["count"] > without - c.stopped_beside + 1e-9)
+    which = ~still_all & (c.sched["count"] > without - np.minimum(c.stopped_beside, without) + 1e-9)
     # a sample with another request entering shows nothing of this one leaving (VllmCase.entering): read as
     # gone there, a request sent after the stop and not yet counted made one that ran on read as gone
     refreshed_after = np.nonzero((times >= c.t_stop) & c.moved & (still_all | ~c.entering) & ~which)[0]
@@ -904,6 +1028,15 @@ def left_on_its_own_or_stayed(c: VllmCase) -> CancelVerdict:
     if not len(gone):
         return c.verdict("no_abort_still_there", after_s=times[refreshed_after[-1]] - c.t_stop)
     c.tp["left_scheduler"] = float(times[gone[0]])
+    seen_still = refreshed_after[still & (refreshed_after < gone[0])]
+    t_still = float(times[seen_still[-1]]) if len(seen_still) else c.t_stop
+    unsure = np.nonzero(which & (times > t_still) & (times < times[gone[0]]))[0]
+    if len(unsure) and not c.ev.race:
+        # the count fell while others whose cancels were lost were in the engine too: this one left between the
+        # last sample that still held it and the first that shows it gone for sure; kept_running_ms is the least
+        c.ev.kept_running_ms = round((t_still - c.t_stop) * 1000, 1)
+        return c.verdict("no_abort_left_among_others", still_s=t_still - c.t_stop,
+                         others=int(c.stopped_beside[unsure].max()), by_s=times[gone[0]] - c.t_stop)
     if c.ev.race:
         # a few tokens before the end, a request that ran them out looks the same whether the cancel
         # was lost or only too late: neither can be shown
@@ -938,7 +1071,8 @@ def released(c: VllmCase) -> CancelVerdict | None:
     below = sched["kv"] < kv_before if not math.isnan(kv_before) else np.zeros(len(times), dtype=bool)
     drop = after[below[after]]
     ev.kv_drop_s = float(times[drop[0]]) if len(drop) else None
-    count_ok_all = sched["count"] <= c.inflight + 1e-9
+    # another request's end after the engine's last step is not in its gauges yet (VllmCase.ended_unseen)
+    count_ok_all = sched["count"] <= c.inflight + c.ended_unseen + 1e-9
     grace_end = int(np.searchsorted(times, t_ref + c.grace_s, side="right"))
     # the count must stay reconciled to the end of the grace: a probe sent right after the abort
     # can stand in for a request that never left until the server counts the probe too
@@ -947,7 +1081,7 @@ def released(c: VllmCase) -> CancelVerdict | None:
         count_ok[:grace_end] = np.logical_and.accumulate(count_ok_all[:grace_end][::-1])[::-1]
     # a request that held KV must give it back: the probe taking blocks does not excuse a KV usage
     # that never fell
-    kv_ok = below if needs_kv_drop else np.ones(len(times), dtype=bool)
+    kv_ok = (below | c.taken_in_its_place(kv_before)) if needs_kv_drop else np.ones(len(times), dtype=bool)
     hits = after[(count_ok & kv_ok & c.moved)[after]]
     if not len(hits):
         return None
@@ -955,6 +1089,8 @@ def released(c: VllmCase) -> CancelVerdict | None:
     c.tp["left_scheduler"] = float(times[left])
     if times[left] - t_ref > c.grace_s:
         return None
+    if not below[left] and needs_kv_drop:
+        ev.kv_drop_waived = "taken_in_its_place"
     ev.count_after = float(sched["count"][left])
     ev.ledger_after = float(c.inflight[left])
     ev.kv_after = float(sched["kv"][left])
@@ -978,7 +1114,8 @@ def held(c: VllmCase) -> CancelVerdict:
     gen = sched["gen_tokens"][in_grace]
     gen = gen[~np.isnan(gen)]
     stepping = len(gen) >= 2 and gen[-1] > gen[0]
-    excess = sched["count"][in_grace] - c.inflight[in_grace]
+    # another request's end after the engine's last step is not in its gauges yet (VllmCase.ended_unseen)
+    excess = sched["count"][in_grace] - c.inflight[in_grace] - c.ended_unseen[in_grace]
     ev.excess_max = float(excess.max()) if len(excess) else None
     # still counted after the grace is read where the grace ends: at its last refreshed sample (one taken
     # between the abort and the engine's next step still shows the count from before the abort)
