@@ -9,12 +9,12 @@ import numpy as np
 
 from analysis.cancel_table import verdict_counts
 from analysis.traces import GiB, memory_traces, metric_traces
-from analysis.verdicts import TRITON, VLLM, CancelVerdict, family_of
+from analysis.verdicts import LOST_CANCEL_RULES, TRITON, VLLM, CancelVerdict, family_of
 from runstore.reader import Run
 
 WHAT = {"nvml": "GPU memory in use", "process": "the engine's memory", "none": "memory"}
 # the rules of a vLLM cancel that never reached the engine (no abort in its log)
-LOST_CANCEL = ("no_abort_ran_to_end", "no_abort_still_there", "entered_after_stop")
+LOST_CANCEL = LOST_CANCEL_RULES | {"entered_after_stop"}
 
 
 def _level(t: np.ndarray, v: np.ndarray, lo: float, hi: float) -> float | None:

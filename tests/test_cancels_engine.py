@@ -11,6 +11,7 @@ import time
 import pytest
 
 from analysis.series import scheduler_frame, series_frame
+from analysis.verdicts import LOST_CANCEL_RULES
 from collectors.cancels.scenarios import BUILTIN, SUITES, Scenario, load_file, resolve
 from runstore.reader import load_run
 from tests.conftest import cli, decode_rate, free_port
@@ -43,7 +44,7 @@ def by_scenario(doc, name):
 # request itself, or the scenario's trigger was never reached
 AWKWARD = ("already_finished", "already_finished_no_log", "aborted_before_stop", "trigger_never_reached")
 # the rules of a cancel that never reached the engine: no abort line for the request in its log
-LOST_CANCEL = ("no_abort_ran_to_end", "no_abort_still_there")
+LOST_CANCEL = LOST_CANCEL_RULES
 
 
 # the rules of a cancel with too few scheduler samples to be judged on, and of an abort whose whole-second

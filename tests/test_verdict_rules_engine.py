@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from analysis.verdicts import LOST_CANCEL_RULES
 from collectors.engines import lifecycle
 from runstore.reader import load_run
 from tests.conftest import cli, cli_popen, decode_rate, free_port, wait_gone
@@ -226,7 +227,7 @@ def test_a_cancel_that_never_reached_the_engine_is_leaked_even_when_it_ends_insi
             assert ended_on_its_own(c), dump(doc, proxy, run)
             continue
         # no abort line for the request in the engine's log: the cancel never reached the engine
-        assert c["evidence"]["rule"] in ("no_abort_ran_to_end", "no_abort_still_there"), dump(doc, proxy, run)
+        assert c["evidence"]["rule"] in LOST_CANCEL_RULES, dump(doc, proxy, run)
         kept = c["evidence"].get("kept_running_ms")
         if kept is not None:
             assert kept > 0, dump(doc, proxy, run)
@@ -270,7 +271,7 @@ def test_a_lost_cancel_beside_a_neighbour_whose_client_reads_slowly_is_leaked(en
     assert led.loc[nid, "terminal_state"] == "completed", dump(doc, proxy, run)
     assert t_closed > c["timepoints"]["user_stop"] + c["evidence"]["grace_s"], (t_closed, dump(doc, proxy, run))
     assert c["verdict"] == "leaked", dump(doc, proxy, run)
-    assert c["evidence"]["rule"] in ("no_abort_still_there", "no_abort_ran_to_end"), dump(doc, proxy, run)
+    assert c["evidence"]["rule"] in LOST_CANCEL_RULES, dump(doc, proxy, run)
     # the neighbour is named as ended by the engine's evidence, not its client's close
     assert c["evidence"]["lagging_clients"] == [nid], dump(doc, proxy, run)
 
@@ -309,7 +310,7 @@ def test_through_a_gateway_that_mints_its_own_ids_cancels_are_matched_by_time_an
         assert c["evidence"]["log_named_as"] == proxy.minted[c["request_id"]], dump(doc, proxy, run)
     assert clean["verdict"] == "released", dump(doc, proxy, run)
     assert lost["verdict"] == "leaked", dump(doc, proxy, run)
-    assert lost["evidence"]["rule"] in ("no_abort_still_there", "no_abort_ran_to_end"), dump(doc, proxy, run)
+    assert lost["evidence"]["rule"] in LOST_CANCEL_RULES, dump(doc, proxy, run)
     assert any("replaces X-Request-Id" in note for note in doc["engine_log_notes"]), doc["engine_log_notes"]
 
 

@@ -19,6 +19,7 @@ from analysis.verdicts.core import (
     HORIZON_S,
     LATENCIES,
     LOG_SLACK_S,
+    LOST_CANCEL_RULES,
     MIN_SAMPLES,
     NO_APP,
     NO_LOG,
@@ -47,7 +48,7 @@ from analysis.verdicts.triton import TRITON
 from analysis.verdicts.vllm import VLLM, ledger_inflight
 
 __all__ = [
-    "FAMILIES", "GRACE_S", "HORIZON_S", "LATENCIES", "LOG_SLACK_S", "MIN_SAMPLES", "NO_APP", "NO_LOG", "POINT_LABELS",
+    "FAMILIES", "GRACE_S", "HORIZON_S", "LATENCIES", "LOG_SLACK_S", "LOST_CANCEL_RULES", "MIN_SAMPLES", "NO_APP", "NO_LOG", "POINT_LABELS",
     "RACE_RULES", "RACE_TOKENS", "RULES", "SEEN_LEAVING", "SOURCES", "SOURCE_LABELS", "STOP_TO_ABORT", "TIMEPOINTS", "TRITON",
     "VERDICTS", "VLLM",
     "CancelVerdict", "LogClock", "UnknownFamily",

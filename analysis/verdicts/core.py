@@ -334,6 +334,8 @@ RACE_RULES = frozenset(code for code, r in RULES.items() if r.race)
 SEEN_LEAVING = "seen_leaving"
 # the rules whose left_scheduler is when the request had left by, not when it left (others left beside it)
 LEFT_BY_RULES = frozenset({"no_abort_left_among_others"})
+# the rules of a cancel that never reached the engine: its log names no abort of a request it ran on
+LOST_CANCEL_RULES = frozenset({"no_abort_ran_to_end", "no_abort_still_there", "no_abort_left_among_others"})
 
 
 # ------------------------------------------------------------------------------------------ the ladder
