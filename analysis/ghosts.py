@@ -58,7 +58,7 @@ class Ghosts:
         """Given the engine's count (running + waiting) and the requests the watch has in flight at `t_s`,
         keep as many leaked cancels as the surplus held at most over the last hold_s can hold, newest first;
         return (id, by when it had left) of those taken to have left."""
-        self.history.append((t_s, max(0, int(round(engine_count - in_flight)))))
+        self.history.append((t_s, _surplus(engine_count, in_flight)))
         while len(self.history) > 1 and self.history[1][0] <= t_s - self.hold_s:
             self.history.popleft()
         since = self.history[0][0]
@@ -73,13 +73,18 @@ class Ghosts:
 
     def short_by(self, engine_count: float, in_flight: float) -> int:
         """How many ghosts the latest count cannot hold, before the hold has passed (the end of what was read)."""
-        return max(0, len(self.left_at) - max(0, int(round(engine_count - in_flight))))
+        return max(0, len(self.left_at) - _surplus(engine_count, in_flight))
 
     def count(self) -> int:
         return len(self.left_at)
 
     def oldest_age_s(self, now_s: float) -> float:
         return max((now_s - t for t in self.left_at.values()), default=0.0)
+
+
+def _surplus(engine_count: float, in_flight: float) -> int:
+    """Requests the engine counts beyond those in flight: how many ghosts it can hold."""
+    return max(0, int(round(engine_count - in_flight)))
 
 
 GHOST_COLUMNS = ["request_id", "scenario", "rule", "client_left_s", "in_engine", "left_engine_s", "age_s",

@@ -53,14 +53,15 @@ def _replay(run, joins: list[tuple[float, str]], rows: dict, in_engine) -> None:
     the ghosts there, or from when the engine counted it at the latest if later (a request a hop sent on late),
     and leaves them where the count no longer holds it beyond the ledger's requests in the engine."""
     targets = run.info.get("targets") or []
-    reading = in_engine(run, targets[0]["label"] if targets else None) if len(targets) <= 1 else None
-    why = "targets" if len(targets) > 1 else None
-    if reading is not None:
-        ok = ~pd.isna(reading.count)
-        times, counts, flying = reading.t_s[ok], reading.count[ok], reading.in_flight[ok]
-        why = why or (None if len(times) else "no_count")
+    times = counts = flying = reading = None
+    if len(targets) > 1:
+        why = "targets"
     else:
-        why = why or "no_count"
+        reading = in_engine(run, targets[0]["label"] if targets else None)
+        if reading is not None:
+            ok = ~pd.isna(reading.count)
+            times, counts, flying = reading.t_s[ok], reading.count[ok], reading.in_flight[ok]
+        why = None if times is not None and len(times) else "no_count"
     if why:
         for _, rid in joins:
             rows[rid]["unknown_why"] = GHOST_UNKNOWN[why]

@@ -82,13 +82,22 @@ def ledger_inflight(ledger: pd.DataFrame, t0_ns: int, times: np.ndarray, aborted
         if pd.isna(row.sent_mono_ns) or row.request_id in not_entered:
             continue
         t_sent = max((row.sent_mono_ns - t0_ns) / 1e9, added_at.get(row.request_id, -math.inf))
-        t_gone = aborted_at.get(row.request_id)
-        if t_gone is None:
-            closed = row.closed_mono_ns
-            t_gone = math.inf if pd.isna(closed) else (closed - t0_ns) / 1e9
-        n = 1 if pd.isna(row.n) else int(row.n)
-        counts += n * ((times >= t_sent) & (times < t_gone))
+        counts += _seqs(row) * ((times >= t_sent) & (times < _ledger_end_s(row, aborted_at, t0_ns)))
     return counts
+
+
+def _ledger_end_s(row, ends: dict[str, float], t0_ns: int) -> float:
+    """Where the ledger stops counting a row (s since the run started): its end in `ends` (an abort, where the
+    evidence puts a lost request's leaving), else its client's close; inf while open."""
+    t_gone = ends.get(row.request_id)
+    if t_gone is None:
+        t_gone = math.inf if pd.isna(row.closed_mono_ns) else (row.closed_mono_ns - t0_ns) / 1e9
+    return t_gone
+
+
+def _seqs(row) -> int:
+    """Sequences the server runs for a ledger row (the n of a completion)."""
+    return 1 if pd.isna(row.n) else int(row.n)
 
 
 def vllm_report_fields(run: Run) -> dict:
@@ -339,17 +348,22 @@ class _RunFrames:
         self.run, self.t0 = run, run.info["started_mono_ns"]
         self.targets = [t["label"] for t in run.info.get("targets", [])]
         self.default_target = metrics_target or (self.targets[0] if self.targets else None)
-        self.frames: dict = {}
         self.stops = _events(run, "user_stop")
         self.trace = _trace_events(run)
         self.englog = _EngineLog(run, set(run.ledger["request_id"]) if not run.ledger.empty else set())
-        self.gone_at, self.unaborted = _gone_at(run, self.stops, self.englog, self.trace, self.target_of)
-        # a stopped request with no abort that its own verdict saw leave the engine (judge_vllm's first pass)
-        for rid, t in (seen_leaving or {}).items():
-            if rid in self.unaborted and t < self.gone_at.get(rid, math.inf):
-                self.gone_at[rid] = t
+        self.evidence_gone, self.unaborted = _gone_at(run, self.stops, self.englog, self.trace, self.target_of)
         self.stopped = {s.request_id: (float(s.t_s), self.target_of(json.loads(s.data)))
                         for s in self.stops.itertuples(index=False)}
+        self.told(seen_leaving or {})
+
+    def told(self, seen_leaving: dict[str, float]) -> None:
+        """Start again from the evidence, with the stopped requests with no abort that verdicts saw leave the
+        engine (judge_vllm's earlier pass, a watch's earlier windows) gone then; the frames are made anew."""
+        self.gone_at = dict(self.evidence_gone)
+        for rid, t in seen_leaving.items():
+            if rid in self.unaborted and t < self.gone_at.get(rid, math.inf):
+                self.gone_at[rid] = t
+        self.frames: dict = {}
 
     def target_of(self, data: dict) -> str | None:
         target = data.get("metrics_target") or self.default_target
@@ -422,8 +436,10 @@ def judge_vllm(run: Run, grace_s: float, metrics_target: str | None = None) -> l
     # AIPerf behind a proxy that passes no cancel on: three leaked requests ran out 0.6 s after their stops and
     # the ledger held them for the rest of the watch, so every later cancel read as `already_finished`
     seen: dict[str, float] = dict(run.info.get(SEEN_LEAVING) or {})
-    for _ in range(JUDGE_PASSES):
-        frames = _RunFrames(run, metrics_target, seen)
+    frames = _RunFrames(run, metrics_target, seen)
+    for i in range(JUDGE_PASSES):
+        if i:
+            frames.told(seen)
         out = _judge_all(run, grace_s, frames)
         left = {v.request_id: v.timepoints["left_scheduler"] for v in out
                 if v.timepoints.get("left_scheduler") is not None and v.request_id in frames.unaborted}
@@ -634,11 +650,7 @@ class VllmCase(Case):
                 continue
             added = self.englog.added.get((self.target, row.request_id))
             t_in = max((row.sent_mono_ns - t0) / 1e9, (row.cancel_mono_ns - t0) / 1e9, min(added or [-math.inf]))
-            t_gone = self.ledger_ends.get(row.request_id)
-            if t_gone is None:
-                t_gone = math.inf if pd.isna(row.closed_mono_ns) else (row.closed_mono_ns - t0) / 1e9
-            n = 1 if pd.isna(row.n) else int(row.n)
-            out += n * ((times >= t_in) & (times < t_gone))
+            out += _seqs(row) * ((times >= t_in) & (times < _ledger_end_s(row, self.ledger_ends, t0)))
         return out
 
     @cached_property
@@ -663,13 +675,9 @@ class VllmCase(Case):
         for row in self.run.ledger.itertuples(index=False):
             if row.request_id == self.rid or pd.isna(row.sent_mono_ns):
                 continue
-            t_gone = self.ledger_ends.get(row.request_id)
-            if t_gone is None:
-                t_gone = math.inf if pd.isna(row.closed_mono_ns) else (row.closed_mono_ns - t0) / 1e9
-            if not math.isfinite(t_gone):
-                continue
-            n = 1 if pd.isna(row.n) else int(row.n)
-            out += n * ((times >= t_gone) & (last_step < t_gone))
+            t_gone = _ledger_end_s(row, self.ledger_ends, t0)
+            if math.isfinite(t_gone):
+                out += _seqs(row) * ((times >= t_gone) & (last_step < t_gone))
         return out
 
     def taken_in_its_place(self, kv_before: float) -> np.ndarray:
