@@ -21,6 +21,8 @@ KEY_SERIES = {
 def sampling_stats(run: Run) -> pd.DataFrame:
     """Per (source, target): scrapes, samples, effective Hz over the run, gaps and their ticks."""
     rows = []
+    if "overview" in run.info:
+        return _overview_stats(run)
     sc = run.scrapes
     for (source, target), g in sc.groupby(["source", "target"]):
         ok = g[g["ok"] == 1]
@@ -40,6 +42,24 @@ def sampling_stats(run: Run) -> pd.DataFrame:
                 "gap_ticks": int(gaps["ticks"].sum()) if len(gaps) else 0,
             }
         )
+    return pd.DataFrame(rows)
+
+
+def _overview_stats(run: Run) -> pd.DataFrame:
+    """sampling_stats of a run read at its overview's resolution (runstore.reader.load_overview): its scrapes'
+    counts per bucket, not each scrape, so no percentile of their durations (NaN)."""
+    rows = []
+    for s in run.info["overview"]["sampling"]:
+        gaps = run.gaps[(run.gaps["source"] == s["source"]) & (run.gaps["target"] == s["target"])]
+        first, last = s.get("first_ok_mono_ns"), s.get("last_ok_mono_ns")
+        span_s = (last - first) / 1e9 if pd.notna(first) and pd.notna(last) else math.nan
+        ok = int(s["scrapes_ok"])
+        rows.append({"source": s["source"], "target": s["target"], "scrapes_ok": ok,
+                     "scrapes_failed": int(s["scrapes_failed"]), "samples": int(s["samples"]),
+                     "effective_hz": (ok - 1) / span_s if span_s and span_s > 0 else math.nan,
+                     "scrape_p50_ms": math.nan, "scrape_p99_ms": math.nan,
+                     "gaps": int(len(gaps[gaps["kind"] != "lost"])),
+                     "gap_ticks": int(gaps["ticks"].sum()) if len(gaps) else 0})
     return pd.DataFrame(rows)
 
 

@@ -28,6 +28,7 @@ from runstore.writer import (
 )
 
 GiB = 1024**3
+CHUNK_TICKS = 72_000  # written an hour at 20 Hz at a time
 T0_NS = 10_000_000_000  # monotonic start of the synthetic run
 WALL0_NS = 1_790_000_000_000_000_000
 
@@ -105,12 +106,16 @@ def write_synthetic_run(path: str | Path, *, duration_s: float = 3600.0, hz: flo
     if nvml:
         sources.append(("nvml", "gpu", nvml_series, np.zeros(n, dtype=bool)))
 
+    # an hour of ticks at a time, each its own transaction: a day's rows at once held ~14 GB of Python lists
+    for lo in range(0, n, CHUNK_TICKS):
+        with con:
+            for source, target, series, miss in sources:
+                keep = lo + np.nonzero(~miss[lo:lo + CHUNK_TICKS])[0]
+                mono = T0_NS + (t[keep] * 1e9).astype(np.int64)
+                write_scrape_block(con, rid, source, target,
+                                   series={key: values[keep] for key, values in series.items()}, ticks=keep,
+                                   wall_ns=mono - T0_NS + WALL0_NS, mono_ns=mono, duration_ns=3_000_000)
     with con:
-        for source, target, series, miss in sources:
-            keep = np.nonzero(~miss)[0]
-            mono = T0_NS + (t[keep] * 1e9).astype(np.int64)
-            write_scrape_block(con, rid, source, target, series={key: values[keep] for key, values in series.items()},
-                               ticks=keep, wall_ns=mono - T0_NS + WALL0_NS, mono_ns=mono, duration_ns=3_000_000)
         write_gaps(con, rid, gap_rows)
         _write_cancels(con, rid, period, cancels, leak)
     finish_run(con, rid, "completed", {"synthetic": True})

@@ -20,7 +20,7 @@ from cancelwatch.console import (
     out,
     print_store_error,
 )
-from cancelwatch.report_commands import print_report, report_exit
+from cancelwatch.report_commands import judged_run, print_report, report_exit
 from collectors.engines import lifecycle
 from collectors.engines import vllm_server as engine_mod
 from collectors.recording.session import (
@@ -294,11 +294,9 @@ def seconds(value: str, option: str) -> float:
 def report_recorded(store: Path, result, grace: float) -> None:
     """After `record`: the run's verdicts as the table, then exit with the recording's failure code, else
     the report's (0 accepted, 1 not)."""
-    from analysis.verdicts import judge_run, report_document
-    from runstore.reader import load_run
+    from analysis.verdicts import report_document
 
-    recorded = load_run(store, result.run_id)
-    verdicts = judge_run(recorded, grace)
+    recorded, verdicts = judged_run(store, result.run_id, grace, keep=True)
     doc = report_document(recorded, verdicts=verdicts)
     print_report(doc, verdicts)
     print_store_error(result.stats)

@@ -103,18 +103,16 @@ def report(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFAU
     """The per-cancel table (verdicts with evidence) of a recorded run."""
     import json
 
-    from analysis.verdicts import judge_run, report_document
-    from runstore.reader import load_run
+    from analysis.verdicts import report_document
 
     if html_out is not None:
         _check_html_folder(html_out)
     if context_len <= 0:
         raise fail(f"--context-len {context_len}: give a positive number of tokens, e.g. --context-len 2048")
     try:
-        r = load_run(store, run)
+        r, verdicts = judged_run(store, run, grace)  # without --grace, the run's own
     except StoreError as exc:
         raise fail(str(exc)) from None
-    verdicts = judge_run(r, grace)  # without --grace, the run's own
     doc = report_document(r, verdicts=verdicts)
     if html_out is not None:
         from analysis.html_report import report_html
@@ -133,6 +131,38 @@ def report(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFAU
         sys.stdout.flush()
         write_protocol(r, doc, protocol_out)
     raise typer.Exit(report_exit(doc))
+
+
+def judged_run(store: Path, run: str | int, grace: float | None, keep: bool = False):
+    """(run, verdicts). A long run (analysis/long_runs.py: a day's watch or record) is read at its overview's
+    resolution, its cancels' verdicts those stored with it by these rules, the rest judged each on its own
+    window: never the whole run, which a day of samples would not fit. `keep`: store those judged here with
+    the run (the recorder's own tail does; a report only reads). Any other run is read whole and judged."""
+    from analysis.long_runs import is_long, long_run_verdicts
+    from analysis.verdicts import judge_run, run_grace_s
+    from analysis.watching import LOOKBACK_S
+    from runstore.reader import load_overview, load_run, load_verdicts, load_window, overview_span_s, resolve_run_id
+
+    rid = resolve_run_id(store, run)
+    if not is_long(overview_span_s(store, rid)):
+        r = load_run(store, rid)
+        return r, judge_run(r, grace)
+    r = load_overview(store, rid)
+    rows = load_verdicts(store, rid)
+    verdicts = long_run_verdicts(r, rows, lambda lo, hi: load_window(store, rid, lo, hi, lookback_s=LOOKBACK_S), grace)
+    if keep and (grace is None or grace == run_grace_s(r)):  # kept as judged with the run's own grace
+        from analysis.verdicts.stored import judged_by, stored, usable
+        from runstore.writer import open_store, write_verdicts
+
+        have = set(usable(rows))
+        new = [v for v in verdicts if v.request_id not in have]
+        con = open_store(store)
+        try:
+            with con:
+                write_verdicts(con, rid, judged_by(), [(v.request_id, stored(v)) for v in new])
+        finally:
+            con.close()
+    return r, verdicts
 
 
 def _here(path: str | Path) -> str:

@@ -94,13 +94,15 @@ class _Judge:
         self.counts: dict[str, int] = {}
         self.left_seen: dict[str, float] = {}  # request id -> when its verdict saw it leave the engine
         self.failures = 0
+        self.keep = None
         from analysis.ghosts import Ghosts
 
         self.ghosts = Ghosts()  # the leaked ones the engine may still hold
 
-    def start(self, run_id: int, t0_ns: int, committed_through_ns=lambda: None) -> None:
+    def start(self, run_id: int, t0_ns: int, committed_through_ns=lambda: None, keep=None) -> None:
         self.run_id, self.t0_ns = run_id, t0_ns
         self.committed_through_ns = committed_through_ns  # the writer's: how far the store holds every source
+        self.keep = keep  # the writer's put_verdicts: the verdicts are kept in the run, for a page showing a day
 
     def add(self, request_id: str, t_stop_s: float) -> None:
         self.pending[request_id] = t_stop_s
@@ -205,6 +207,14 @@ class _Judge:
             out.print(f"watch: cancel {v.request_id} {v.verdict} ({v.rule}){why}", highlight=False)
         if self.metrics is not None:
             self.metrics.observe(verdicts)
+        if self.keep is not None and verdicts:
+            from analysis.verdicts.stored import judged_by, stored
+
+            try:
+                self.keep(judged_by(), [(v.request_id, stored(v)) for v in verdicts])
+            except (TypeError, ValueError) as exc:  # not kept: said; the verdicts stand, the run goes on
+                err.print(f"watch: {len(verdicts)} verdict(s) not kept in the run ({exc}); `cancelwatch report` "
+                          "judges them from the run")
 
 
 class _UpstreamWord:
@@ -367,6 +377,7 @@ def watch(
     # what judging reads with (the verdict rules, pandas) is imported before the tap listens: imported at the
     # first judgement, its seconds of CPU on a starved host came with the first requests (seen on two cores
     # beside the engine: their first tokens 6 to 10 s late)
+    import analysis.verdicts.stored  # noqa: F401 - and the rules' fingerprint its verdicts are kept with
     import analysis.watching  # noqa: F401
     import runstore.reader  # noqa: F401
 
@@ -412,7 +423,7 @@ def watch(
 
     def driver(writer, sampler):
         writer.expect((s.name, s.target) for s in sampler.sources)
-        judge.start(writer.run_id, sampler.t0_mono_ns, writer.committed_through_ns)
+        judge.start(writer.run_id, sampler.t0_mono_ns, writer.committed_through_ns, writer.put_verdicts)
         deadline = time.monotonic_ns() + int(seconds * 1e9) if seconds else None
         scheduler = scheduler_reader(sampler, targets[0].label, family.scheduler_source)
         return _watch_loop(tap, ledger, writer, judge, stop, deadline, metrics, scheduler)

@@ -17,12 +17,15 @@ from analysis.explain import memory_story, pick_story_cancel
 from analysis.facts import VIEW_METRICS, run_facts
 from analysis.ghosts import GHOST_CAPTION, ghost_headline, ghost_view
 from analysis.html_report import facts_frame, report_html
+from analysis.long_runs import OVERVIEW_NOTE, is_long, long_run_verdicts
 from analysis.timeline import timeline_figure
 from analysis.verdicts import ghosts_of, judge_run
 from dashboard import recording
 from dashboard.params import read_url_params
 from runstore.paths import DEFAULT_STORE, store_dir, store_in_dir, stores_in_dir
-from runstore.reader import StoreError, list_runs, load_run, resolve_run_id
+from analysis.watching import LOOKBACK_S
+from runstore.reader import (StoreError, list_runs, load_overview, load_run, load_verdicts, load_window,
+                             overview_span_s, resolve_run_id)
 
 SAMPLE_STORE = Path(__file__).resolve().parent / "sample" / "sample.db"
 LIVE_EVERY_S = 2.0
@@ -45,9 +48,34 @@ def store_version(path: Path) -> tuple:
 
 @st.cache_resource(max_entries=6, show_spinner="Loading the run...")
 def load_view(path: str, run_id: int, version: tuple):
-    """(run, verdicts), shared read-only between sessions; a new `version` means the store grew."""
+    """(run, verdicts), shared read-only between sessions; a new `version` means the store grew. A long run
+    (a day's watch) is its overview and its stored verdicts (analysis/long_runs.py): its millions of samples
+    are not read, and a zoom reads its own stretch (detail)."""
+    span = overview_span_s(path, run_id)
+    if is_long(span):
+        run = load_overview(path, run_id, metrics=VIEW_METRICS)
+        running = run.info["status"] == "running"
+        return run, long_run_verdicts(run, load_verdicts(path, run_id),
+                                      lambda lo, hi: window(path, run_id, lo, hi, version if running else None),
+                                      now_s=span if running else None)
     run = load_run(path, run_id, metrics=VIEW_METRICS)
     return run, judge_run(run)
+
+
+@st.cache_resource(max_entries=24, show_spinner=False)
+def window(path: str, run_id: int, lo: float, hi: float, version: tuple | None):
+    """A stretch of a run at full resolution, with the ledger and log lines it is judged by; `version`: the
+    store's, for a run still recorded (its stretch may fill in), else None (it will not change)."""
+    return load_window(path, run_id, lo, hi, lookback_s=LOOKBACK_S)
+
+
+def detail(path: Path, run, x_range: tuple[float, float] | None):
+    """What a figure of `x_range` draws from: the run itself, or for a long run read from its overview, that
+    stretch at full resolution."""
+    if x_range is None or "overview" not in run.info:
+        return run
+    growing = store_version(path) if run.info["status"] == "running" else None
+    return window(str(path), run.id, *x_range, growing)
 
 
 @st.cache_data(max_entries=12, show_spinner=False)
@@ -144,6 +172,9 @@ def show_ghosts(run, verdicts) -> None:
         return
     st.subheader(ghost_headline(table))
     st.caption(GHOST_CAPTION)
+    if "overview" in run.info:
+        st.caption(f"Where a verdict did not see its request leave, its age is read from the run's "
+                   f"{run.info['overview']['bucket_s']} s overview: to within that.")
     st.dataframe(ghost_view(table), hide_index=True, width="stretch", key="ghost_table")
 
 
@@ -166,7 +197,8 @@ def show_run(path: Path, run_id: int, other_id, sample: bool) -> None:
     chosen_now = st.session_state["zoom"]
     summary_cancel = (verdicts[options.index(chosen_now) - 1] if chosen_now != WHOLE_RUN
                       else pick_story_cancel(verdicts))
-    summary = cancel_summary(run, summary_cancel) if summary_cancel is not None else None
+    summary = (cancel_summary(detail(path, run, cancel_window(summary_cancel)), summary_cancel)
+               if summary_cancel is not None else None)
     if summary is not None:
         # the five-second picture: one cancel, memory before and after, in the run's own numbers
         st.subheader(summary["sentence"][0].upper() + summary["sentence"][1:])
@@ -178,7 +210,10 @@ def show_run(path: Path, run_id: int, other_id, sample: bool) -> None:
 
     st.subheader("Timeline")
     st.caption("Memory stays flat while KV usage and running requests fall at each cancel: reserved is not used.")
-    st.plotly_chart(timeline_figure(run, verdicts, x_range=x_range, highlight=chosen.request_id if chosen else None),
+    if "overview" in run.info and x_range is None:
+        st.caption("This run is " + OVERVIEW_NOTE.format(**run.info["overview"]) + ".")
+    st.plotly_chart(timeline_figure(detail(path, run, x_range), verdicts, x_range=x_range,
+                                    highlight=chosen.request_id if chosen else None),
                     key="timeline", width="stretch")
 
     st.subheader(f"Cancels ({len(table)})")
@@ -199,13 +234,14 @@ def show_run(path: Path, run_id: int, other_id, sample: bool) -> None:
 
     st.subheader("Why is GPU memory still high?")
     story = chosen or pick_story_cancel(verdicts)
+    around = detail(path, run, cancel_window(story)) if story is not None else run
     left, right = st.columns([2, 3])
     with left:
-        for sentence in memory_story(run, verdicts, story):
+        for sentence in memory_story(around, verdicts, story):
             st.markdown(sentence)
     with right:
         if story is not None:
-            st.plotly_chart(timeline_figure(run, verdicts, x_range=cancel_window(story), highlight=story.request_id,
+            st.plotly_chart(timeline_figure(around, verdicts, x_range=cancel_window(story), highlight=story.request_id,
                                             height=620), key="story_figure", width="stretch")
 
     st.subheader("Capacity")
@@ -216,10 +252,14 @@ def show_run(path: Path, run_id: int, other_id, sample: bool) -> None:
     cols[0].metric("KV pool", f"{cap['pool_tokens'] or 'n/a'} tokens")
     cols[1].metric(f"max concurrency at {int(ctx)}", cap["max_concurrency"] if cap["max_concurrency"] is not None else "n/a")
     cols[2].metric("peak / p95 KV usage", "n/a" if cap["peak_kv"] is None else
-                   f"{100 * cap['peak_kv']:.0f} % / {100 * cap['p95_kv']:.0f} %")
+                   f"{100 * cap['peak_kv']:.0f} % / " + ("n/a" if cap["p95_kv"] is None else f"{100 * cap['p95_kv']:.0f} %"))
     cols[3].metric("headroom at peak", "n/a" if cap["headroom_tokens"] is None else f"{cap['headroom_tokens']} tokens")
     cols[4].metric("time with requests waiting", "n/a" if cap["waiting_share"] is None else
                    f"{100 * cap['waiting_share']:.1f} %")
+    if "overview" in run.info:
+        st.caption(f"This run is read from its {run.info['overview']['bucket_s']} s overview (each bucket's lowest "
+                   "and highest value): the peaks are the run's (of one engine's or GPU's series; a sum over several "
+                   "is at most that), the p95 and the time with requests waiting are not known from it.")
     st.plotly_chart(capacity_figure([(f"run {run_id}", cap)]), key="capacity_figure", width="stretch")
     st.dataframe(capacity_frame(cap), hide_index=True)
 

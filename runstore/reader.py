@@ -16,6 +16,7 @@ import pandas as pd
 import pyarrow as pa
 
 from runstore.errors import NoRunsYet, StoreError
+from runstore.schema import OVERVIEW_S
 
 
 BUSY_TIMEOUT_MS = 5000  # how long a read waits out a writer's lock before it reports the store locked
@@ -371,3 +372,96 @@ def load_window(path: str | Path, run: str | int, t_from_s: float, t_to_s: float
         # events do not say past it, they may say a commit later
         window.events_span = (window.events_span[0], min(window.events_span[1], held_through_s))
     return window
+
+
+def _has_table(con: sqlite3.Connection, name: str) -> bool:
+    """A store from before the overview and verdicts tables lacks them until it is next written."""
+    return con.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone() is not None
+
+
+def overview_span_s(path: str | Path, run: str | int) -> float | None:
+    """How long the run's overview covers, s from its start to its last good scrape; None: it has none (a run
+    written before the overview existed, or none of its sources answered)."""
+    rid = resolve_run_id(path, run)
+    with _reading(path), closing(connect_readonly(path)) as con:
+        if not _has_table(con, "scrape_overview"):
+            return None
+        row = con.execute("SELECT max(o.last_ok_mono_ns) - r.started_mono_ns FROM scrape_overview o "
+                          "JOIN runs r ON r.id = o.run_id WHERE o.run_id = ?", (rid,)).fetchone()
+    return None if row is None or row[0] is None else row[0] / 1e9
+
+
+def load_overview(path: str | Path, run: str | int, metrics: Iterable[str] | None = None) -> Run:
+    """The run at its overview's resolution (runstore/overview.py): per series and OVERVIEW_S bucket two samples,
+    its min at the bucket's first quarter and its max at its third, with its gaps,
+    events and ledger whole. No scrapes: `info["overview"]` holds, per source, its scrapes' counts instead
+    (analysis.summary.sampling_stats reads them). What a page showing a day draws its whole-run view from; a
+    zoom reads its stretch at full resolution with load_window."""
+    rid = resolve_run_id(path, run)
+    only = sorted(set(metrics)) if metrics is not None else None
+    with _reading(path):
+        # everything but the samples and scrapes, read as a window that holds no scrape
+        empty = _load_run(path, rid, None, (-1.0, -1.0, 0.0))
+        with closing(connect_readonly(path)) as con:
+            t0, w0 = con.execute("SELECT started_mono_ns, started_wall_ns FROM runs WHERE id = ?", (rid,)).fetchone()
+            events = pd.read_sql_query("SELECT request_id, kind, wall_ns, mono_ns, data FROM events WHERE run_id = ? "
+                                       "ORDER BY mono_ns", con, params=(rid,))
+            gaps = pd.read_sql_query("SELECT source, target, kind, start_wall_ns, start_mono_ns, end_mono_ns, ticks, "
+                                     "detail FROM gaps WHERE run_id = ? ORDER BY start_mono_ns", con, params=(rid,))
+            ledger = pd.read_sql_query("SELECT * FROM ledger WHERE run_id = ?", con, params=(rid,))
+            have = _has_table(con, "overview")
+            where, params = "o.run_id = ?", [rid]
+            if only is not None:
+                where += f" AND s.metric IN ({', '.join('?' for _ in only)})"
+                params += only
+            rows = pd.read_sql_query(
+                "SELECT s.source, s.target, s.metric, s.labels, o.bucket, o.vmin, o.vmax FROM overview o "
+                f"JOIN series s ON s.id = o.series_id WHERE {where}", con, params=params) if have else None
+            sampling = pd.read_sql_query(
+                "SELECT source, target, sum(n_ok) AS scrapes_ok, sum(n_failed) AS scrapes_failed, "
+                "sum(n_samples) AS samples, min(first_ok_mono_ns) AS first_ok_mono_ns, "
+                "max(last_ok_mono_ns) AS last_ok_mono_ns, max(duration_max_ns) AS duration_max_ns "
+                "FROM scrape_overview WHERE run_id = ? GROUP BY source, target", con, params=(rid,)) \
+                if _has_table(con, "scrape_overview") else pd.DataFrame()
+    samples = _overview_samples(rows, t0, w0)
+    info = dict(empty.info)
+    info["overview"] = {"bucket_s": OVERVIEW_S, "sampling": sampling.to_dict("records")}
+    for df, col in ((samples, "mono_ns"), (gaps, "start_mono_ns"), (events, "mono_ns")):
+        df["t_s"] = (df[col] - t0) / 1e9
+    if not gaps.empty:
+        gaps["end_t_s"] = (gaps["end_mono_ns"] - t0) / 1e9
+    return Run(id=rid, info=info, samples=samples, scrapes=empty.scrapes, gaps=gaps, events=events, ledger=ledger)
+
+
+def _overview_samples(rows: pd.DataFrame | None, t0: int, w0: int) -> pd.DataFrame:
+    """Overview rows as samples: a bucket's min a quarter into it, its max three quarters in (ids negative:
+    no scrape stands behind them). Both, even where they are equal: a metric of several label sets (engines,
+    GPUs) is summed per id, and a label set missing at one would drop out of the sum there."""
+    if rows is None or rows.empty:
+        return pd.DataFrame({c: pd.Series(dtype=object if c in ("source", "target", "metric", "labels") else float)
+                             for c in SAMPLE_COLUMNS})
+    lo = rows.drop(columns="vmax").rename(columns={"vmin": "value"}).assign(k=0)
+    hi = rows.drop(columns="vmin").rename(columns={"vmax": "value"}).assign(k=1)
+    df = pd.concat([lo, hi], ignore_index=True)
+    bucket_ns = OVERVIEW_S * 1_000_000_000
+    offset = df["bucket"].to_numpy(dtype=np.int64) * bucket_ns + (1 + 2 * df["k"].to_numpy()) * (bucket_ns // 4)
+    out = pd.DataFrame({
+        **{c: df[c].astype("category") for c in ("source", "target", "metric", "labels")},
+        "value": df["value"].astype(float),
+        "wall_ns": w0 + offset,
+        "mono_ns": t0 + offset,
+        "duration_ns": 0,
+        "scrape_id": -(2 * df["bucket"].to_numpy(dtype=np.int64) + df["k"].to_numpy() + 1),
+    })
+    return out.sort_values(["mono_ns", "scrape_id"], kind="stable").reset_index(drop=True)
+
+
+def load_verdicts(path: str | Path, run: str | int) -> pd.DataFrame:
+    """The verdicts stored with the run as it was recorded: request_id, judged_by, body (the JSON's dict)."""
+    rid = resolve_run_id(path, run)
+    with _reading(path), closing(connect_readonly(path)) as con:
+        if not _has_table(con, "verdicts"):
+            return pd.DataFrame(columns=["request_id", "judged_by", "body"])
+        df = pd.read_sql_query("SELECT request_id, judged_by, body FROM verdicts WHERE run_id = ?", con, params=(rid,))
+    df["body"] = [json.loads(b) for b in df["body"]]
+    return df

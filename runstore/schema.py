@@ -4,9 +4,17 @@ One file holds many runs. Samples are stored long and normalised: a `series` row
 (source, target, metric, labels) combination once, a `scrapes` row holds one attempt's clocks and
 duration, and a `samples` row is just (series, scrape, value). Gaps (missed ticks, failed or
 unparseable scrapes, a lost target) are rows of their own, never zeros in `samples`.
+
+Two tables hold what a long run is read by without its millions of samples: `overview` (per series and
+OVERVIEW_S bucket of the run's clock: count, min, max and last value; the writer keeps it as samples land) and
+`scrape_overview` (per source and bucket: scrapes and their durations). `verdicts` keeps a verdict where one
+was given as the run was recorded (a watch's live judge), with the rules' fingerprint it was given by.
+These tables were added to schema 2 as they are: a store without them reads as before, and gains them
+(empty for its earlier runs) the next time it is written.
 """
 
 SCHEMA_VERSION = 2  # 2: ledger gained n, prompt_tokens, max_tokens
+OVERVIEW_S = 10  # an overview bucket: a day is 8,640 of them, a few per pixel of a page's timeline
 
 DDL = """
 CREATE TABLE IF NOT EXISTS meta (
@@ -80,6 +88,37 @@ CREATE TABLE IF NOT EXISTS events (
     data TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS events_run ON events(run_id, mono_ns);
+CREATE TABLE IF NOT EXISTS overview (
+    run_id INTEGER NOT NULL,
+    series_id INTEGER NOT NULL,
+    bucket INTEGER NOT NULL,         -- floor((scrape mono_ns - run started_mono_ns) / OVERVIEW_S s)
+    n INTEGER NOT NULL,              -- samples in the bucket (NaN ones too)
+    vmin REAL,                       -- NULL when every sample in it was NaN
+    vmax REAL,
+    vlast REAL,
+    PRIMARY KEY (run_id, series_id, bucket)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS scrape_overview (
+    run_id INTEGER NOT NULL,
+    source TEXT NOT NULL,
+    target TEXT NOT NULL,
+    bucket INTEGER NOT NULL,
+    n_ok INTEGER NOT NULL,
+    n_failed INTEGER NOT NULL,
+    n_samples INTEGER NOT NULL,
+    first_ok_mono_ns INTEGER,        -- NULL where none was ok
+    last_ok_mono_ns INTEGER,
+    duration_sum_ns INTEGER NOT NULL, -- of its ok scrapes
+    duration_max_ns INTEGER NOT NULL,
+    PRIMARY KEY (run_id, source, target, bucket)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS verdicts (
+    run_id INTEGER NOT NULL,
+    request_id TEXT NOT NULL,
+    judged_by TEXT NOT NULL,         -- how: "window" (a live judge) and the rules' fingerprint
+    body TEXT NOT NULL,              -- JSON: analysis.verdicts.CancelVerdict.stored()
+    PRIMARY KEY (run_id, request_id)
+);
 CREATE TABLE IF NOT EXISTS ledger (
     run_id INTEGER NOT NULL REFERENCES runs(id),
     request_id TEXT NOT NULL,

@@ -23,6 +23,7 @@ import numpy as np
 
 from runstore.errors import StoreError
 from runstore.event_kinds import EVENT_KINDS
+from runstore.overview import bucket_of, scrape_rows, series_rows, write_overview
 from runstore.records import EventRecord, GapRecord, LedgerRecord, Sample, ScrapeRecord
 from runstore.schema import DDL, SCHEMA_VERSION
 
@@ -169,7 +170,8 @@ def delete_runs(con: sqlite3.Connection, run_ids: Iterable[int]) -> None:
     """Remove whole runs (every table's rows of them): a canary's bounded retention."""
     ids = [(int(r),) for r in run_ids]
     with con:
-        for table in ("samples", "scrapes", "series", "gaps", "events", "ledger"):
+        for table in ("samples", "scrapes", "series", "gaps", "events", "ledger", "overview", "scrape_overview",
+                      "verdicts"):
             con.executemany(f"DELETE FROM {table} WHERE run_id = ?", ids)  # noqa: S608 - fixed table names
         con.executemany("DELETE FROM runs WHERE id = ?", ids)
 
@@ -251,7 +253,34 @@ def write_scrape_block(con: sqlite3.Connection, run_id: int, source: str, target
     stored[np.isnan(flat)] = None
     con.executemany(_INSERT_SAMPLE, zip([run_id] * flat.size, np.tile(sids, n).tolist(),
                                         np.repeat(scrape_ids, len(sids)).tolist(), stored.tolist()))
+    buckets = bucket_of(mono_ns, _started_mono_ns(con, run_id))
+    write_overview(con, series_rows(run_id, np.tile(sids, n), np.repeat(buckets, len(sids)), flat),
+                   scrape_rows(run_id, source, target, buckets, np.ones(n, dtype=bool), np.full(n, len(series)),
+                               mono_ns, np.full(n, duration_ns)))
     return int(flat.size)
+
+
+def _started_mono_ns(con: sqlite3.Connection, run_id: int) -> int:
+    return int(con.execute("SELECT started_mono_ns FROM runs WHERE id = ?", (run_id,)).fetchone()[0])
+
+
+def write_verdicts(con: sqlite3.Connection, run_id: int, judged_by: str, verdicts: Iterable[tuple[str, dict | str]]) -> None:
+    """Verdicts given as the run was recorded: (request id, CancelVerdict.stored(), or verdict_json of it); a
+    later one replaces it."""
+    con.executemany("INSERT OR REPLACE INTO verdicts(run_id, request_id, judged_by, body) VALUES (?, ?, ?, ?)",
+                    [(run_id, rid, judged_by, body if isinstance(body, str) else verdict_json(body))
+                     for rid, body in verdicts])
+
+
+def verdict_json(body: dict) -> str:
+    return json.dumps(body, default=_plain)
+
+
+def _plain(value):
+    """A numpy number in a verdict's evidence, as the Python number it holds."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON")
 
 
 _STOP = object()
@@ -286,6 +315,7 @@ class StoreWriter:
         self.path = store_path(con)
         self._q: queue.Queue = queue.Queue()
         self._series: dict[tuple, int] = {}
+        self._t0_ns: int | None = None  # the run's started_mono_ns: where its overview's buckets start
         # (source, target) -> the last two committed reads' mono_ns: see committed_through_ns
         self._committed: dict[tuple[str, str], tuple[int | None, int]] = {}
         self._thread = threading.Thread(target=self._loop, name="store-writer", daemon=True)
@@ -296,6 +326,11 @@ class StoreWriter:
 
     def set_run_json(self, column: str, value: dict | list) -> None:
         self._q.put(("json", column, value))
+
+    def put_verdicts(self, judged_by: str, verdicts: list[tuple[str, dict]]) -> None:
+        """Verdicts a live judge gave (write_verdicts), written on the writer's thread like every record. Made
+        JSON here, on the caller's thread: one that cannot be raises to its caller, never on the writer's."""
+        self._q.put(("verdicts", judged_by, [(rid, verdict_json(body)) for rid, body in verdicts]))
 
     def close(self, timeout_s: float = 30.0) -> None:
         self._q.put(_STOP)
@@ -356,7 +391,34 @@ class StoreWriter:
             write_ledger(con, self.run_id, [rec])
         elif isinstance(rec, tuple) and rec[0] == "json":
             set_run_json(con, self.run_id, rec[1], rec[2])
+        elif isinstance(rec, tuple) and rec[0] == "verdicts":
+            write_verdicts(con, self.run_id, rec[1], rec[2])
         return None
+
+    def _write_overview(self, batch: list) -> None:
+        """The batch's scrapes added to the run's overview (runstore/overview.py), in its transaction."""
+        scrapes = [r for r in batch if isinstance(r, ScrapeRecord)]
+        if not scrapes:
+            return
+        if self._t0_ns is None:
+            self._t0_ns = _started_mono_ns(self.con, self.run_id)
+        sids, buckets, values = [], [], []
+        by_source: dict[tuple[str, str], list[ScrapeRecord]] = {}
+        for rec in scrapes:
+            bucket = int(bucket_of(rec.mono_ns, self._t0_ns))
+            by_source.setdefault((rec.source, rec.target), []).append(rec)
+            for smp in rec.samples:
+                sids.append(self._series_id(smp, rec.target))
+                buckets.append(bucket)
+                values.append(math.nan if smp.value is None else smp.value)
+        series = series_rows(self.run_id, np.array(sids, dtype=np.int64), np.array(buckets, dtype=np.int64),
+                             np.array(values, dtype=float))
+        rows = []
+        for (source, target), recs in by_source.items():
+            mono = np.array([r.mono_ns for r in recs], dtype=np.int64)
+            rows += scrape_rows(self.run_id, source, target, bucket_of(mono, self._t0_ns), [r.ok for r in recs],
+                                [len(r.samples) for r in recs], mono, [r.duration_ns for r in recs])
+        write_overview(self.con, series, rows)
 
     def _loop(self) -> None:
         stop = False
@@ -377,6 +439,7 @@ class StoreWriter:
             try:
                 with self.con:
                     written = [self._write(rec) for rec in batch]
+                    self._write_overview(batch)
                 for rec in batch:
                     if isinstance(rec, ScrapeRecord):
                         key = (rec.source, rec.target)
@@ -384,7 +447,7 @@ class StoreWriter:
                 counts = [n for n in written if n is not None]
                 self.samples_written += sum(counts)
                 self.scrapes_written += len(counts)
-            except sqlite3.Error as exc:
+            except Exception as exc:  # noqa: BLE001 - a thread that died here would leave the queue unread
                 # Keep draining so producers never block; the error surfaces at close(), and the
                 # recorder, told by `failed`, ends the run rather than sample into nothing.
                 self.error = self.error or exc

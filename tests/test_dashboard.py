@@ -196,6 +196,51 @@ def test_choosing_a_cancel_zooms_the_timeline(tmp_path, monkeypatch):
     # (choosing a row of the table drives the same zoom: tests/test_dashboard_browser.py clicks one)
 
 
+def test_a_long_run_opens_from_its_overview_and_stored_verdicts_and_zooms_at_full_resolution(tmp_path, monkeypatch):
+    """Issue 21 point 3, with the page's bound lowered to 5 minutes for a 15-minute run: the page never reads
+    the run whole (load_run refuses here) nor judges a cancel (the live judge's verdicts are stored), draws the
+    whole run from the overview with its peaks, and a chosen cancel's stretch from every sample in it."""
+    import analysis.long_runs as long_runs
+    import runstore.reader as reader
+    from analysis.verdicts.stored import judged_by, stored
+    from bench.synthetic import write_synthetic_run
+    from runstore.writer import open_store, write_verdicts
+
+    store = tmp_path / "day.db"
+    rid = write_synthetic_run(store, duration_s=900, cancels=30, leak_every=5, filler_series=3)
+    whole = load_run(store, rid, metrics=VIEW_METRICS)
+    verdicts = judge_run(whole)
+    con = open_store(store)
+    with con:
+        write_verdicts(con, rid, judged_by(), [(v.request_id, stored(v)) for v in verdicts])
+    con.close()
+    monkeypatch.setattr(long_runs, "LONG_RUN_S", 300.0)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a long run is never read whole by the page")
+
+    monkeypatch.setattr(reader, "load_run", refused)
+    monkeypatch.setattr("analysis.verdicts.families.FAMILIES", {})  # judging anything would raise KeyError
+    at = app(tmp_path, monkeypatch, store="day.db")
+    assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
+    assert f"Cancels ({len(verdicts)})" in [h.value for h in at.subheader]
+    assert any("drawn from the run's overview" in c.value for c in at.caption)
+    table = next(d.value for d in at.dataframe if "verdict" in d.value.columns)
+    assert list(table["verdict"]) == [v.verdict for v in verdicts]
+    (trace,) = [t for t in figure(at)["data"] if t.get("name") == "running t0"]
+    running = whole.series("requests_running")
+    assert len(values(trace["y"])) < len(running) / 50  # two points per 10 s, not 20 a second
+    assert np.nanmax(values(trace["y"])) == running["value"].max()
+    # a cancel chosen: its stretch at full resolution, every sample in it
+    opts = at.selectbox(key="zoom").options
+    at.selectbox(key="zoom").set_value(opts[5]).run()
+    assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
+    lo, hi = cancel_window(verdicts[4])
+    (trace,) = [t for t in figure(at)["data"] if t.get("name") == "running t0"]
+    inside = running[(running["t_s"] >= lo) & (running["t_s"] <= hi)]
+    assert len(values(trace["y"])) == len(inside) > 100
+
+
 @pytest.mark.parametrize("store", ["../../etc/passwd", "/etc/passwd", "../outside.db", "sub/../../outside.db", "cw.txt"])
 def test_a_store_from_the_url_cannot_leave_the_store_folder(tmp_path, monkeypatch, store):
     folder = tmp_path / "runs"

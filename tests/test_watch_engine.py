@@ -20,7 +20,8 @@ import httpx
 import openai
 import pytest
 
-from runstore.reader import load_run
+from analysis.verdicts.stored import usable
+from runstore.reader import load_run, load_verdicts
 from tests.conftest import cli, cli_popen, decode_rate, free_port
 from tests.leaky_proxy import LeakyProxy
 
@@ -175,6 +176,9 @@ def test_real_clients_cancelling_direct_to_the_engine_are_released(engine, engin
     doc = json.loads(cli("report", "latest", "--json", "--store", str(tmp_path / "watch.db"),
                          home=engine_home).stdout)
     assert {c["request_id"]: c["verdict"] for c in doc["cancels"]} == {r: v for r, (v, _) in live.items()}
+    # and kept in the run as it gave them, by these rules: what a page showing a day reads (issue 21 point 3)
+    kept = usable(load_verdicts(tmp_path / "watch.db", "latest"))
+    assert {r: (v.verdict, v.rule) for r, v in kept.items()} == live
 
 
 def test_real_clients_cancelling_behind_a_proxy_that_never_passes_it_on_are_leaked(engine, engine_home, tmp_path):

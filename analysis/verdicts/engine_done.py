@@ -124,11 +124,19 @@ def engine_done_at(ledger: pd.DataFrame, t0_ns: int, sched: dict[str, np.ndarray
     done: dict[str, float] = {}
     persist_s = max(PERSIST_S, PERSIST_PERIODS * period_s)
 
+    # each row's span as arrays, its end moved where it is found done: a day's run has thousands of rows and
+    # hundreds of falls, and a loop over the rows for each fall cost seconds (bench/dashboard.py at 24 h)
+    t_in = np.array([r.t_in for r in rows], dtype=float)
+    t_out = np.array([r.t_out for r in rows], dtype=float)
+    seqs_of = np.array([r.n for r in rows], dtype=float)
+    at = {r.rid: k for k, r in enumerate(rows)}
+
     def inflight(t: np.ndarray) -> np.ndarray:
-        out = np.zeros(len(t))
-        for r in rows:
-            out += r.n * ((t >= r.t_in) & (t < done.get(r.rid, r.t_out)))
-        return out
+        if not len(t):
+            return np.zeros(0)
+        near = np.nonzero((t_in <= t.max()) & (t_out > t.min()))[0]  # the rows that overlap these instants
+        inside = (t[:, None] >= t_in[near]) & (t[:, None] < t_out[near])
+        return inside.astype(float) @ seqs_of[near]
 
     valid = np.nonzero(~np.isnan(count))[0]
     for k in range(1, len(valid)):
@@ -145,7 +153,7 @@ def engine_done_at(ledger: pd.DataFrame, t0_ns: int, sched: dict[str, np.ndarray
         if short < 1:
             continue
         # in the engine at the sample before the fall, and still counted by the ledger after it
-        there = [r for r in rows if r.t_in <= times[h] and done.get(r.rid, r.t_out) > times[i]]
+        there = [rows[k] for k in np.nonzero((t_in <= times[h]) & (t_out > times[i]))[0]]
         if not there:
             continue
         # a request that waited ran later than its admission says: which would finish first is unknown
@@ -169,4 +177,5 @@ def engine_done_at(ledger: pd.DataFrame, t0_ns: int, sched: dict[str, np.ndarray
             continue
         for r in chosen:
             done[r.rid] = float(times[i])
+            t_out[at[r.rid]] = float(times[i])
     return done

@@ -1,0 +1,72 @@
+"""A long run (a day's watch) as a page shows it: drawn from its overview (runstore.reader.load_overview), its
+cancels' verdicts as the live judge stored them, and a zoom read at full resolution on its own stretch. Pure:
+the overview, the stored rows and a window reader in, the verdicts out.
+
+A cancel with no stored verdict these rules gave (the judge missed it, or the rules changed since) is judged
+here as the live judge would have: on its own window, in stop order, each told when the earlier ones saw their
+requests leave. The whole run's samples are never read."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pandas as pd
+
+from analysis.verdicts import CancelVerdict, run_grace_s
+from analysis.verdicts.stored import usable
+from analysis.watching import ENTRY_WAIT_S, NOT_YET_ENTERED, judge_cancels, left_seen, window_of
+from runstore.reader import Run
+
+LONG_RUN_S = 3 * 3600.0  # a run longer than this is drawn from its overview: its samples take longer to read
+OVERVIEW_NOTE = ("drawn from the run's overview: each {bucket_s} s of a series as its lowest and highest value; "
+                 "choose a cancel to see its stretch at full resolution")
+
+
+def is_long(span_s: float | None, long_run_s: float | None = None) -> bool:
+    """Whether a run whose overview covers `span_s` is read from it (None: it has no overview)."""
+    return span_s is not None and span_s > (LONG_RUN_S if long_run_s is None else long_run_s)
+
+
+def stops(run: Run) -> pd.DataFrame:
+    """The run's user stops, in stop order: request_id, t_s."""
+    ev = run.events
+    if ev.empty:
+        return pd.DataFrame(columns=["request_id", "t_s"])
+    s = ev[ev["kind"] == "user_stop"].dropna(subset=["request_id"])
+    return s.drop_duplicates("request_id")[["request_id", "t_s"]].sort_values("t_s", kind="stable")
+
+
+def long_run_verdicts(run: Run, stored_rows: pd.DataFrame, window: Callable[[float, float], Run],
+                      grace_s: float | None = None, now_s: float | None = None) -> list[CancelVerdict]:
+    """One verdict per stop of `run` (its overview), in stop order: the stored one where these rules gave it,
+    else judged on `window(from_s, to_s)`. `now_s`: for a run still recorded, how far it reaches (a cancel
+    whose window is not all recorded yet is left for the live judge)."""
+    own = run_grace_s(run)
+    grace_s = own if grace_s is None else grace_s
+    kept = usable(stored_rows) if grace_s == own else {}  # stored as judged with the run's own grace
+    out, seen = [], {}
+    for rid, t_stop in stops(run).itertuples(index=False):
+        v = kept.get(rid)
+        if v is None:
+            v = _judged(rid, t_stop, grace_s, window, seen, now_s)
+            if v is None:
+                continue
+        seen.update(left_seen([v]))
+        out.append(v)
+    return out
+
+
+def _judged(rid: str, t_stop: float, grace_s: float, window, seen: dict, now_s: float | None) -> CancelVerdict | None:
+    """One cancel judged on its own window, as the live judge does: one the engine's log does not name by its
+    window's end is judged once more on a window ENTRY_WAIT_S longer, where a late Added line tells. None: its
+    window is not all recorded yet (the live judge's, then)."""
+    v = None
+    for extra in (0.0, ENTRY_WAIT_S):
+        lo, hi = window_of(t_stop, grace_s, extra)
+        if now_s is not None and hi > now_s:
+            return None
+        got = judge_cancels(window(lo, hi), {rid}, grace_s, seen)
+        v = got[0] if got else v
+        if v is None or v.rule not in NOT_YET_ENTERED:
+            return v
+    return v
