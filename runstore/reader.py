@@ -263,6 +263,10 @@ _SCRAPE_COLUMNS = ["id", "source", "target", "tick", "wall_ns", "mono_ns", "dura
 _SCRAPE_NUMBERS = [c for c in _SCRAPE_COLUMNS if c not in ("source", "target")]
 
 
+def _no_scrapes() -> pd.DataFrame:
+    return pd.DataFrame({c: pd.Series(dtype=object if c in ("source", "target") else np.int64) for c in _SCRAPE_COLUMNS})
+
+
 def _load_scrapes(con: sqlite3.Connection, path: Path, rid: int, within: tuple[int, int] | None = None) -> pd.DataFrame:
     """Read per (source, target) as numbers: a string per row would be half the cost. `within`: only those
     started in [lo, hi] monotonic ns (the index on (run, source, target, mono_ns) finds them)."""
@@ -279,8 +283,7 @@ def _load_scrapes(con: sqlite3.Connection, path: Path, rid: int, within: tuple[i
         part.insert(2, "target", target)
         parts.append(part)
     if not parts:
-        return pd.DataFrame({c: pd.Series(dtype=object if c in ("source", "target") else np.int64)
-                             for c in _SCRAPE_COLUMNS})
+        return _no_scrapes()
     out = pd.concat(parts, ignore_index=True)
     for col in ("source", "target"):
         out[col] = out[col].astype("category")
@@ -296,23 +299,29 @@ def load_run(path: str | Path, run: str | int = "latest", metrics: Iterable[str]
         return _load_run(path, rid, only)
 
 
+def _run_info(con: sqlite3.Connection, path: str | Path, rid: int) -> dict:
+    """The run's row, its JSON columns decoded and checked for shape."""
+    con.row_factory = sqlite3.Row
+    row = con.execute("SELECT * FROM runs WHERE id = ?", (rid,)).fetchone()
+    con.row_factory = None
+    if row is None:  # deleted since it was looked up (a canary's retention): not damage
+        raise StoreError(f"no run {rid} in {path} (it was deleted while being read): list them with "
+                         "`cancelwatch runs`")
+    info = dict(row)
+    for key in _JSON_COLUMNS:
+        info[key] = json.loads(info[key] or "{}")
+        # valid JSON of another shape (a hand edit: '[1, 2]', '7') would fail later, far from here
+        if not isinstance(info[key], dict) and not (key == "targets" and isinstance(info[key], list)):
+            raise StoreError(f"{path} cannot be read, the store is damaged (run {rid}'s {key} is "
+                             f"{type(info[key]).__name__} JSON): record into a new file with --store")
+    return info
+
+
 def _load_run(path: str | Path, rid: int, only: list[str] | None,
               window: tuple[float, float, float] | None = None, extra_ledger: pd.DataFrame | None = None) -> Run:
     """The run, or with `window` (from_s, to_s, lookback_s; see load_window) only that stretch of it."""
     with closing(connect_readonly(path)) as con:
-        con.row_factory = sqlite3.Row
-        row = con.execute("SELECT * FROM runs WHERE id = ?", (rid,)).fetchone()
-        if row is None:  # deleted since it was looked up (a canary's retention): not damage
-            raise StoreError(f"no run {rid} in {path} (it was deleted while being read): list them with "
-                             "`cancelwatch runs`")
-        info = dict(row)
-        con.row_factory = None
-        for key in _JSON_COLUMNS:
-            info[key] = json.loads(info[key] or "{}")
-            # valid JSON of another shape (a hand edit: '[1, 2]', '7') would fail later, far from here
-            if not isinstance(info[key], dict) and not (key == "targets" and isinstance(info[key], list)):
-                raise StoreError(f"{path} cannot be read, the store is damaged (run {rid}'s {key} is "
-                                 f"{type(info[key]).__name__} JSON): record into a new file with --store")
+        info = _run_info(con, path, rid)
         t0 = info["started_mono_ns"]
         # per table: what narrows it to the window (nothing for the whole run), and its parameters
         span, within = None, {"gaps": ("", ()), "events": ("", ()), "ledger": ("", ())}
@@ -400,10 +409,9 @@ def load_overview(path: str | Path, run: str | int, metrics: Iterable[str] | Non
     rid = resolve_run_id(path, run)
     only = sorted(set(metrics)) if metrics is not None else None
     with _reading(path):
-        # everything but the samples and scrapes, read as a window that holds no scrape
-        empty = _load_run(path, rid, None, (-1.0, -1.0, 0.0))
         with closing(connect_readonly(path)) as con:
-            t0, w0 = con.execute("SELECT started_mono_ns, started_wall_ns FROM runs WHERE id = ?", (rid,)).fetchone()
+            info = _run_info(con, path, rid)
+            t0, w0 = info["started_mono_ns"], info["started_wall_ns"]
             events = pd.read_sql_query("SELECT request_id, kind, wall_ns, mono_ns, data FROM events WHERE run_id = ? "
                                        "ORDER BY mono_ns", con, params=(rid,))
             gaps = pd.read_sql_query("SELECT source, target, kind, start_wall_ns, start_mono_ns, end_mono_ns, ticks, "
@@ -424,13 +432,12 @@ def load_overview(path: str | Path, run: str | int, metrics: Iterable[str] | Non
                 "FROM scrape_overview WHERE run_id = ? GROUP BY source, target", con, params=(rid,)) \
                 if _has_table(con, "scrape_overview") else pd.DataFrame()
     samples = _overview_samples(rows, t0, w0)
-    info = dict(empty.info)
     info["overview"] = {"bucket_s": OVERVIEW_S, "sampling": sampling.to_dict("records")}
     for df, col in ((samples, "mono_ns"), (gaps, "start_mono_ns"), (events, "mono_ns")):
         df["t_s"] = (df[col] - t0) / 1e9
     if not gaps.empty:
         gaps["end_t_s"] = (gaps["end_mono_ns"] - t0) / 1e9
-    return Run(id=rid, info=info, samples=samples, scrapes=empty.scrapes, gaps=gaps, events=events, ledger=ledger)
+    return Run(id=rid, info=info, samples=samples, scrapes=_no_scrapes(), gaps=gaps, events=events, ledger=ledger)
 
 
 def _overview_samples(rows: pd.DataFrame | None, t0: int, w0: int) -> pd.DataFrame:
