@@ -12,6 +12,7 @@ dashboard's, the report's ghosts). Here too: their vocabulary and how a reader i
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -49,10 +50,23 @@ class Ghosts:
     hold_s: float = HOLD_S
     # (instant, surplus) of the samples read, back to the first at or before hold_s ago
     history: deque = field(default_factory=deque)
+    # weigh each sample of the hold against the ghosts that had joined by then, not all of them: right where a
+    # ghost joins as the in-flight count lets it go (the ledger's replay, verdicts/vllm.py). The watch joins one
+    # at its verdict, seconds after its close took it out of flight: there the older reading errs less
+    per_sample: bool = False
+    # (joined, ended) of ghosts the evidence ended (`ended`): held by the count until then, in the hold's samples
+    ended_spans: list = field(default_factory=list)
 
     def leaked(self, request_id: str, left_at_s: float, seen_at_s: float | None = None) -> None:
         self.left_at[request_id] = left_at_s
         self.joined_at[request_id] = left_at_s if seen_at_s is None else seen_at_s
+
+    def ended(self, request_id: str, t_s: float) -> None:
+        """The evidence ended this ghost at `t_s` (per_sample: it still counts in the samples before)."""
+        self.left_at.pop(request_id, None)
+        joined = self.joined_at.pop(request_id, None)
+        if self.per_sample and joined is not None:
+            self.ended_spans.append((joined, t_s))
 
     def update(self, engine_count: float, in_flight: float, t_s: float) -> list[tuple[str, float]]:
         """Given the engine's count (running + waiting) and the requests the watch has in flight at `t_s`,
@@ -62,14 +76,24 @@ class Ghosts:
         while len(self.history) > 1 and self.history[1][0] <= t_s - self.hold_s:
             self.history.popleft()
         since = self.history[0][0]
-        surplus = max(s for _, s in self.history)
-        if len(self.left_at) <= surplus or since > t_s - self.hold_s:
+        if not self.left_at or since > t_s - self.hold_s:
             return []
-        by_age = sorted(self.left_at, key=self.left_at.get)  # oldest first
-        gone = by_age[: len(by_age) - surplus]
+        if self.per_sample:
+            # the count beyond in-flight at each sample of the hold against the ghosts that had joined by then:
+            # one joining inside it is no shortfall before it (under steady load behind a leaking proxy a lost
+            # request joined every second or so, and the oldest read as gone while still held)
+            joined = sorted(self.joined_at.get(rid, -math.inf) for rid in self.left_at)
+            self.ended_spans = [(j, e) for j, e in self.ended_spans if e > since]
+            short = min(bisect_right(joined, t) + sum(1 for j, e in self.ended_spans if j <= t < e) - s
+                        for t, s in self.history)
+        else:
+            short = len(self.left_at) - max(s for _, s in self.history)
+        if short <= 0:
+            return []
+        gone = sorted(self.left_at, key=self.left_at.get)[:short]  # oldest first
         for rid in gone:
             del self.left_at[rid]
-        return [(rid, max(since, self.joined_at.pop(rid))) for rid in gone]
+        return [(rid, max(since, self.joined_at.pop(rid, since))) for rid in gone]
 
     def short_by(self, engine_count: float, in_flight: float) -> int:
         """How many ghosts the latest count cannot hold, before the hold has passed (the end of what was read)."""

@@ -109,12 +109,18 @@ def test_where_the_count_cannot_say_it_is_unknown_and_says_why():
     assert (row["in_engine"], row["unknown_why"]) == (UNKNOWN, GHOST_UNKNOWN["no_count"])
 
 
-def test_two_ghosts_and_one_leaving_the_oldest_is_taken_first():
+def second_lost_cancel() -> tuple[dict, dict]:
+    """A second target for build_run, tg2: sent at 0.5 s, stopped at 2.5 s, with no abort (its ledger row, its stop)."""
     second = {"request_id": "tg2", "scenario": "s", "role": "target", "n": 1, "sent_mono_ns": ns(0.5),
               "first_token_mono_ns": ns(0.8), "closed_mono_ns": ns(2.6), "cancel_mono_ns": ns(2.5),
               "terminal_state": "cancelled"}
     stop2 = {"request_id": "tg2", "kind": "user_stop", "mono_ns": ns(2.5),
              "data": json.dumps({"cancel_id": "c2", "scenario": "s", "phase": "decode", "metrics_target": "t0"})}
+    return second, stop2
+
+
+def test_two_ghosts_and_one_leaving_the_oldest_is_taken_first():
+    second, stop2 = second_lost_cancel()
     # three in the engine (the neighbour, both leaked) to 4.6 s, then two, then one from the neighbour's end on
     run = build_run(lambda t: 3.0 if t < 4.6 else 2.0 if t < 5.5 else 1.0, lambda t: 0.4, steady_gen,
                     extra_ledger=[second], extra_events=[stop2], engine_log=[*ADDED, ("engine_added", "tg2", 0.5)])
@@ -139,6 +145,23 @@ def test_two_ghosts_and_one_leaving_the_oldest_is_taken_first():
         assert x.evidence.kept_running_ms == pytest.approx((4.55 - stop) * 1000, abs=1)
     rows = ghost_table(run, list(verdicts.values())).set_index("request_id")
     assert rows.loc["tg", "left_engine_s"] == pytest.approx(4.6) and rows.loc["tg2", "left_engine_s"] == pytest.approx(5.8)
+
+
+def test_two_lost_ones_gone_before_the_count_held_one_fewer_for_a_second_are_each_left_among_others():
+    # the engine holds only the two lost requests (the neighbour's client closed at 1.5 s): one leaves at 4.6 s, the
+    # other at 5.2 s, the engine then idle. The idle engine ends both before a second of the lower count passed:
+    # nothing was assumed, and neither verdict says which left first
+    second, stop2 = second_lost_cancel()
+    run = build_run(lambda t: (1.0 if t < 1.5 else 0.0) + (2.0 if t < 4.6 else 1.0 if t < 5.2 else 0.0),
+                    lambda t: 0.4, steady_gen, extra_ledger=[second], extra_events=[stop2],
+                    engine_log=[*ADDED, ("engine_added", "tg2", 0.5)])
+    run.ledger.loc[run.ledger["request_id"] == "nb", "closed_mono_ns"] = ns(1.5)
+    verdicts = {x.request_id: x for x in judge_run(run)}
+    for rid, stop in (("tg", 2.0), ("tg2", 2.5)):
+        x = verdicts[rid]
+        assert (x.verdict, x.rule, x.timepoints["left_scheduler"]) == ("leaked", "no_abort_left_among_others",
+                                                                       pytest.approx(5.2)), x
+        assert x.evidence.kept_running_ms == pytest.approx((4.55 - stop) * 1000, abs=1)
 
 
 def test_the_report_lists_the_ghosts_in_its_json_and_says_them_in_its_text(tmp_path):

@@ -19,12 +19,14 @@ HZ = 20
 
 
 def build_run(count, kv, gen, *, stop_s=2.0, abort_s=2.002, probe_first_s=None, extra_ledger=(), missing=None,
-              engine_log=None, extra_events=(), resolution_s=0.001, waiting=lambda t: 0.0, series=None, hz=None):
-    """A 6 s run at 20 Hz (or `hz`): `count(t)`, `kv(t)`, `gen(t)` give running(+0 waiting), KV usage and tokens;
+              engine_log=None, extra_events=(), resolution_s=0.001, waiting=lambda t: 0.0, series=None, hz=None,
+              length_s=6.0):
+    """A 6 s run (or `length_s`) at 20 Hz (or `hz`): `count(t)`, `kv(t)`, `gen(t)` give running(+0 waiting), KV
+    usage and tokens;
     no scrape answered in the stretch `missing` (from, to) in s; `series`: more metrics, name -> f(t). `engine_log`: the engine log was read,
     and these (kind, request id, instant) lines are in it; None: a run without an engine log, whose
     driver stamped app_received and engine_abort on the client (as runs before engine logs did)."""
-    times = np.arange(0, 6, 1 / (hz or HZ))
+    times = np.arange(0, length_s, 1 / (hz or HZ))
     rows = []
     for i, t in enumerate(times):
         if missing is not None and missing[0] <= t < missing[1]:
@@ -785,7 +787,11 @@ def test_a_watch_window_that_starts_after_an_earlier_lost_request_left_is_told_w
     window = lost_then_lost_again()
     window.samples = window.samples[window.samples["t_s"] >= 2.0]
     (blind,) = judge_cancels(window, {"tg"}, 2.0)
-    assert blind.rule == "already_finished", blind  # l1 and l2 still the ledger's: two more than the count
+    # untold, l1 and l2 were the ledger's to the end: two more than the count, and the target read
+    # `already_finished`. The count holding neither beyond the others for the window's first second now takes
+    # them out by its start (_gone_by_surplus); told, they leave where their verdicts saw them go
+    assert (blind.verdict, blind.rule, blind.timepoints["left_scheduler"]) == ("leaked", "no_abort_ran_to_end",
+                                                                            pytest.approx(4.5)), blind
     window = lost_then_lost_again()
     window.samples = window.samples[window.samples["t_s"] >= 2.0]
     (told,) = judge_cancels(window, {"tg"}, 2.0, left_seen(earlier))
@@ -804,3 +810,58 @@ def test_a_leaked_request_its_verdict_saw_leave_is_not_counted_in_the_engine_for
     tg = verdicts["tg"]
     assert (tg.verdict, tg.rule, tg.timepoints["left_scheduler"]) == ("leaked", "no_abort_ran_to_end",
                                                                        pytest.approx(4.5)), tg
+
+
+def lost_ones_overlapping(length_s: float = 10.0):
+    """Steady load behind a proxy that passes no cancel on: each lost request is still in the engine when the next
+    is lost, so the engine is never without one. l1 (stopped 1 s) runs out at 1.6 s, l2 (1.2 s) at 2.8 s, l3 (2 s)
+    at 3.6 s and the target (3 s) at 4.5 s, with a neighbour to 9.5 s (its client closes then)."""
+    ns = lambda s: T0 + int(s * 1e9)  # noqa: E731
+    spans = {"nb": (0.1, 9.5), "tg": (0.5, 4.5), "l1": (0.2, 1.6), "l2": (0.6, 2.8), "l3": (1.7, 3.6)}
+
+    def count(t):
+        return float(sum(1 for a, b in spans.values() if a <= t < b))
+
+    log = [*ADDED, ("engine_added", "l1", 0.2), ("engine_added", "l2", 0.6), ("engine_added", "l3", 1.7)]
+    run = build_run(count, lambda t: 0.1 * count(t), steady_gen, stop_s=3.0, abort_s=3.002, length_s=length_s,
+                    extra_ledger=[stopped_row("l1", 0.2, 1.0), stopped_row("l2", 0.6, 1.2),
+                                  stopped_row("l3", 1.7, 2.0)],
+                    extra_events=[stop_event("l1", 1.0, "c2"), stop_event("l2", 1.2, "c3"),
+                                  stop_event("l3", 2.0, "c4")], engine_log=log)
+    run.ledger.loc[run.ledger["request_id"] == "nb", "closed_mono_ns"] = ns(9.5)
+    return run
+
+
+def test_lost_requests_that_overlap_under_steady_load_are_each_leaked_never_already_finished():
+    # AIPerf at concurrency 4 through a proxy that passes no cancel on (issue 21 point 7): no count ever showed
+    # which of two lost requests left, so none was seen leaving, the ledger kept them all to the end, and the
+    # later cancels read as the engine running ahead: l3 and the target `already_finished` (5 of 20 in the test)
+    verdicts = {v.request_id: v for v in judge_run(lost_ones_overlapping())}
+    assert {r: v.verdict for r, v in verdicts.items()} == dict.fromkeys(("l1", "l2", "l3", "tg"), "leaked"), \
+        {r: (v.verdict, v.rule) for r, v in verdicts.items()}
+    # which one left at each fall the count cannot say: each was surely there up to the first fall after its stop,
+    # and left by the fall the oldest-first reading gives it (the ghosts' reading), its rule saying so
+    assert {v.rule for v in verdicts.values()} == {"no_abort_left_oldest_first"}, verdicts
+    assert [verdicts[r].timepoints["left_scheduler"] for r in ("l1", "l2", "l3", "tg")] == pytest.approx(
+        [1.6, 2.8, 3.6, 4.5], abs=0.06)
+    assert [verdicts[r].evidence.kept_running_ms for r in ("l1", "l2", "l3", "tg")] == pytest.approx(
+        [550, 350, 750, 550], abs=60)
+    assert all("taking the oldest to go first" in v.evidence.why for v in verdicts.values())
+
+
+def test_the_ledger_takes_the_oldest_lost_request_out_where_the_count_cannot_hold_it_for_a_second():
+    from analysis.verdicts.vllm import _RunFrames
+
+    frames = _RunFrames(lost_ones_overlapping())
+    frame = frames.frame("t0")
+    # the oldest first, by the start of the second the count held one fewer than the ledger's lost ones
+    assert [round(frame.gone[r], 2) for r in ("l1", "l2", "l3", "tg")] == [1.6, 2.8, 3.6, 4.5], frame.gone
+    counted = frame.cols["count"]
+    assert np.all(frame.inflight <= counted + 1e-9), "the ledger counted more than the engine held"
+    # a count that holds them all keeps them all: a dip shorter than the second takes nobody out
+    run = lost_ones_overlapping()
+    samples = run.samples
+    dip = (samples["metric"] == "requests_running") & samples["t_s"].between(3.7, 4.2)
+    samples.loc[dip, "value"] += 1.0  # l3 still counted to 4.2 s: its fall at 4.2 s is within a second of tg's
+    gone = _RunFrames(run).frame("t0").gone
+    assert gone["l3"] == pytest.approx(4.2, abs=0.06) and gone["tg"] == pytest.approx(4.5), gone

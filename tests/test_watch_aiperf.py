@@ -148,12 +148,14 @@ def test_aiperf_cancels_behind_a_proxy_that_never_passes_them_on_are_leaked(engi
     # none released: the proxy passes no cancel on, and a verdict must never say otherwise. Leaked where the
     # count can place the request; the rest inconclusive, saying why. Seen here: 3 of 20 leaked while each lost
     # request stayed the ledger's until the engine went idle; with each ended where its verdict saw it leave
-    # (live too: the windows are told), 10 to 12 of 20. Once several lost requests are in the engine at once and
-    # the count cannot tell which left, the ledger holds them to when they had all left by, and the later
-    # cancels read `already_finished`. Issue 21 keeps that open (point 7)
+    # (live too: the windows are told), 10 to 15 of 20: once several lost requests were in the engine at once
+    # and the count could not tell which left, the ledger held them all, and the later cancels read
+    # `already_finished`. Taken out oldest first where the count cannot hold them (_gone_by_surplus): 20 of 20
     assert not any(v == "released" for v, _ in live.values()), side_by_side(ids, live)
     assert any(v == "leaked" for v, _ in live.values()), side_by_side(ids, live)
     assert all(c["evidence"].get("why") for c in report["cancels"] if c["verdict"] == "inconclusive")
     assert {c["request_id"]: c["verdict"] for c in report["cancels"]} == {r: v for r, (v, _) in live.items()}
     verdicts = Counter(v for v, _ in live.values())
+    # issue 21 point 7 under the traffic it watches, here too: at most 1 cancel in 10 inconclusive
+    assert verdicts["inconclusive"] <= len(live) // 10, side_by_side(ids, live)
     print(f"AIPerf: {count} cancelled; watch: {len(live)} cancels, {dict(verdicts)}")

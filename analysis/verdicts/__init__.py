@@ -15,6 +15,7 @@ analysis and the readers take the vocabulary from here too.
 """
 
 from analysis.verdicts.core import (
+    ASSUMED_LEFT_RULES,
     GRACE_S,
     HORIZON_S,
     LATENCIES,
@@ -48,7 +49,7 @@ from analysis.verdicts.triton import TRITON
 from analysis.verdicts.vllm import VLLM, ledger_inflight
 
 __all__ = [
-    "FAMILIES", "GRACE_S", "HORIZON_S", "LATENCIES", "LOG_SLACK_S", "LOST_CANCEL_RULES", "MIN_SAMPLES", "NO_APP", "NO_LOG", "POINT_LABELS",
+    "ASSUMED_LEFT_RULES", "FAMILIES", "GRACE_S", "HORIZON_S", "LATENCIES", "LOG_SLACK_S", "LOST_CANCEL_RULES", "MIN_SAMPLES", "NO_APP", "NO_LOG", "POINT_LABELS",
     "RACE_RULES", "RACE_TOKENS", "RULES", "SEEN_LEAVING", "SOURCES", "SOURCE_LABELS", "STOP_TO_ABORT", "TIMEPOINTS", "TRITON",
     "VERDICTS", "VLLM",
     "CancelVerdict", "LogClock", "UnknownFamily",

@@ -261,6 +261,12 @@ RULES: dict[str, Rule] = {
                                        "stop; {others} other request(s) whose cancels were lost were in the engine "
                                        "beside it, and its count cannot tell which of them left when it fell: this "
                                        "one had left by {by_s:.1f} s after the stop"),
+    "no_abort_left_oldest_first": Rule(LEAKED, "the cancel never reached the engine: no abort for this request in "
+                                       "the engine's log, and it was still in the engine {still_s:.1f} s after the "
+                                       "stop; {others} other request(s) whose cancels were lost were in the engine "
+                                       "beside it, and its count cannot tell which left at each fall: taking the "
+                                       "oldest to go first (as requests of one length do), this one had left by "
+                                       "{by_s:.1f} s after the stop"),
     "no_abort_still_there": Rule(LEAKED, "the cancel never reached the engine: no abort for this request in the "
                                  "engine's log, and it was still in the engine {after_s:.1f} s after the stop"),
     "already_finished_no_log": Rule(INCONCLUSIVE, "the engine had already finished the request before the stop "
@@ -333,9 +339,13 @@ RACE_RULES = frozenset(code for code, r in RULES.items() if r.race)
 # judged before it left the engine before those samples, and without this the window's ledger would hold it
 SEEN_LEAVING = "seen_leaving"
 # the rules whose left_scheduler is when the request had left by, not when it left (others left beside it)
-LEFT_BY_RULES = frozenset({"no_abort_left_among_others"})
+LEFT_BY_RULES = frozenset({"no_abort_left_among_others", "no_abort_left_oldest_first"})
+# the rules whose left_scheduler rests on an assumption (which lost request a fall took): never told to the
+# cancels judged after it as where the request left (judge_vllm's passes, a watch's windows)
+ASSUMED_LEFT_RULES = frozenset({"no_abort_left_oldest_first"})
 # the rules of a cancel that never reached the engine: its log names no abort of a request it ran on
-LOST_CANCEL_RULES = frozenset({"no_abort_ran_to_end", "no_abort_still_there", "no_abort_left_among_others"})
+LOST_CANCEL_RULES = frozenset({"no_abort_ran_to_end", "no_abort_still_there", "no_abort_left_among_others",
+                               "no_abort_left_oldest_first"})
 
 
 # ------------------------------------------------------------------------------------------ the ladder

@@ -40,9 +40,10 @@ import numpy as np
 import pandas as pd
 
 from analysis.evidence import Evidence
-from analysis.ghosts import EngineReading
+from analysis.ghosts import EngineReading, Ghosts
 from analysis.series import sample_period, scheduler_frame
 from analysis.verdicts.core import (
+    ASSUMED_LEFT_RULES,
     HORIZON_S,
     LOG_SLACK_S,
     NO_APP,
@@ -282,10 +283,51 @@ def _gone_by_idle(gone_at: dict[str, float], stopped: dict[str, tuple[float, str
         t_stop, tgt = stopped.get(rid, (None, None))
         if t_stop is None or tgt != target or rid not in added:
             continue
-        k = int(np.searchsorted(idle, max(t_stop, added[rid] + counted_within_s), side="left"))
+        k = int(np.searchsorted(idle, _lost_from(t_stop, added[rid], counted_within_s), side="left"))
         if k < len(idle):
             out[rid] = min(t_gone, float(idle[k]))
     return out
+
+
+def _lost_from(t_stop: float, t_added: float, counted_within_s: float) -> float:
+    """From when a stopped request with no abort is one of the lost ones the engine may still hold: its stop, once
+    the gauges surely counted it (`counted_within_s` after its Added line: a stamp's rounding, the log clock's
+    doubt, the engine's next step)."""
+    return max(t_stop, t_added + counted_within_s)
+
+
+def _gone_by_surplus(gone_at: dict[str, float], lost: dict[str, tuple[float, str | None]],
+                     joins: dict[str, float], cols: dict[str, np.ndarray], others: np.ndarray,
+                     hold_s: float) -> tuple[dict[str, float], dict[str, float]]:
+    """gone_at with the `lost` requests (stopped, no abort: request id -> (stop, target)) taken out where the
+    engine's count can no longer hold them beyond the ledger's other requests in it (`others`, per sample): the
+    idle rule of _gone_by_idle where the engine is never idle. Each joins the lost at `joins` (_lost_from); where
+    the count holds fewer of them than have joined for `hold_s` (analysis.ghosts.Ghosts, as the watch keeps its
+    ghosts), the oldest stops are taken to have gone, by the start of that hold. Under steady load behind a
+    proxy that passes no cancel on, several lost requests were in the engine at once and no fall of the count
+    said which left: each was kept to its scenario's end (a watch has none), and the later cancels read one
+    short of the ledger for each, as the engine running ahead (`already_finished`). Returns gone_at so bounded,
+    and the requests taken out at a fall that others still in the engine could have made (their end assumed)."""
+    order = sorted((t, rid) for rid, t in joins.items())
+    out, chosen, ghosts, k = dict(gone_at), {}, Ghosts(hold_s=hold_s, per_sample=True), 0
+    for t, count, flying in zip(cols["t_s"], cols["count"], others):
+        t = float(t)
+        while k < len(order) and order[k][0] <= t:
+            t_in, rid = order[k]
+            if out[rid] > t_in:
+                ghosts.leaked(rid, lost[rid][0], seen_at_s=t_in)
+            k += 1
+        if not math.isnan(count):
+            for rid, by in ghosts.update(count, flying, t):
+                if by < out[rid]:
+                    out[rid] = by
+                    # another still held had been stopped by then, and may have been the one that left: which of
+                    # them left is the oldest-first reading
+                    if any(t_stop <= by for t_stop in ghosts.left_at.values()):
+                        chosen[rid] = by
+        for rid in [r for r in ghosts.left_at if out[r] <= t]:  # the evidence (an idle engine, a verdict) ended it
+            ghosts.ended(rid, out[rid])
+    return out, chosen
 
 
 def _trace_events(run: Run) -> dict[tuple[str, str], tuple[float, str]]:
@@ -382,6 +424,7 @@ class _RunFrames:
         times = frame.cols["t_s"]
         frame.inflight[(times >= t) & (times < end)] -= n
         frame.ends[rid] = frame.gone[rid] = t
+        frame.assumed_gone.pop(rid, None)
 
     def frame(self, target: str | None) -> _Frame:
         if target not in self.frames:
@@ -391,15 +434,28 @@ class _RunFrames:
             added = self.added(target)
             cols = {c: sched[c].to_numpy(dtype=float) for c in ("t_s", "count", "waiting", "kv", "gen_tokens",
                                                                   "prefix_hits", "preemptions")}
-            gone = _gone_by_idle(self.gone_at, self.stopped, target, cols, added,
-                                 LOG_SLACK_S + englog.entry_doubt_s(target) + ENTER_S)
+            within = LOG_SLACK_S + englog.entry_doubt_s(target) + ENTER_S
+            gone = _gone_by_idle(self.gone_at, self.stopped, target, cols, added, within)
             ends = {**gone, **englog.done_with(run, ledger, target, cols, gone, added)} if len(times) else gone
             not_entered = englog.not_entered(run, ledger, target)
+            assumed: dict[str, float] = {}
+            lost = {rid: self.stopped[rid] for rid in self.unaborted
+                    if rid in gone and rid in added and rid in self.stopped and self.stopped[rid][1] == target}
+            if lost and len(times):
+                # the ledger's requests with each lost one counted until it joins the lost (_lost_from): what the
+                # count holds beyond them, the lost ones can be
+                joins = {rid: _lost_from(t_stop, added[rid], within) for rid, (t_stop, _) in lost.items()}
+                others = ledger_inflight(ledger, self.t0, times, {**ends, **joins}, added, not_entered)
+                capped, assumed = _gone_by_surplus(gone, lost, joins, cols, others,
+                                                   max(SURPLUS_HOLD_S, within + LAG_S))
+                if capped != gone:
+                    gone = capped
+                    ends = {**gone, **englog.done_with(run, ledger, target, cols, gone, added)}
             inflight = ledger_inflight(ledger, self.t0, times, ends, added, not_entered) if len(times) \
                 else np.array([])
             solo = solo_tokens_per_s(cols["t_s"], cols["count"] - np.nan_to_num(cols["waiting"]), cols["waiting"],
                                      cols["gen_tokens"]) if len(times) else None
-            self.frames[target] = _Frame(cols, inflight, solo, ends, not_entered, gone)
+            self.frames[target] = _Frame(cols, inflight, solo, ends, not_entered, gone, assumed)
         return self.frames[target]
 
 
@@ -442,7 +498,8 @@ def judge_vllm(run: Run, grace_s: float, metrics_target: str | None = None) -> l
             frames.told(seen)
         out = _judge_all(run, grace_s, frames)
         left = {v.request_id: v.timepoints["left_scheduler"] for v in out
-                if v.timepoints.get("left_scheduler") is not None and v.request_id in frames.unaborted}
+                if v.timepoints.get("left_scheduler") is not None and v.request_id in frames.unaborted
+                and v.rule not in ASSUMED_LEFT_RULES}
         more = {rid: t for rid, t in left.items() if t < seen.get(rid, math.inf)}
         if not more:
             break
@@ -475,7 +532,7 @@ def _judge_all(run: Run, grace_s: float, frames: _RunFrames) -> list[CancelVerdi
             paid_for_nobody(case)
         out.append(verdict)
         left = verdict.timepoints.get("left_scheduler")
-        if left is not None and rid in frames.unaborted:
+        if left is not None and rid in frames.unaborted and verdict.rule not in ASSUMED_LEFT_RULES:
             frames.seen_leaving(target, rid, left, case.n)
     return out
 
@@ -507,6 +564,11 @@ LAG_S = 0.25  # an end the engine made reaches its client this much later throug
 # a request is counted by the gauges within this long of its Added line (the engine's next step), at the most
 # assumed: on a starved host a step took over half a second
 ENTER_S = 1.0
+# how long the engine's count must hold fewer lost requests than the ledger before the oldest are taken out
+# (_gone_by_surplus): the ledger's other requests run ahead of the gauges for up to a request's entry (its Added
+# line's doubt and the next step) and a lagging client's close; a review built releases read as leaks from a
+# shortfall of just over a second (a whole-second Added stamp; a neighbour's reader a second behind)
+SURPLUS_HOLD_S = 2.0
 
 
 @dataclass(kw_only=True, eq=False)
@@ -529,6 +591,7 @@ class VllmCase(Case):
     solo_rate: float | None = None  # tokens/s of one sequence running alone in the run: no sequence is faster
     # request id -> where the ledger stops counting it, when not its client's close (ledger_inflight)
     ledger_ends: dict[str, float] = field(default_factory=dict)
+    assumed_gone: dict[str, float] = field(default_factory=dict)  # _Frame.assumed_gone
     not_entered: frozenset[str] = frozenset()  # the ledger's requests the log shows never entered
     app_answer: str | None = None  # what the app answered an explicit cancel (None: no explicit cancel)
 
@@ -856,7 +919,11 @@ class _Frame(NamedTuple):
     solo_rate: float | None  # tokens/s of one sequence running alone
     ends: dict[str, float]  # request id -> where the ledger stops counting it
     not_entered: frozenset[str]  # _EngineLog.not_entered
-    gone: dict[str, float]  # stopped request id -> gone at the latest (_gone_at, bounded by _gone_by_idle)
+    gone: dict[str, float]  # stopped request id -> gone at the latest (_gone_at, bounded by _gone_by_idle and
+    # _gone_by_surplus)
+    # lost request id -> where _gone_by_surplus took it out: which of the lost ones a fall of the count took is
+    # the oldest only by assumption (left_on_its_own_or_stayed never reads a fall there as another's certain end)
+    assumed_gone: dict[str, float]
 
 
 def _case(run: Run, frame: _Frame, englog: _EngineLog, trace: dict, same: dict, *, data: dict, rid: str,
@@ -928,7 +995,7 @@ def _case(run: Run, frame: _Frame, englog: _EngineLog, trace: dict, same: dict, 
                     t_end=t_end, sched=sched, inflight=inflight, lrow=lrow,
                     tokens_at_cancel=data.get("tokens_at_cancel"), gone_until=gone_until,
                     hits_at_admission=hits_at_admission, solo_rate=solo_rate, ledger_ends=ledger_ends,
-                    not_entered=not_entered)
+                    assumed_gone=frame.assumed_gone, not_entered=not_entered)
 
 
 def _admission_hits(cols: dict[str, np.ndarray], added: list[float] | None, lrow: dict | None, t0: int,
@@ -1038,6 +1105,20 @@ def left_on_its_own_or_stayed(c: VllmCase) -> CancelVerdict:
     c.tp["left_scheduler"] = float(times[gone[0]])
     seen_still = refreshed_after[still & (refreshed_after < gone[0])]
     t_still = float(times[seen_still[-1]]) if len(seen_still) else c.t_stop
+    # where the ledger took a lost request out at a fall of the count (_gone_by_surplus: the oldest), this one
+    # or another, which left there is an assumption: it was surely there only up to the first such fall
+    falls = {rid: t for rid, t in c.assumed_gone.items() if c.t_stop < t <= times[gone[0]]}
+    if falls and not c.ev.race:
+        first = min(falls.values())
+        sure = refreshed_after[still & (times[refreshed_after] < first)]
+        t_sure = float(times[sure[-1]]) if len(sure) else c.t_stop
+        beside = c.stopped_beside[(times >= c.t_stop) & (times <= first)]
+        others = max(len(set(falls) - {c.rid}), int(beside.max()) if len(beside) else 0, 1)
+        c.ev.kept_running_ms = round((t_sure - c.t_stop) * 1000, 1)
+        if c.rid in falls:  # the oldest: taken out at that fall
+            c.tp["left_scheduler"] = falls[c.rid]
+        return c.verdict("no_abort_left_oldest_first", still_s=t_sure - c.t_stop, others=others,
+                         by_s=c.tp["left_scheduler"] - c.t_stop)
     unsure = np.nonzero(which & (times > t_still) & (times < times[gone[0]]))[0]
     if len(unsure) and not c.ev.race:
         # the count fell while others whose cancels were lost were in the engine too: this one left between the
