@@ -147,9 +147,9 @@ def test_two_ghosts_and_one_leaving_the_oldest_is_taken_first():
     assert rows.loc["tg", "left_engine_s"] == pytest.approx(4.6) and rows.loc["tg2", "left_engine_s"] == pytest.approx(5.8)
 
 
-def test_two_lost_ones_gone_before_the_count_held_one_fewer_for_a_second_are_each_left_among_others():
+def test_two_lost_ones_gone_within_the_hold_of_a_fall_are_each_left_among_others():
     # the engine holds only the two lost requests (the neighbour's client closed at 1.5 s): one leaves at 4.6 s, the
-    # other at 5.2 s, the engine then idle. The idle engine ends both before a second of the lower count passed:
+    # other at 5.2 s, the engine then idle. The idle engine ends both before the hold of the lower count passed:
     # nothing was assumed, and neither verdict says which left first
     second, stop2 = second_lost_cancel()
     run = build_run(lambda t: (1.0 if t < 1.5 else 0.0) + (2.0 if t < 4.6 else 1.0 if t < 5.2 else 0.0),

@@ -849,16 +849,17 @@ def test_lost_requests_that_overlap_under_steady_load_are_each_leaked_never_alre
     assert all("taking the oldest to go first" in v.evidence.why for v in verdicts.values())
 
 
-def test_the_ledger_takes_the_oldest_lost_request_out_where_the_count_cannot_hold_it_for_a_second():
+def test_the_ledger_takes_the_oldest_lost_request_out_where_the_count_cannot_hold_it_for_the_hold():
     from analysis.verdicts.vllm import _RunFrames
 
     frames = _RunFrames(lost_ones_overlapping())
     frame = frames.frame("t0")
-    # the oldest first, by the start of the second the count held one fewer than the ledger's lost ones
+    # the oldest first, from the start of the hold (SURPLUS_HOLD_S) over which the count held one fewer than the
+    # ledger's lost ones
     assert [round(frame.gone[r], 2) for r in ("l1", "l2", "l3", "tg")] == [1.6, 2.8, 3.6, 4.5], frame.gone
     counted = frame.cols["count"]
     assert np.all(frame.inflight <= counted + 1e-9), "the ledger counted more than the engine held"
-    # a count that holds them all keeps them all: a dip shorter than the second takes nobody out
+    # a count that holds them all keeps them all: l3 counted to 4.2 s is taken out there, not where it left before
     run = lost_ones_overlapping()
     samples = run.samples
     dip = (samples["metric"] == "requests_running") & samples["t_s"].between(3.7, 4.2)
