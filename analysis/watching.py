@@ -4,7 +4,7 @@ cancel. Pure: the window in, the verdicts out."""
 
 from __future__ import annotations
 
-from analysis.verdicts import ASSUMED_LEFT_RULES, HORIZON_S, SEEN_LEAVING, CancelVerdict, judge_run
+from analysis.verdicts import HORIZON_S, SEEN_LEAVING, CancelVerdict, judge_run, left_seen_at
 from runstore.reader import Run
 
 BEFORE_S = 2.0  # the window starts this long before the stop: the baseline the rules read (1 s) and slack
@@ -42,5 +42,4 @@ def judge_cancels(window: Run, request_ids: set[str], grace_s: float,
 
 def left_seen(verdicts: list[CancelVerdict]) -> dict[str, float]:
     """Request id -> when its verdict saw it leave the engine, for the windows judged after it."""
-    return {v.request_id: v.timepoints["left_scheduler"] for v in verdicts
-            if v.timepoints.get("left_scheduler") is not None and v.rule not in ASSUMED_LEFT_RULES}
+    return {v.request_id: t for v in verdicts if (t := left_seen_at(v)) is not None}

@@ -15,7 +15,6 @@ analysis and the readers take the vocabulary from here too.
 """
 
 from analysis.verdicts.core import (
-    ASSUMED_LEFT_RULES,
     GRACE_S,
     HORIZON_S,
     LATENCIES,
@@ -40,6 +39,7 @@ from analysis.verdicts.core import (
     latency_key,
     latency_label,
     ledger_by_scenario,
+    left_seen_at,
     run_grace_s,
 )
 from analysis.verdicts.log_clock import LogClock, log_clocks
@@ -49,10 +49,10 @@ from analysis.verdicts.triton import TRITON
 from analysis.verdicts.vllm import VLLM, ledger_inflight
 
 __all__ = [
-    "ASSUMED_LEFT_RULES", "FAMILIES", "GRACE_S", "HORIZON_S", "LATENCIES", "LOG_SLACK_S", "LOST_CANCEL_RULES", "MIN_SAMPLES", "NO_APP", "NO_LOG", "POINT_LABELS",
+    "FAMILIES", "GRACE_S", "HORIZON_S", "LATENCIES", "LOG_SLACK_S", "LOST_CANCEL_RULES", "MIN_SAMPLES", "NO_APP", "NO_LOG", "POINT_LABELS",
     "RACE_RULES", "RACE_TOKENS", "RULES", "SEEN_LEAVING", "SOURCES", "SOURCE_LABELS", "STOP_TO_ABORT", "TIMEPOINTS", "TRITON",
     "VERDICTS", "VLLM",
     "CancelVerdict", "LogClock", "UnknownFamily",
-    "Rule", "engine_log_state", "family_of", "ghosts_of", "judge_run", "latency_key", "latency_label", "ledger_by_scenario", "log_clocks",
+    "Rule", "engine_log_state", "family_of", "ghosts_of", "judge_run", "latency_key", "latency_label", "ledger_by_scenario", "left_seen_at", "log_clocks",
     "engine_reading", "ledger_inflight", "neighbours_ok", "report_document", "run_grace_s",
 ]

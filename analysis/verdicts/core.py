@@ -343,6 +343,12 @@ LEFT_BY_RULES = frozenset({"no_abort_left_among_others", "no_abort_left_oldest_f
 # the rules whose left_scheduler rests on an assumption (which lost request a fall took): never told to the
 # cancels judged after it as where the request left (judge_vllm's passes, a watch's windows)
 ASSUMED_LEFT_RULES = frozenset({"no_abort_left_oldest_first"})
+
+
+def left_seen_at(v: CancelVerdict) -> float | None:
+    """When `v` saw its request leave the engine, as evidence for the cancels judged after it: None where it did
+    not, or where that time rests on the oldest-first reading (ASSUMED_LEFT_RULES)."""
+    return None if v.rule in ASSUMED_LEFT_RULES else v.timepoints.get("left_scheduler")
 # the rules of a cancel that never reached the engine: its log names no abort of a request it ran on
 LOST_CANCEL_RULES = frozenset({"no_abort_ran_to_end", "no_abort_still_there", "no_abort_left_among_others",
                                "no_abort_left_oldest_first"})

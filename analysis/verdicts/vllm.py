@@ -43,7 +43,6 @@ from analysis.evidence import Evidence
 from analysis.ghosts import EngineReading, Ghosts
 from analysis.series import sample_period, scheduler_frame
 from analysis.verdicts.core import (
-    ASSUMED_LEFT_RULES,
     HORIZON_S,
     LOG_SLACK_S,
     NO_APP,
@@ -58,6 +57,7 @@ from analysis.verdicts.core import (
     first_probe_s,
     judge,
     ledger_by_scenario,
+    left_seen_at,
 )
 from analysis.verdicts.engine_done import engine_done_at, solo_tokens_per_s
 from analysis.verdicts.paid_tokens import tokens_after_left
@@ -497,9 +497,7 @@ def judge_vllm(run: Run, grace_s: float, metrics_target: str | None = None) -> l
         if i:
             frames.told(seen)
         out = _judge_all(run, grace_s, frames)
-        left = {v.request_id: v.timepoints["left_scheduler"] for v in out
-                if v.timepoints.get("left_scheduler") is not None and v.request_id in frames.unaborted
-                and v.rule not in ASSUMED_LEFT_RULES}
+        left = {v.request_id: t for v in out if v.request_id in frames.unaborted and (t := left_seen_at(v)) is not None}
         more = {rid: t for rid, t in left.items() if t < seen.get(rid, math.inf)}
         if not more:
             break
@@ -531,8 +529,8 @@ def _judge_all(run: Run, grace_s: float, frames: _RunFrames) -> list[CancelVerdi
         if verdict.verdict == "leaked":  # what the leak cost: the tokens made for nobody
             paid_for_nobody(case)
         out.append(verdict)
-        left = verdict.timepoints.get("left_scheduler")
-        if left is not None and rid in frames.unaborted and verdict.rule not in ASSUMED_LEFT_RULES:
+        left = left_seen_at(verdict)
+        if left is not None and rid in frames.unaborted:
             frames.seen_leaving(target, rid, left, case.n)
     return out
 
