@@ -18,6 +18,9 @@ from analysis.watching import ENTRY_WAIT_S, NOT_YET_ENTERED, judge_cancels, left
 from runstore.reader import Run
 
 LONG_RUN_S = 3 * 3600.0  # a run longer than this is drawn from its overview: its samples take longer to read
+# `record`'s own report, at its end, reads a run longer than this from its overview and the verdicts its live judge
+# kept: read whole, a run's samples cost the recorder memory in proportion to its length (217 MiB after 12 min)
+RECORDED_LONG_S = 10 * 60.0
 OVERVIEW_NOTE = ("drawn from the run's overview: each {bucket_s} s of a series as its lowest and highest value; "
                  "choose a cancel to see its stretch at full resolution")
 

@@ -7,7 +7,7 @@ cancels are made, while this script watches the recorder's RSS. Prints:
 - samples taken vs written (must be equal);
 - the recorder's RSS after its first minute and at the end (growth must stay < 10 %);
 - store bytes per hour of recording;
-- verdict counts.
+- verdict counts, and how many of the cancels record's live judge kept agree with `report`'s whole-run judgement.
 
 Usage: python bench/soak.py [--target URL] [--cancels 500] [--minutes 25]
 Without --target it starts an embedded engine in a temp home and stops it at the end.
@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 from collectors.engines import lifecycle  # noqa: E402
 from collectors.engines import vllm_server as engine_mod  # noqa: E402
-from runstore.reader import load_run  # noqa: E402
+from analysis.verdicts.stored import usable  # noqa: E402
+from runstore.reader import load_run, load_verdicts  # noqa: E402
 
 SUITE = """
 [[scenario]]
@@ -125,8 +126,9 @@ def main() -> None:
         verdicts = Counter(c["verdict"] for c in doc["cancels"])
         run_s = (run.info["ended_wall_ns"] - run.info["started_wall_ns"]) / 1e9
         size = sum(p.stat().st_size for p in tmp.glob("soak.db*"))
-        # the recorder while it records: from its first minute to the run's end (after it, `record` loads
-        # the whole run to judge and print the report, which is not the recorder's growth)
+        # the recorder while it records: from its first minute to the run's end (after it, `record` reports:
+        # past analysis.long_runs.RECORDED_LONG_S from the overview and the verdicts judged live, which is not
+        # the recorder's growth)
         recording = [(t, r) for t, w, r in rss_samples if w <= run.info["ended_wall_ns"]]
         warm = [r for t, r in recording if t >= 60] or [r for _, r in recording]
         rss_start, rss_end = warm[0], warm[-1]
@@ -139,12 +141,18 @@ def main() -> None:
         print(f"  samples written:     {stats.get('samples_written')}"
               f"  ({'equal' if stats.get('samples_taken') == stats.get('samples_written') else 'NOT equal'})")
         print(f"  recorder RSS:        {rss_start / 2**20:.1f} MiB at 1 min -> {rss_end / 2**20:.1f} MiB at the end "
-              f"({100 * (rss_end - rss_start) / rss_start:+.1f} %) of the recording; while judging the whole run "
-              f"for its report: " + (f"{report_peak / 2**20:.1f} MiB" if report_peak else "not sampled"))
+              f"({100 * (rss_end - rss_start) / rss_start:+.1f} %) of the recording; its report at its end: "
+              + (f"{report_peak / 2**20:.1f} MiB at most" if report_peak else "not sampled"))
         trend = [f"{t / 60:.0f} min {r / 2**20:.0f}" for t, r in recording[12::24]]
         print(f"  recorder RSS (MiB):  {', '.join(trend)}")
         print(f"  store:               {size / 2**20:.1f} MiB, {size / 2**20 / (run_s / 3600):.1f} MiB per hour")
         print(f"  verdicts:            {dict(verdicts)}")
+        # record's live judge (each cancel on its own window, kept with the run) against `report`, which reads a
+        # run shorter than 3 hours whole and judges it
+        live = usable(load_verdicts(store, run.id))
+        same = sum(1 for c in doc["cancels"] if (v := live.get(c["request_id"])) is not None
+                   and (v.verdict, v.rule) == (c["verdict"], c["evidence"].get("rule")))
+        print(f"  judged live:         {len(live)} kept with the run; {same} of them as the whole run's report says")
         if err.strip():
             print(f"  record stderr: {err.strip()[-500:]}")
     finally:

@@ -42,6 +42,7 @@ BODY = ROOT / "tests" / "fixtures" / FAMILY / "0.32" / "loaded.txt"
 TICKS_PER_HOUR = 20 * 3600
 CHUNKS, CHUNK_S = 40, 0.02
 CAP_HZ = 200.0
+KV_PER_STREAM = 0.05  # --live: the KV usage each stream holds
 # `watch --hz` stops at 200 Hz to spare a real engine its scrapes. The fixture is ours, and a day's 1.73 M ticks at
 # 200 Hz take 2.4 hours: above the cap the soak runs the same CLI with the cap raised (RecordSettings.max_hz).
 UNCAPPED = """
@@ -61,11 +62,80 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(port: int) -> None:
-    """The fixture engine (run as `--serve PORT` in its own process)."""
+def start_fixture(port: int, live: bool = False) -> subprocess.Popen:
+    """The fixture engine in a process of its own (its CPU is not the measured command's), once it answers."""
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve", str(port),
+                             *(["--live"] if live else [])], cwd=ROOT)
+    for _ in range(100):
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/version", timeout=1.0)
+            break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    return proc
+
+
+def cli_argv(hz: float) -> list[str]:
+    """`cancelwatch` as a command line, with the rate cap raised above CAP_HZ (UNCAPPED)."""
+    return [sys.executable, "-c", UNCAPPED if hz > CAP_HZ else "from cancelwatch.cli import main; main()"]
+
+
+def print_memory(who: str, rss: list[tuple[float, int]], rate: float, ticks: int, cpu: float, span_s: float,
+                 end_note: str = "at the end", after: str = "") -> None:
+    """The measured command's RSS after an hour's ticks (rss: (s since its start, bytes)) and at its end, the
+    growth between, its CPU and its RSS along the way."""
+    hour_at = TICKS_PER_HOUR / rate  # s into the soak when an hour of 20 Hz ticks was written
+    after_hour = [r for t, r in rss if t >= hour_at]
+    at_hour, end = (after_hour[0] if after_hour else None), rss[-1][1]
+    if at_hour:
+        print(f"  {who} RSS: {at_hour / 2**20:.1f} MiB after an hour's ticks -> {end / 2**20:.1f} MiB {end_note} "
+              f"({100 * (end - at_hour) / at_hour:+.1f} %){after}")
+    else:
+        print(f"  {who} RSS: {end / 2**20:.1f} MiB {end_note} (an hour's ticks not reached){after}")
+    print(f"  {who} CPU: {cpu:.0f} s user+system, {cpu / span_s:.2f} cores; "
+          f"{cpu / max(ticks / TICKS_PER_HOUR, 1e-9):.0f} s for each hour of 20 Hz ticks")
+    step = max(1, len(rss) // 12)
+    print("  RSS along the way (h of 20 Hz ticks: MiB): "
+          + ", ".join(f"{t * rate / TICKS_PER_HOUR:.1f}: {r / 2**20:.0f}" for t, r in rss[::step]))
+
+
+def tidy(procs: list, tmp: Path, store: Path, keep: bool, err: str, who: str) -> None:
+    """The store's size and the command's last words; then every process stopped, the store removed unless kept."""
+    for p in procs:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait(10)
+    if store.exists():
+        print(f"  store: {sum(p.stat().st_size for p in tmp.glob(store.name + '*')) / 2**20:.0f} MiB")
+    if err.strip():
+        print(f"  {who} stderr (last lines): {' | '.join(err.strip().splitlines()[-3:])[:400]}")
+    if keep:
+        print(f"  the run is kept in {store}")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)  # a day's run is over a gigabyte
+
+
+def serve(port: int, live: bool = False) -> None:
+    """The fixture engine (run as `--serve PORT [--live]` in its own process). `live`: its scheduler gauges count
+    the streams it is sending (running; none waiting; KV usage KV_PER_STREAM each), as an engine's do, for `record`'s scripted scenarios,
+    which wait for the count to agree with the client and for an idle engine (bench/record_soak.py)."""
+    import re
+
     from tests.fixture_server import filter_body
 
-    body = BODY.read_text()
+    recorded = BODY.read_text()
+    streams = [0]
+    lock = threading.Lock()
+
+    def current() -> str:
+        if not live:
+            return recorded
+        text = re.sub(r"^(vllm:num_requests_running\{[^}]*\}) \S+$", lambda m: f"{m.group(1)} {streams[0]:.1f}",
+                      recorded, flags=re.M)
+        text = re.sub(r"^(vllm:kv_cache_usage_perc\{[^}]*\}) \S+$",
+                      lambda m: f"{m.group(1)} {min(1.0, KV_PER_STREAM * streams[0])}", text, flags=re.M)
+        return re.sub(r"^(vllm:num_requests_waiting(?:_by_reason)?\{[^}]*\}) \S+$", lambda m: f"{m.group(1)} 0.0",
+                      text, flags=re.M)
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -85,11 +155,14 @@ def serve(port: int) -> None:
         def do_GET(self):  # noqa: N802 - http.server's name
             parts = urlsplit(self.path)
             if parts.path == "/metrics":
-                self._send(200, body)
+                self._send(200, current())
             elif parts.path == "/metrics/":
-                self._send(200, filter_body(body, set(parse_qs(parts.query).get("name[]", []))))
+                self._send(200, filter_body(current(), set(parse_qs(parts.query).get("name[]", []))))
             elif parts.path == "/version":
                 self._send(200, '{"version": "0.32.0"}', "application/json")
+            elif parts.path == "/v1/models":
+                self._send(200, '{"object": "list", "data": [{"id": "fixture", "object": "model"}]}',
+                           "application/json")
             else:
                 self._send(404, "not found\n")
 
@@ -99,15 +172,21 @@ def serve(port: int) -> None:
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
+            with lock:
+                streams[0] += 1
             try:
                 for i in range(CHUNKS):
-                    event = 'data: {"choices": [{"index": 0, "text": "tok%d"}]}\n\n' % i
+                    finish = '"length"' if i == CHUNKS - 1 else "null"  # the last one says why, as vLLM's does
+                    event = 'data: {"choices": [{"index": 0, "text": "tok%d", "finish_reason": %s}]}\n\n' % (i, finish)
                     self.wfile.write(f"{len(event):x}\r\n{event}\r\n".encode())
                     self.wfile.flush()
                     time.sleep(CHUNK_S)
                 self.wfile.write(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
             except OSError:  # the client (through the watch) went: as an engine's stream does, stop
                 self.close_connection = True
+            finally:
+                with lock:
+                    streams[0] -= 1
 
         def log_message(self, *args):
             pass
@@ -144,8 +223,8 @@ def clients(url: str, cancels: int, seconds: float, stop: threading.Event) -> in
 
 
 def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "--serve":
-        serve(int(sys.argv[2]))
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "--serve":
+        serve(int(sys.argv[2]), live=sys.argv[3:] == ["--live"])
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=20.0)
@@ -156,19 +235,12 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="cw-watch-soak-"))
     store = tmp / "soak.db"
     up_port, port = free_port(), free_port()
-    upstream = subprocess.Popen([sys.executable, __file__, "--serve", str(up_port)], cwd=ROOT)
-    watch = None
+    upstream = start_fixture(up_port)
+    watch, err = None, ""
     try:
-        for _ in range(100):
-            try:
-                httpx.get(f"http://127.0.0.1:{up_port}/version", timeout=1.0)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.1)
         seconds = args.minutes * 60
         watch = subprocess.Popen(
-            [sys.executable, "-c", UNCAPPED if args.hz > CAP_HZ else "from cancelwatch.cli import main; main()",
-             "watch", "--listen", f"127.0.0.1:{port}",
+            [*cli_argv(args.hz), "watch", "--listen", f"127.0.0.1:{port}",
              "--upstream", f"http://127.0.0.1:{up_port}", "--store", str(store), "--hz", str(args.hz),
              "--nvml", "off", "--duration", f"{seconds + 30:.0f}s", "--grace", "1", "--name", "watch soak"],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -204,37 +276,13 @@ def main() -> None:
         stats = over.info["stats"]
         judged = len(load_verdicts(store, rid))
         rate = ticks / wall
-        hour_at = TICKS_PER_HOUR / rate  # s into the soak when an hour of 20 Hz ticks was written
-        after_hour = [r for t, r in rss if t >= hour_at]
-        at_hour = after_hour[0] if after_hour else None
-        end = rss[-1][1]
         print(f"watch soak: {ticks:,} scrapes of the engine in {wall / 60:.1f} min ({rate:.0f} Hz): "
               f"{ticks / TICKS_PER_HOUR:.1f} h of 20 Hz ticks; watch exit {watch.returncode}")
         print(f"  cancels made {made[0]}, judged live and stored {judged}; samples taken {stats.get('samples_taken')}, "
               f"written {stats.get('samples_written')}")
-        if at_hour:
-            print(f"  watch RSS: {at_hour / 2**20:.1f} MiB after an hour's ticks -> {end / 2**20:.1f} MiB at the end "
-                  f"({100 * (end - at_hour) / at_hour:+.1f} %)")
-        else:
-            print(f"  watch RSS: {end / 2**20:.1f} MiB at the end (an hour's ticks not reached)")
-        print(f"  watch CPU: {cpu:.0f} s user+system, {cpu / wall:.2f} cores; {cpu / (ticks / TICKS_PER_HOUR):.0f} s "
-              "for each hour of 20 Hz ticks")
-        step = max(1, len(rss) // 12)
-        print("  RSS along the way (h of 20 Hz ticks: MiB): "
-              + ", ".join(f"{t * rate / TICKS_PER_HOUR:.1f}: {r / 2**20:.0f}" for t, r in rss[::step]))
-        size = sum(p.stat().st_size for p in tmp.glob("soak.db*"))
-        print(f"  store: {size / 2**20:.0f} MiB")
-        if err.strip():
-            print(f"  watch stderr (last lines): {' | '.join(err.strip().splitlines()[-3:])[:400]}")
+        print_memory("watch", rss, rate, ticks, cpu, wall)
     finally:
-        for p in (watch, upstream):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait(10)
-        if args.keep:
-            print(f"  the run is kept in {store}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)  # a day's run is over a gigabyte
+        tidy([watch, upstream], tmp, store, args.keep, err, "watch")
 
 
 if __name__ == "__main__":

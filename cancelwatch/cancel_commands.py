@@ -20,6 +20,7 @@ from cancelwatch.console import (
     out,
     print_store_error,
 )
+from cancelwatch.live_judge import judging, recording_judge
 from cancelwatch.report_commands import judged_run, print_report, report_exit
 from collectors.engines import lifecycle
 from collectors.engines import vllm_server as engine_mod
@@ -162,6 +163,9 @@ def record_cmd(
         facts["auth"] = {"api_key_env": key_var} if key else ({"url_credentials": True} if basic else None)
 
         def driver_factory(writer, sampler):
+            judge = recording_judge(store, grace, writer, sampler)
+            put = judge.putting(writer.put)  # the judge sees each stop and scenario as it is put
+
             async def start_relay():
                 # the in-process scenarios need an app that owns an AsyncLLM: cancelwatch's relay app,
                 # started only now (an idle second engine would cost CPU through the whole run)
@@ -181,7 +185,7 @@ def record_cmd(
                                {"label": "relay", "url": strip_userinfo(url), "family": VLLM_FAMILY,
                                 "role": "relay app"}]
                 writer.set_run_json("targets", all_targets)
-                relay_driver = family.driver(url, await asyncio.to_thread(served_model, url), writer.put,
+                relay_driver = family.driver(url, await asyncio.to_thread(served_model, url), put,
                                              scheduler_reader(sampler, "relay", family.scheduler_source),
                                              grace_s=grace, metrics_target="relay")
                 relay_driver.stop_soon = lambda: sampler.burst(window_s, family.burst_sources, target="relay")
@@ -190,16 +194,17 @@ def record_cmd(
             async def stop_relay():
                 for src in relay_state.get("sources", []):
                     await asyncio.to_thread(sampler.remove_source, src)
+                    writer.forget((src.name, src.target))  # the live judge no longer waits for its reads
                 if "state" in relay_state:
                     await asyncio.to_thread(lifecycle.stop, home_dir(), relay_state["state"].port)
 
             # the replica the cancels go to judges them (a discovered one by its URL), else the first
             judged = next((t.label for t in targets if t.url == target.rstrip("/")), targets[0].label)
-            driver = family.driver(target, model, writer.put, scheduler_reader(sampler, judged, family.scheduler_source),
+            driver = family.driver(target, model, put, scheduler_reader(sampler, judged, family.scheduler_source),
                                    grace_s=grace, metrics_target=judged, relay_factory=start_relay,
                                    relay_cleanup=stop_relay, auth=auth)
             driver.stop_soon = lambda: sampler.burst(window_s, family.burst_sources, target=judged)
-            return driver.run(scenarios)
+            return judging(driver.run(scenarios), judge)
 
         result = record(settings, sources, facts, driver_factory=driver_factory)
     except PreflightError as exc:
@@ -254,9 +259,10 @@ def record_triton(family, scenarios: list, target: str, metrics_url: str | None,
         sources, facts = family.sources(settings, ep, models)
 
         def driver_factory(writer, sampler):
+            judge = recording_judge(store, grace, writer, sampler)
             reader = scheduler_reader(sampler, targets[0].label, family.scheduler_source)
-            return family.driver(ep.grpc, ep.http, writer.put, reader, grace_s=grace,
-                                 metrics_target=targets[0].label).run(scenarios)
+            return judging(family.driver(ep.grpc, ep.http, judge.putting(writer.put), reader, grace_s=grace,
+                                         metrics_target=targets[0].label).run(scenarios), judge)
 
         result = record(settings, sources, facts, driver_factory=driver_factory)
     except PreflightError as exc:
@@ -293,10 +299,12 @@ def seconds(value: str, option: str) -> float:
 
 def report_recorded(store: Path, result, grace: float) -> None:
     """After `record`: the run's verdicts as the table, then exit with the recording's failure code, else
-    the report's (0 accepted, 1 not)."""
+    the report's (0 accepted, 1 not). A run longer than RECORDED_LONG_S is reported from its overview and the
+    verdicts its live judge kept (those it had not judged yet, each on its own window), never read whole."""
+    from analysis.long_runs import RECORDED_LONG_S
     from analysis.verdicts import report_document
 
-    recorded, verdicts = judged_run(store, result.run_id, grace, keep=True)
+    recorded, verdicts = judged_run(store, result.run_id, grace, keep=True, long_run_s=RECORDED_LONG_S)
     doc = report_document(recorded, verdicts=verdicts)
     print_report(doc, verdicts)
     print_store_error(result.stats)

@@ -133,18 +133,19 @@ def report(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFAU
     raise typer.Exit(report_exit(doc))
 
 
-def judged_run(store: Path, run: str | int, grace: float | None, keep: bool = False):
-    """(run, verdicts). A long run (analysis/long_runs.py: a day's watch or record) is read at its overview's
-    resolution, its cancels' verdicts those stored with it by these rules, the rest judged each on its own
-    window: never the whole run, which a day of samples would not fit. `keep`: store those judged here with
-    the run (the recorder's own tail does; a report only reads). Any other run is read whole and judged."""
+def judged_run(store: Path, run: str | int, grace: float | None, keep: bool = False, long_run_s: float | None = None):
+    """(run, verdicts). A long run (analysis/long_runs.py: a day's watch or record; longer than `long_run_s`
+    where given) is read at its overview's resolution, its cancels' verdicts those stored with it by these
+    rules, the rest judged each on its own window: never the whole run, which a day of samples would not fit.
+    `keep`: store those judged here with the run (the recorder's own tail does; a report only reads). Any other
+    run is read whole and judged."""
     from analysis.long_runs import is_long, long_run_verdicts
     from analysis.verdicts import judge_run, run_grace_s
     from analysis.watching import LOOKBACK_S
     from runstore.reader import load_overview, load_run, load_verdicts, load_window, overview_span_s, resolve_run_id
 
     rid = resolve_run_id(store, run)
-    if not is_long(overview_span_s(store, rid)):
+    if not is_long(overview_span_s(store, rid), long_run_s):
         r = load_run(store, rid)
         return r, judge_run(r, grace)
     r = load_overview(store, rid)

@@ -8,11 +8,9 @@ Here, above collectors and analysis, as the canary is: collectors write the run,
 from __future__ import annotations
 
 import asyncio
-import math
 import signal
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
@@ -20,13 +18,11 @@ import typer
 
 from cancelwatch.console import DEFAULT_STORE, ENGINE_LOG_HELP, ENGINE_LOG_TZ_HELP, engine_log_zone, err, fail, \
     home_dir, out, print_store_error
+from cancelwatch.live_judge import LATE_S, LiveJudge
 
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 REQUEST_ID_PREFIX = "cw-watch-"
 VERDICT_NAMES = ("released", "leaked", "stale_gauge", "inconclusive")
-MAX_TRIES = 5  # judging a cancel whose window the store does not hold yet, at most
-# a source this far behind the clock is not waited for: its cancels are judged by the clock, with its gaps
-LATE_S = 10.0
 
 
 class WatchMetrics:
@@ -77,146 +73,6 @@ def _listen_address(value: str, option: str) -> tuple[str, int]:
     return host, int(port)
 
 
-class _Judge:
-    """The cancels waiting for their grace to end, judged in batches off the event loop's thread."""
-
-    def __init__(self, store: Path, grace_s: float, ledger, metrics: WatchMetrics | None):
-        self.store, self.grace_s = store, grace_s
-        self.run_id, self.t0_ns = 0, 0  # the run's, once recording has created it (start)
-        self.ledger, self.metrics = ledger, metrics
-        self.pending: dict[str, float] = {}  # request id -> its stop, s since the run started
-        # request id -> when its cancel was decided (s since the run started): a half-close is decided when the
-        # connection ends, long after the stop, and its events reach the store a commit later
-        self.decided: dict[str, float] = {}
-        self.tries: dict[str, int] = {}
-        # request id -> how much longer its window is: its request was not in the engine's log yet (ENTRY_WAIT_S)
-        self.extra: dict[str, float] = {}
-        self.counts: dict[str, int] = {}
-        self.left_seen: dict[str, float] = {}  # request id -> when its verdict saw it leave the engine
-        self.failures = 0
-        self.keep = None
-        from analysis.ghosts import Ghosts
-
-        self.ghosts = Ghosts()  # the leaked ones the engine may still hold
-
-    def start(self, run_id: int, t0_ns: int, committed_through_ns=lambda: None, keep=None) -> None:
-        self.run_id, self.t0_ns = run_id, t0_ns
-        self.committed_through_ns = committed_through_ns  # the writer's: how far the store holds every source
-        self.keep = keep  # the writer's put_verdicts: the verdicts are kept in the run, for a page showing a day
-
-    def add(self, request_id: str, t_stop_s: float) -> None:
-        self.pending[request_id] = t_stop_s
-        self.decided[request_id] = self.now_s()
-
-    def now_s(self) -> float:
-        return (time.monotonic_ns() - self.t0_ns) / 1e9
-
-    def held_s(self, through_ns: int | None) -> float:
-        """The store's mark (committed_through_ns) in s since the run started; -inf when it holds nothing yet."""
-        return -math.inf if through_ns is None else (through_ns - self.t0_ns) / 1e9
-
-    async def due(self, everything: bool = False) -> None:
-        from analysis.watching import due, window_of
-
-        now = self.now_s()
-        # a window is judged once the store holds every source's reads past its end, not once the clock is
-        # past it: on a starved host (seen: the watch's threads stalled 3 s under AIPerf and the engine on two
-        # cores) the engine log's lines come seconds late, and a window read by the clock lacked its Added and
-        # abort lines. And once the stops of every cancel in the window are in the store too: a cancel is put
-        # when it is decided (a half-close at its connection's end, long after its stop), and a window without
-        # another cancel's stop would count that request as the engine's surplus. A store further behind
-        # than LATE_S is not waited for: judged by the clock, with the gaps in the window
-        held = self.held_s(self.committed_through_ns())
-
-        def stops_held(rid: str, t: float) -> bool:
-            end = window_of(t, self.grace_s, self.extra.get(rid, 0.0))[1]
-            return all(held >= self.decided[r] for r, s in self.pending.items() if s <= end)
-
-        def ready_now(rid: str, t: float) -> bool:
-            extra = self.extra.get(rid, 0.0)
-            return ((due(t, self.grace_s, min(now, held), extra) and stops_held(rid, t))
-                    or (due(t, self.grace_s, now - LATE_S, extra) and now >= self.decided[rid] + LATE_S))
-
-        ready = {rid: t for rid, t in self.pending.items() if everything or ready_now(rid, t)}
-        if ready:
-            await self._judge(ready, last_try=everything)
-
-    async def _judge(self, ready: dict[str, float], last_try: bool) -> None:
-        import pandas as pd
-
-        from analysis.watching import ENTRY_WAIT_S, LOOKBACK_S, NOT_YET_ENTERED, window_of
-        from runstore.errors import StoreError
-        from runstore.reader import load_window
-
-        lo = window_of(min(ready.values()), self.grace_s)[0]
-        hi = max(window_of(t, self.grace_s, self.extra.get(rid, 0.0))[1] for rid, t in ready.items())
-        # the store's mark before the rows: a row handed out before it is in the store when the store is read
-        through = self.committed_through_ns()
-        open_rows = pd.DataFrame([asdict(r) for r in self.ledger.live_rows(through)])
-        held = self.held_s(through)
-
-        def judge():
-            from analysis.watching import judge_cancels
-
-            window = load_window(self.store, self.run_id, lo, hi, extra_ledger=open_rows, lookback_s=LOOKBACK_S,
-                                 held_through_s=held)
-            return judge_cancels(window, set(ready), self.grace_s, self.left_seen)
-
-        try:
-            verdicts = await asyncio.to_thread(judge)
-        except (StoreError, ValueError, KeyError) as exc:  # one batch that cannot be judged: said, the watch goes on
-            self.failures += 1
-            err.print(f"watch: {len(ready)} cancel(s) could not be judged ({str(exc).splitlines()[0][:200]}); "
-                      "`cancelwatch report` judges them from the run")
-            verdicts = []
-        # a request the engine's log does not name yet may still reach the engine after its stop: judged again
-        # once on a window ENTRY_WAIT_S longer, where its Added line, if it comes, tells (entered_after_stop)
-        later = {v.request_id for v in verdicts if v.rule in NOT_YET_ENTERED and not last_try
-                 and not self.extra.get(v.request_id)}
-        for rid in later:
-            self.extra[rid] = ENTRY_WAIT_S
-        verdicts = [v for v in verdicts if v.request_id not in later]
-        got = {v.request_id for v in verdicts} | later
-        for rid in set(ready) - later:
-            # a cancel the window did not hold yet (the store a commit behind) is tried again, a few times
-            self.tries[rid] = self.tries.get(rid, 0) + 1
-            if rid in got or last_try or self.tries[rid] >= MAX_TRIES:
-                self.pending.pop(rid, None)
-                self.decided.pop(rid, None)
-                self.extra.pop(rid, None)
-                self.tries.pop(rid, None)  # kept for no judged cancel: a watch runs for days
-                if rid not in got:
-                    self.failures += 1
-                    err.print(f"watch: cancel {rid} could not be judged live; `cancelwatch report` judges it "
-                              "from the run")
-        from analysis.watching import left_seen
-
-        # when each left the engine, for the windows judged after it (their samples start just before their
-        # stops); kept for as long as a window looks back
-        self.left_seen.update(left_seen(verdicts))
-        self.left_seen = {r: t for r, t in self.left_seen.items() if t >= self.now_s() - LOOKBACK_S - LATE_S}
-        for v in verdicts:
-            self.counts[v.verdict] = self.counts.get(v.verdict, 0) + 1
-            if v.verdict == "leaked" and v.timepoints.get("left_scheduler") is None:  # seen leaving: no ghost
-                self.ghosts.leaked(v.request_id, ready[v.request_id], seen_at_s=self.now_s())
-            why = f": {v.evidence.why}" if v.evidence.why else ""
-            paid = v.evidence.tokens_after_client_left
-            if paid is not None:
-                how = "" if v.evidence.tokens_after_client_left_is == "attributed" else "at most "
-                why += f" ({how}{paid:.0f} tokens made after its client left)"
-            out.print(f"watch: cancel {v.request_id} {v.verdict} ({v.rule}){why}", highlight=False)
-        if self.metrics is not None:
-            self.metrics.observe(verdicts)
-        if self.keep is not None and verdicts:
-            from analysis.verdicts.stored import judged_by, stored
-
-            try:
-                self.keep(judged_by(), [(v.request_id, stored(v)) for v in verdicts])
-            except (TypeError, ValueError) as exc:  # not kept: said; the verdicts stand, the run goes on
-                err.print(f"watch: {len(verdicts)} verdict(s) not kept in the run ({exc}); `cancelwatch report` "
-                          "judges them from the run")
-
-
 class _UpstreamWord:
     """What the watch says of its upstream and its bound as the tap's events pass: a refusal is said once when
     the upstream stops answering and once when it answers again (with how many connections it refused),
@@ -248,7 +104,7 @@ class _UpstreamWord:
                 self.metrics.refused.inc()
 
 
-def _count_ghosts(judge: _Judge, ledger, scheduler, metrics: WatchMetrics | None) -> None:
+def _count_ghosts(judge: LiveJudge, ledger, scheduler, metrics: WatchMetrics | None) -> None:
     """The ghosts against the engine's latest count and the watch's requests in flight; said as they go."""
     running, waiting = scheduler()
     in_flight = sum(row.n or 1 for row in ledger.open_rows())
@@ -261,7 +117,7 @@ def _count_ghosts(judge: _Judge, ledger, scheduler, metrics: WatchMetrics | None
         metrics.ghost_age.set(judge.ghosts.oldest_age_s(judge.now_s()))
 
 
-async def _watch_loop(tap, ledger, writer, judge: _Judge, stop: threading.Event, deadline_ns: int | None,
+async def _watch_loop(tap, ledger, writer, judge: LiveJudge, stop: threading.Event, deadline_ns: int | None,
                       metrics: WatchMetrics | None, scheduler) -> None:
     """Pass the tap's events through the ledger into the run; judge each cancel as its grace ends. At the
     end: the tap closed, every open request's row written, the last cancels sampled through their grace."""
@@ -417,7 +273,7 @@ def watch(
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     ledger = WatchLedger(targets[0].label)
-    judge = _Judge(store, grace, ledger, metrics)
+    judge = LiveJudge(store, grace, ledger, metrics, said="watch")
     out.print(f"watch: {hop.listen_url} -> {hop.upstream}, sampling {targets[0].url}"
               + (f"; metrics on http://{metrics_listen}/metrics" if metrics_listen else ""), highlight=False)
 

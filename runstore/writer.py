@@ -318,6 +318,7 @@ class StoreWriter:
         self._t0_ns: int | None = None  # the run's started_mono_ns: where its overview's buckets start
         # (source, target) -> the last two committed reads' mono_ns: see committed_through_ns
         self._committed: dict[tuple[str, str], tuple[int | None, int]] = {}
+        self._forgotten: set[tuple[str, str]] = set()  # sources removed on purpose: not waited for (forget)
         self._thread = threading.Thread(target=self._loop, name="store-writer", daemon=True)
         self._thread.start()
 
@@ -354,6 +355,12 @@ class StoreWriter:
         first read is slow (a starved host) must not be left out of it."""
         for key in keys:
             self._committed.setdefault(tuple(key), (None, None))
+
+    def forget(self, key: tuple[str, str]) -> None:
+        """A (source, target) removed from the run on purpose (record's relay app, stopped after its scenarios):
+        the mark no longer waits for its reads, which have ended."""
+        self._forgotten.add(tuple(key))
+        self._committed.pop(tuple(key), None)
 
     def error_line(self) -> str:
         """One line: which store, what failed, what to do, and that the earlier writes are kept."""
@@ -441,7 +448,7 @@ class StoreWriter:
                     written = [self._write(rec) for rec in batch]
                     self._write_overview(batch)
                 for rec in batch:
-                    if isinstance(rec, ScrapeRecord):
+                    if isinstance(rec, ScrapeRecord) and (rec.source, rec.target) not in self._forgotten:
                         key = (rec.source, rec.target)
                         self._committed[key] = (self._committed.get(key, (None, None))[1], rec.mono_ns)
                 counts = [n for n in written if n is not None]

@@ -99,6 +99,7 @@ NOT_RUN = {
     "python bench/watch.py": "a benchmark of a few minutes on the embedded engine: prints figures, read by a person",
     "python bench/window.py": "a benchmark of ~3 minutes writing synthetic runs: prints figures, read by a person",
     "python bench/watch_soak.py": "a benchmark of ~20 minutes: the watch against a fixture engine, prints figures",
+    "python bench/record_soak.py": "a benchmark of ~40 minutes: record against a fixture engine, prints figures",
     "python bench/engine_nice.py": "a benchmark of ~3 minutes on the embedded engine: prints figures, read by a person",
 }
 

@@ -25,8 +25,13 @@ SUITE_DEADLINE_S = 1500  # the recording's own: five times the 180 s and more, u
 
 
 @pytest.fixture(scope="module")
-def default_run(engine, engine_home, tmp_path_factory):
-    store = tmp_path_factory.mktemp("default") / "cw.db"
+def default_store(tmp_path_factory):
+    return tmp_path_factory.mktemp("default") / "cw.db"
+
+
+@pytest.fixture(scope="module")
+def default_run(engine, engine_home, default_store):
+    store = default_store
     t0 = time.monotonic()
     res = cli("record", "--target", engine.url, "--scenario", "default", "--store", str(store), home=engine_home,
               timeout=SUITE_DEADLINE_S)
@@ -156,6 +161,32 @@ def test_every_builtin_scenario_is_released(default_run, engine):
     ledger = run.ledger
     assert (ledger[ledger["role"] == "neighbour"]["terminal_state"] == "completed").all()
     assert (ledger[ledger["role"] == "probe"]["terminal_state"] == "completed").all()
+
+
+def test_record_judges_each_cancel_live_on_its_window_as_the_report_judges_the_whole_run(default_run, default_store):
+    """`record`'s live judge (cancelwatch/live_judge.py) judged each cancel on its own window once the scenarios in
+    that window had ended and the store held them (the relay app's scenario among them, whose source leaves the
+    run), printed it and kept it with the run: every cancel whose window closes before the last scenario's end
+    (LiveJudge.drain waits for the store to hold that end), each as the report, judging the whole run, says."""
+    from analysis.verdicts.stored import usable
+    from analysis.watching import window_of
+    from runstore.reader import load_verdicts
+
+    res, doc, run, elapsed, rep = default_run
+    live = usable(load_verdicts(default_store, run.id))
+    ev = run.events
+    last_end = ev[ev["kind"] == "scenario_end"]["t_s"].max()
+    due = [c for c in doc["cancels"] if window_of(c["timepoints"]["user_stop"], c["evidence"]["grace_s"])[1]
+           < last_end]
+    print(f"judged live: {len(live)} of {len(doc['cancels'])} cancels; due before the last scenario's end {len(due)}")
+    assert len(due) >= len(doc["cancels"]) - 3 and due, (len(due), len(doc["cancels"]))
+    missing = [c["scenario"] for c in due if c["request_id"] not in live]
+    assert not missing, f"not judged live: {missing}\n{res.stderr[-2000:]}"
+    for c in doc["cancels"]:
+        v = live.get(c["request_id"])
+        if v is not None:
+            assert (v.verdict, v.rule) == (c["verdict"], c["evidence"].get("rule")), (c["scenario"], v.as_json(), c)
+            assert f"record: cancel {c['request_id']} {v.verdict}" in res.stdout
 
 
 def test_queued_cancel_drops_waiting_not_running_or_kv(default_run):

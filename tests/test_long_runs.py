@@ -233,6 +233,49 @@ def test_the_report_of_a_long_run_never_reads_it_whole_and_the_recorders_tail_ke
             [v.request_id for v in verdicts], "body"]]
 
 
+def test_records_own_report_reads_a_run_past_ten_minutes_from_its_overview_and_its_live_verdicts(day, tmp_path,
+                                                                                                 monkeypatch, capsys):
+    """`record`'s end (report_recorded) on a 15-minute run, with no bound lowered: the verdicts its live judge kept
+    are the table's (one altered: proof it is read, not judged again), the cancels it had not judged yet (the last
+    ones) are judged on their windows and kept; the run is never read whole (load_run refuses here)."""
+    import types
+
+    import typer
+
+    import runstore.reader as reader
+    from cancelwatch.cancel_commands import report_recorded
+
+    src, rid = day
+    path = tmp_path / "day.db"
+    shutil.copy(src, path)
+    assert overview_span_s(path, rid) > long_runs.RECORDED_LONG_S and not is_long(overview_span_s(path, rid))
+    whole = {v.request_id: v for v in judge_run(load_run(path, rid))}
+    ids = list(whole)
+    released = next(i for i in ids[:25] if whole[i].verdict == "released")
+    con = open_store(path)
+    with con:  # as the live judge kept them: all but the last five, one of them altered
+        write_verdicts(con, rid, judged_by(), [(i, dict(stored(whole[i]), verdict="stale_gauge") if i == released
+                                                else stored(whole[i])) for i in ids[:25]])
+    con.close()
+
+    def refused(*args, **kwargs):
+        raise AssertionError("record's report never reads a run past RECORDED_LONG_S whole")
+
+    monkeypatch.setattr(reader, "load_run", refused)
+    result = types.SimpleNamespace(run_id=rid, stats={}, status="completed", exit_code=0)
+    with pytest.raises(typer.Exit) as ended:
+        report_recorded(path, result, 2.0)
+    assert ended.value.exit_code == 1  # leaks, and the altered stale gauge: not accepted
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
+    said = {i[-8:]: next(line for line in table if i[-8:] in line) for i in ids}
+    assert " stale_gauge " in said[released[-8:]]
+    assert all(f" {whole[i].verdict} " in said[i[-8:]] for i in ids if i != released)
+    rows = load_verdicts(path, rid).set_index("request_id")
+    assert len(rows) == 30  # the five it had not judged are kept now, as the whole run judges them
+    assert all(json.dumps(rows.loc[i, "body"], sort_keys=True) == json.dumps(stored(whole[i]), sort_keys=True)
+               for i in ids[25:])
+
+
 def test_a_cancel_whose_request_the_log_names_late_is_judged_again_on_a_longer_window(tmp_path):
     """As the live judge does (ENTRY_WAIT_S): a request a hop held reaches the engine 7 s after its stop, past its
     first window (never_added there); judged again on the longer one, it is what the whole run says."""

@@ -10,7 +10,7 @@ import asyncio
 import time
 
 from analysis.watching import SETTLE_S, window_of
-from cancelwatch.watch_commands import LATE_S, _Judge
+from cancelwatch.live_judge import LATE_S, LiveJudge
 from runstore.records import EventRecord, ScrapeRecord
 from runstore.writer import StoreWriter, create_run, open_store
 
@@ -43,7 +43,7 @@ def test_the_store_is_held_through_each_sources_read_before_its_last_committed_o
         con.close()
 
 
-class _Seen(_Judge):
+class _Seen(LiveJudge):
     def __init__(self, through_s: float | None):
         super().__init__(store=None, grace_s=2.0, ledger=None, metrics=None)
         self.judged: list[set[str]] = []
@@ -144,7 +144,7 @@ def test_a_cancel_whose_request_the_log_does_not_name_yet_is_judged_again_on_a_l
 
     monkeypatch.setattr(runstore.reader, "load_window", load_window)
     monkeypatch.setattr(analysis.watching, "judge_cancels", judge_cancels)
-    j = _Judge(store=None, grace_s=2.0, ledger=types.SimpleNamespace(live_rows=lambda through: []), metrics=None)
+    j = LiveJudge(store=None, grace_s=2.0, ledger=types.SimpleNamespace(live_rows=lambda through: []), metrics=None)
     j.start(1, time.monotonic_ns() - int(100e9), lambda: j.t0_ns + int(1000e9))  # the clock at 100 s
     stop = 90.0
     j.pending["r"], j.decided["r"] = stop, stop
@@ -156,3 +156,71 @@ def test_a_cancel_whose_request_the_log_does_not_name_yet_is_judged_again_on_a_l
     asyncio.run(j.due())
     assert windows[1] == window_of(stop, 2.0, ENTRY_WAIT_S) and j.counts == {"leaked": 1} and not j.pending
     assert not j.extra and not j.tries  # nothing kept of a judged cancel: a watch runs for days
+
+
+def test_records_cancel_waits_for_every_scenario_begun_in_its_window_to_end_and_be_stored():
+    """`record` writes a scenario's ledger rows at its end: a window read before then lacks the rows of the
+    requests in it (the next scenario's neighbour, sent as the last one ended, would read as the engine's
+    surplus). The stops and scenarios come from the records the driver puts, each as it is put (LiveJudge.saw)."""
+    class Clocked(_Seen):
+        clock = 0.0
+
+        def now_s(self) -> float:
+            return self.clock
+
+    j = Clocked(through_s=None)
+
+    def put(kind: str, at_s: float, rid: str | None = None) -> None:
+        j.clock = at_s + 0.01
+        j.saw(EventRecord(kind, 0, j.t0_ns + int(at_s * 1e9), rid, {}))
+
+    put("scenario_start", 80.0)
+    put("user_stop", 82.0, "a")
+    put("user_stop", 82.0, "a")  # a stop put twice is one cancel
+    put("scenario_end", 85.0)
+    put("scenario_start", 85.1)  # begins inside a's window, which ends at 88 s
+    assert j.pending == {"a": 82.0}
+    j.clock = 94.0
+    j.committed_through_ns = lambda: j.t0_ns + int(93.9e9)
+    asyncio.run(j.due())
+    assert j.judged == []  # the second scenario's rows are not written yet
+    put("scenario_end", 95.0)
+    j.committed_through_ns = lambda: j.t0_ns + int(94.9e9)
+    asyncio.run(j.due())
+    assert j.judged == []  # its end is not in the store yet
+    j.clock = 96.0
+    j.committed_through_ns = lambda: j.t0_ns + int(95.5e9)
+    asyncio.run(j.due())
+    assert j.judged == [{"a"}]
+    # a cancel whose window ends before the next scenario begins waits only for its own scenario's end
+    put("scenario_start", 96.0)
+    put("user_stop", 98.0, "b")
+    put("scenario_end", 100.0)
+    j.clock = 106.0
+    j.committed_through_ns = lambda: j.t0_ns + int(105.9e9)
+    asyncio.run(j.due())
+    assert j.judged == [{"a"}, {"b"}]
+
+
+def test_a_source_removed_on_purpose_no_longer_holds_the_mark_back(tmp_path):
+    """`record`'s relay app is stopped after its scenarios: its reads end, and the mark must go on without it."""
+    con = open_store(tmp_path / "s.db")
+    rid = create_run(con, name="w", targets=[], engine={}, settings={}, wall_ns=0, mono_ns=0)
+    w = StoreWriter(con, rid, flush_s=0.05)
+    try:
+        for t in (1.0, 2.0):
+            w.put(ScrapeRecord("vllm", "relay", 0, 0, int(t * 1e9), 1000, True, []))
+        for t in (1.0, 2.0, 3.0, 4.0):
+            w.put(ScrapeRecord("vllm", "t0", 0, 0, int(t * 1e9), 1000, True, []))
+        deadline = time.monotonic() + 5
+        while w.scrapes_written < 6 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert w.committed_through_ns() == int(1e9)  # the relay's last read but one
+        w.forget(("vllm", "relay"))
+        w.put(ScrapeRecord("vllm", "relay", 0, 0, int(2.5e9), 1000, True, []))  # a read already on its way
+        while w.scrapes_written < 7 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert w.committed_through_ns() == int(3e9)
+    finally:
+        w.close()
+        con.close()
