@@ -14,7 +14,7 @@ import pandas as pd
 
 from analysis.verdicts import CancelVerdict, run_grace_s
 from analysis.verdicts.stored import usable
-from analysis.watching import ENTRY_WAIT_S, NOT_YET_ENTERED, judge_cancels, left_seen, window_of
+from analysis.watching import ENTRY_WAIT_S, NOT_YET_ENTERED, judge_cancels, left_seen, scenario_end_after, window_of
 from runstore.reader import Run
 
 LONG_RUN_S = 3 * 3600.0  # a run longer than this is drawn from its overview: its samples take longer to read
@@ -48,10 +48,12 @@ def long_run_verdicts(run: Run, stored_rows: pd.DataFrame, window: Callable[[flo
     grace_s = own if grace_s is None else grace_s
     kept = usable(stored_rows) if grace_s == own else {}  # stored as judged with the run's own grace
     out, seen = [], {}
+    ev = run.events
+    ends = sorted(ev[ev["kind"] == "scenario_end"]["t_s"]) if not ev.empty else []
     for rid, t_stop in stops(run).itertuples(index=False):
         v = kept.get(rid)
         if v is None:
-            v = _judged(rid, t_stop, grace_s, window, seen, now_s)
+            v = _judged(rid, t_stop, grace_s, window, seen, now_s, scenario_end_after(t_stop, ends))
             if v is None:
                 continue
         seen.update(left_seen([v]))
@@ -59,13 +61,15 @@ def long_run_verdicts(run: Run, stored_rows: pd.DataFrame, window: Callable[[flo
     return out
 
 
-def _judged(rid: str, t_stop: float, grace_s: float, window, seen: dict, now_s: float | None) -> CancelVerdict | None:
-    """One cancel judged on its own window, as the live judge does: one the engine's log does not name by its
-    window's end is judged once more on a window ENTRY_WAIT_S longer, where a late Added line tells. None: its
-    window is not all recorded yet (the live judge's, then)."""
+def _judged(rid: str, t_stop: float, grace_s: float, window, seen: dict, now_s: float | None,
+            until: float) -> CancelVerdict | None:
+    """One cancel judged on its own window, as the live judge does (to its scenario's end, `until`, where that is
+    later): one the engine's log does not name by its window's end is judged once more on a window ENTRY_WAIT_S
+    longer, where a late Added line tells. None: its window is not all recorded yet (the live judge's, then)."""
     v = None
     for extra in (0.0, ENTRY_WAIT_S):
         lo, hi = window_of(t_stop, grace_s, extra)
+        hi = max(hi, until)
         if now_s is not None and hi > now_s:
             return None
         got = judge_cancels(window(lo, hi), {rid}, grace_s, seen)

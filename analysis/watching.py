@@ -4,6 +4,9 @@ cancel. Pure: the window in, the verdicts out."""
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_left
+
 from analysis.verdicts import HORIZON_S, SEEN_LEAVING, CancelVerdict, judge_run, left_seen_at
 from runstore.reader import Run
 
@@ -22,6 +25,14 @@ NOT_YET_ENTERED = ("never_added",)  # the rules that a later Added line can over
 def window_of(t_stop_s: float, grace_s: float, extra_s: float = 0.0) -> tuple[float, float]:
     """The stretch one cancel is judged on, s since the run started (`extra_s` longer: ENTRY_WAIT_S)."""
     return t_stop_s - BEFORE_S, t_stop_s + grace_s + SETTLE_S + extra_s
+
+
+def scenario_end_after(t_stop_s: float, ends: list[float]) -> float:
+    """The end of a scripted cancel's scenario (`ends`: the run's scenario_end instants, in order), which its
+    window reaches: the scenario still shows the cancel past the grace (the probe admitted, the KV drop, a leaked
+    request running out). -inf for a watched cancel: no scenario."""
+    i = bisect_left(ends, t_stop_s)
+    return ends[i] if i < len(ends) else -math.inf
 
 
 def due(t_stop_s: float, grace_s: float, now_s: float, extra_s: float = 0.0) -> bool:

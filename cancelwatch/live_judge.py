@@ -49,6 +49,9 @@ class LiveJudge:
         self.scenario_since: float | None = None
         self.scenario_ended = -math.inf
         self.stopped: set[str] = set()  # `record`'s cancels seen: a stop put twice is one cancel
+        # request id -> its scenario's end (`record`): its window reaches it, for what the scenario still shows of
+        # the cancel past the grace (the probe admitted, the KV drop, a leaked request running out)
+        self.until: dict[str, float] = {}
         self.committed_through_ns = lambda: None
         from analysis.ghosts import Ghosts
 
@@ -76,6 +79,7 @@ class LiveJudge:
             self.scenario_since = t
         elif kind == "scenario_end":
             self.scenario_since, self.scenario_ended = None, t
+            self.until.update({rid: t for rid in self.pending if rid not in self.until})
 
     def putting(self, put):
         """`put` (the writer's), seeing each record on its way: what `record`'s drivers are given to emit with."""
@@ -119,9 +123,11 @@ class LiveJudge:
         def ready_now(rid: str, t: float) -> bool:
             extra = self.extra.get(rid, 0.0)
             end = window_of(t, self.grace_s, extra)[1]
+            # either way `record`'s rows must be in the store: they are put seconds before their scenario's end,
+            # and a store a few seconds behind would give a window without them (other traffic, not a release)
             return ((due(t, self.grace_s, min(now, held), extra) and stops_held(rid, t))
                     or (due(t, self.grace_s, now - LATE_S, extra) and now >= self.decided[rid] + LATE_S
-                        and self.rows_held(end, math.inf)))
+                        and self.rows_held(end, held)))
 
         ready = {rid: t for rid, t in self.pending.items() if everything or ready_now(rid, t)}
         if ready:
@@ -149,11 +155,11 @@ class LiveJudge:
         import pandas as pd
 
         from analysis.watching import ENTRY_WAIT_S, LOOKBACK_S, NOT_YET_ENTERED, window_of
-        from runstore.errors import StoreError
         from runstore.reader import load_window
 
         lo = window_of(min(ready.values()), self.grace_s)[0]
-        hi = max(window_of(t, self.grace_s, self.extra.get(rid, 0.0))[1] for rid, t in ready.items())
+        hi = max(max(window_of(t, self.grace_s, self.extra.get(rid, 0.0))[1], self.until.get(rid, -math.inf))
+                 for rid, t in ready.items())
         # the store's mark before the rows: a row handed out before it is in the store when the store is read
         through = self.committed_through_ns()
         open_rows = pd.DataFrame([asdict(r) for r in self.ledger.live_rows(through)] if self.ledger else [])
@@ -168,9 +174,11 @@ class LiveJudge:
 
         try:
             verdicts = await asyncio.to_thread(judge)
-        except (StoreError, ValueError, KeyError) as exc:  # one batch that cannot be judged: said, the run goes on
+        except Exception as exc:  # noqa: BLE001 - one batch that cannot be judged (a store that failed, a fault in
+            # the analysis): said, and left to `cancelwatch report`; the run it is recorded beside goes on
             self.failures += 1
-            err.print(f"{self.said}: {len(ready)} cancel(s) could not be judged ({str(exc).splitlines()[0][:200]}); "
+            why = (str(exc).splitlines() or [""])[0][:200] or type(exc).__name__
+            err.print(f"{self.said}: {len(ready)} cancel(s) could not be judged ({why}); "
                       "`cancelwatch report` judges them from the run")
             verdicts = []
         # a request the engine's log does not name yet may still reach the engine after its stop: judged again
@@ -186,6 +194,7 @@ class LiveJudge:
             self.tries[rid] = self.tries.get(rid, 0) + 1
             if rid in got or last_try or self.tries[rid] >= MAX_TRIES:
                 self.pending.pop(rid, None)
+                self.until.pop(rid, None)
                 self.decided.pop(rid, None)
                 self.extra.pop(rid, None)
                 self.tries.pop(rid, None)  # kept for no judged cancel: a watch runs for days

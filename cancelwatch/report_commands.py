@@ -153,17 +153,23 @@ def judged_run(store: Path, run: str | int, grace: float | None, keep: bool = Fa
     verdicts = long_run_verdicts(r, rows, lambda lo, hi: load_window(store, rid, lo, hi, lookback_s=LOOKBACK_S), grace)
     if keep and (grace is None or grace == run_grace_s(r)):  # kept as judged with the run's own grace
         from analysis.verdicts.stored import judged_by, stored, usable
-        from runstore.writer import open_store, write_verdicts
 
         have = set(usable(rows))
         new = [v for v in verdicts if v.request_id not in have]
-        con = open_store(store)
-        try:
-            with con:
-                write_verdicts(con, rid, judged_by(), [(v.request_id, stored(v)) for v in new])
-        finally:
-            con.close()
+        if new:
+            _keep(store, rid, judged_by(), [(v.request_id, stored(v)) for v in new])
     return r, verdicts
+
+
+def _keep(store: Path, rid: int, how: str, rows: list) -> None:
+    """The verdicts the recorder's tail judged, kept with the run; a store that takes no more (a full disk: the
+    run may have ended for it) is said in one line, and the report goes on from the verdicts in hand."""
+    from runstore.writer import keep_verdicts
+
+    try:
+        keep_verdicts(store, rid, how, rows)
+    except StoreError as exc:
+        err.print(f"{len(rows)} verdict(s) not kept in the run: {exc}", highlight=False)
 
 
 def _here(path: str | Path) -> str:

@@ -272,6 +272,20 @@ def write_verdicts(con: sqlite3.Connection, run_id: int, judged_by: str, verdict
                      for rid, body in verdicts])
 
 
+def keep_verdicts(path: str | Path, run_id: int, judged_by: str, verdicts: list[tuple[str, dict | str]]) -> None:
+    """write_verdicts on a connection of its own (a recorder's tail, after its writer closed). A store that takes
+    no more (a full disk, which may be what ended the run) is a StoreError naming it."""
+    con = open_store(path)
+    try:
+        with con:
+            write_verdicts(con, run_id, judged_by, verdicts)
+    except sqlite3.Error as exc:
+        raise StoreError(f"{path}: the verdicts could not be written ({exc}); free space or fix the store, then "
+                         "`cancelwatch report` judges them again") from None
+    finally:
+        con.close()
+
+
 def verdict_json(body: dict) -> str:
     return json.dumps(body, default=_plain)
 
@@ -319,6 +333,7 @@ class StoreWriter:
         # (source, target) -> the last two committed reads' mono_ns: see committed_through_ns
         self._committed: dict[tuple[str, str], tuple[int | None, int]] = {}
         self._forgotten: set[tuple[str, str]] = set()  # sources removed on purpose: not waited for (forget)
+        self._marks_lock = threading.Lock()  # forget (another thread) against the writer's check-and-assign
         self._thread = threading.Thread(target=self._loop, name="store-writer", daemon=True)
         self._thread.start()
 
@@ -359,8 +374,9 @@ class StoreWriter:
     def forget(self, key: tuple[str, str]) -> None:
         """A (source, target) removed from the run on purpose (record's relay app, stopped after its scenarios):
         the mark no longer waits for its reads, which have ended."""
-        self._forgotten.add(tuple(key))
-        self._committed.pop(tuple(key), None)
+        with self._marks_lock:
+            self._forgotten.add(tuple(key))
+            self._committed.pop(tuple(key), None)
 
     def error_line(self) -> str:
         """One line: which store, what failed, what to do, and that the earlier writes are kept."""
@@ -447,10 +463,10 @@ class StoreWriter:
                 with self.con:
                     written = [self._write(rec) for rec in batch]
                     self._write_overview(batch)
-                for rec in batch:
-                    if isinstance(rec, ScrapeRecord) and (rec.source, rec.target) not in self._forgotten:
-                        key = (rec.source, rec.target)
-                        self._committed[key] = (self._committed.get(key, (None, None))[1], rec.mono_ns)
+                with self._marks_lock:
+                    for rec in batch:
+                        if isinstance(rec, ScrapeRecord) and (key := (rec.source, rec.target)) not in self._forgotten:
+                            self._committed[key] = (self._committed.get(key, (None, None))[1], rec.mono_ns)
                 counts = [n for n in written if n is not None]
                 self.samples_written += sum(counts)
                 self.scrapes_written += len(counts)

@@ -276,6 +276,38 @@ def test_records_own_report_reads_a_run_past_ten_minutes_from_its_overview_and_i
                for i in ids[25:])
 
 
+def test_records_report_of_a_long_run_whose_store_filled_up_is_printed_and_says_what_was_not_kept(day, tmp_path,
+                                                                                                  monkeypatch, capsys):
+    """A record past RECORDED_LONG_S that ended for a full disk: its end still reads the run (reading works) and
+    prints the table and the store's line; the verdicts it judged and could not keep are said, never a traceback."""
+    import sqlite3
+    import types
+
+    import typer
+
+    import runstore.writer as writer_mod
+    from cancelwatch.cancel_commands import report_recorded
+
+    src, rid = day
+    path = tmp_path / "day.db"
+    shutil.copy(src, path)
+
+    def full(*args, **kwargs):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(writer_mod, "write_verdicts", full)
+    result = types.SimpleNamespace(run_id=rid, stats={"store_error": "database or disk is full"}, status="failed",
+                                   exit_code=1)
+    with pytest.raises(typer.Exit) as ended:
+        report_recorded(path, result, 2.0)
+    assert ended.value.exit_code == 1
+    said = capsys.readouterr()
+    ids = list(stops(load_overview(path, rid))["request_id"])
+    assert len(ids) == 30 and all(i[-8:] in said.out for i in ids)  # every cancel in the table
+    assert "30 verdict(s) not kept in the run" in said.err and "database or disk is full" in said.err
+    assert load_verdicts(path, rid).empty
+
+
 def test_a_cancel_whose_request_the_log_names_late_is_judged_again_on_a_longer_window(tmp_path):
     """As the live judge does (ENTRY_WAIT_S): a request a hop held reaches the engine 7 s after its stop, past its
     first window (never_added there); judged again on the longer one, it is what the whole run says."""

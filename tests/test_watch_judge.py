@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from analysis.watching import SETTLE_S, window_of
-from cancelwatch.live_judge import LATE_S, LiveJudge
+from cancelwatch.live_judge import LATE_S, MAX_TRIES, LiveJudge
 from runstore.records import EventRecord, ScrapeRecord
 from runstore.writer import StoreWriter, create_run, open_store
 
@@ -224,3 +226,63 @@ def test_a_source_removed_on_purpose_no_longer_holds_the_mark_back(tmp_path):
     finally:
         w.close()
         con.close()
+
+
+def test_records_cancel_judged_by_the_clock_still_waits_for_the_store_to_hold_its_scenarios_end():
+    """The clock's fallback (a store more than LATE_S behind) is no way round `record`'s rows: a scenario that
+    ran long past its stop (a leak waited out, a burst's long target) ends, and its rows, put seconds before,
+    are not in the store until the store holds that end (read without them: other traffic, not a release)."""
+    class Clocked(_Seen):
+        clock = 0.0
+
+        def now_s(self) -> float:
+            return self.clock
+
+    j = Clocked(through_s=None)
+    j.clock = 80.01
+    j.saw(EventRecord("scenario_start", 0, j.t0_ns + int(80e9), None, {}))
+    j.clock = 82.01
+    j.saw(EventRecord("user_stop", 0, j.t0_ns + int(82e9), "a", {}))  # its window ends at 86 s
+    j.clock = 100.01
+    j.saw(EventRecord("scenario_end", 0, j.t0_ns + int(100e9), None, {}))
+    j.committed_through_ns = lambda: j.t0_ns + int(99.6e9)  # a commit behind the scenario's end
+    asyncio.run(j.due())
+    assert j.judged == []
+    j.committed_through_ns = lambda: j.t0_ns + int(100.1e9)
+    asyncio.run(j.due())
+    assert j.judged == [{"a"}]
+
+
+def test_records_window_reaches_its_scenarios_end_and_a_fault_in_judging_it_is_said_not_raised(monkeypatch,
+                                                                                             capsys):
+    """A scripted cancel's window runs to its scenario's end where that is later than the grace and settle: the
+    scenario still shows the cancel there (the probe admitted, the KV drop, a leaked request running out), as the
+    whole run does. And whatever judging a batch meets (here a fault in the analysis) is said in one line and
+    left to `cancelwatch report`; the recording beside it goes on, to its last judgement (drain) included."""
+    import analysis.watching
+    import runstore.reader
+    from cancelwatch.live_judge import judging
+
+    windows: list[tuple[float, float]] = []
+
+    def load_window(store, run, lo, hi, **kw):
+        windows.append((lo, hi))
+        return None
+
+    def broken(*args, **kwargs):
+        raise IndexError()
+
+    monkeypatch.setattr(runstore.reader, "load_window", load_window)
+    monkeypatch.setattr(analysis.watching, "judge_cancels", broken)
+    j = LiveJudge(store=None, grace_s=2.0, said="record")
+    j.start(1, time.monotonic_ns() - int(100e9), time.monotonic_ns)
+
+    async def scenario():
+        for kind, at, rid in (("scenario_start", 80.0, None), ("user_stop", 82.0, "a"), ("scenario_end", 99.9, None)):
+            j.saw(EventRecord(kind, 0, j.t0_ns + int(at * 1e9), rid, {}))
+
+    asyncio.run(judging(scenario(), j))
+    assert windows and all(w == (window_of(82.0, 2.0)[0], pytest.approx(99.9)) for w in windows)
+    said = capsys.readouterr().err
+    assert "record: 1 cancel(s) could not be judged (IndexError)" in said
+    assert len(windows) <= MAX_TRIES  # tried again a few times at most, then left to the report
