@@ -58,6 +58,14 @@ class _Seen(LiveJudge):
             self.pending.pop(rid)
 
 
+class _Clocked(_Seen):
+    """A judge whose clock the test sets: each record is put at its own instant, as a driver puts it."""
+    clock = 0.0
+
+    def now_s(self) -> float:
+        return self.clock
+
+
 def test_a_cancel_waits_for_the_store_not_the_clock_and_not_past_a_bound():
     stop = 90.0  # the clock is at 100 s: the window [88, 94] is long past by the clock
     end = window_of(stop, 2.0)[1]
@@ -164,13 +172,7 @@ def test_records_cancel_waits_for_every_scenario_begun_in_its_window_to_end_and_
     """`record` writes a scenario's ledger rows at its end: a window read before then lacks the rows of the
     requests in it (the next scenario's neighbour, sent as the last one ended, would read as the engine's
     surplus). The stops and scenarios come from the records the driver puts, each as it is put (LiveJudge.saw)."""
-    class Clocked(_Seen):
-        clock = 0.0
-
-        def now_s(self) -> float:
-            return self.clock
-
-    j = Clocked(through_s=None)
+    j = _Clocked(through_s=None)
 
     def put(kind: str, at_s: float, rid: str | None = None) -> None:
         j.clock = at_s + 0.01
@@ -232,13 +234,7 @@ def test_records_cancel_judged_by_the_clock_still_waits_for_the_store_to_hold_it
     """The clock's fallback (a store more than LATE_S behind) is no way round `record`'s rows: a scenario that
     ran long past its stop (a leak waited out, a burst's long target) ends, and its rows, put seconds before,
     are not in the store until the store holds that end (read without them: other traffic, not a release)."""
-    class Clocked(_Seen):
-        clock = 0.0
-
-        def now_s(self) -> float:
-            return self.clock
-
-    j = Clocked(through_s=None)
+    j = _Clocked(through_s=None)
     j.clock = 80.01
     j.saw(EventRecord("scenario_start", 0, j.t0_ns + int(80e9), None, {}))
     j.clock = 82.01
