@@ -6,8 +6,9 @@ the ghosts are the leaked cancels the surplus can still hold, at most as many as
 surplus falls to zero, every leaked request has left the engine; where it falls below their number, the
 oldest are taken to have gone first (the bound is the count, the ages are the oldest still possible).
 
-Ghosts is what the watch keeps live; analysis/verdicts/ghost_list.py replays it over a stored run (the
-dashboard's, the report's ghosts). Here too: their vocabulary and how a reader is shown them."""
+Ghosts is that reading; the watch keeps it live a grace behind the clock (WatchGhosts), and
+analysis/verdicts/ghost_list.py replays it over a stored run (the dashboard's, the report's ghosts). Here too:
+their vocabulary and how a reader is shown them."""
 
 from __future__ import annotations
 
@@ -45,55 +46,57 @@ class Ghosts:
     """The leaked cancels the engine may still hold: request id -> when its client left (s, the run's clock)."""
 
     left_at: dict[str, float] = field(default_factory=dict)
-    # request id -> from when it was seen in the engine (its verdict's): it never left before then
+    # request id -> from when the engine's count holds it beyond the requests in flight (its client's close, or
+    # when the engine counted it if later): each sample of the hold is weighed against the ghosts joined by then
     joined_at: dict[str, float] = field(default_factory=dict)
+    # request id -> until when its verdict saw it in the engine: it is never taken to have left before then
+    seen_until: dict[str, float] = field(default_factory=dict)
     hold_s: float = HOLD_S
     # (instant, surplus) of the samples read, back to the first at or before hold_s ago
     history: deque = field(default_factory=deque)
-    # weigh each sample of the hold against the ghosts that had joined by then, not all of them: right where a
-    # ghost joins as the in-flight count lets it go (the ledger's replay, verdicts/vllm.py). The watch joins one
-    # at its verdict, seconds after its close took it out of flight: there the older reading errs less
-    per_sample: bool = False
     # (joined, ended) of ghosts the evidence ended (`ended`): held by the count until then, in the hold's samples
     ended_spans: list = field(default_factory=list)
 
-    def leaked(self, request_id: str, left_at_s: float, seen_at_s: float | None = None) -> None:
+    def leaked(self, request_id: str, left_at_s: float, seen_at_s: float | None = None,
+               seen_until_s: float | None = None) -> None:
+        """A ghost: its client left at `left_at_s`; the count holds it from `seen_at_s` (default: then); it was
+        in the engine until `seen_until_s` at least (default: from when the count holds it)."""
         self.left_at[request_id] = left_at_s
         self.joined_at[request_id] = left_at_s if seen_at_s is None else seen_at_s
+        self.seen_until[request_id] = self.joined_at[request_id] if seen_until_s is None else seen_until_s
 
     def ended(self, request_id: str, t_s: float) -> None:
-        """The evidence ended this ghost at `t_s` (per_sample: it still counts in the samples before)."""
+        """The evidence ended this ghost at `t_s` (it still counts in the samples before)."""
         self.left_at.pop(request_id, None)
+        self.seen_until.pop(request_id, None)
         joined = self.joined_at.pop(request_id, None)
-        if self.per_sample and joined is not None:
+        if joined is not None:
             self.ended_spans.append((joined, t_s))
 
     def update(self, engine_count: float, in_flight: float, t_s: float) -> list[tuple[str, float]]:
-        """Given the engine's count (running + waiting) and the requests the watch has in flight at `t_s`,
-        keep as many leaked cancels as the surplus held at most over the last hold_s can hold, newest first;
-        return (id, by when it had left) of those taken to have left."""
+        """Given the engine's count (running + waiting) and the requests in flight at `t_s`, keep as many leaked
+        cancels as the surplus held at most over the last hold_s can hold, newest first; return (id, by when it
+        had left) of those taken to have left."""
         self.history.append((t_s, _surplus(engine_count, in_flight)))
         while len(self.history) > 1 and self.history[1][0] <= t_s - self.hold_s:
             self.history.popleft()
         since = self.history[0][0]
         if not self.left_at or since > t_s - self.hold_s:
             return []
-        if self.per_sample:
-            # the count beyond in-flight at each sample of the hold against the ghosts that had joined by then:
-            # one joining inside it is no shortfall before it (under steady load behind a leaking proxy a lost
-            # request joined every second or so, and the oldest read as gone while still held)
-            joined = sorted(self.joined_at.get(rid, -math.inf) for rid in self.left_at)
-            self.ended_spans = [(j, e) for j, e in self.ended_spans if e > since]
-            short = min(bisect_right(joined, t) + sum(1 for j, e in self.ended_spans if j <= t < e) - s
-                        for t, s in self.history)
-        else:
-            short = len(self.left_at) - max(s for _, s in self.history)
+        # the count beyond in-flight at each sample of the hold against the ghosts that had joined by then: one
+        # joining inside it is no shortfall before it (under steady load behind a leaking proxy a lost request
+        # joined every second or so, and the oldest read as gone while still held)
+        joined = sorted(self.joined_at.get(rid, -math.inf) for rid in self.left_at)
+        self.ended_spans = [(j, e) for j, e in self.ended_spans if e > since]
+        short = min(bisect_right(joined, t) + sum(1 for j, e in self.ended_spans if j <= t < e) - s
+                    for t, s in self.history)
         if short <= 0:
             return []
         gone = sorted(self.left_at, key=self.left_at.get)[:short]  # oldest first
         for rid in gone:
             del self.left_at[rid]
-        return [(rid, max(since, self.joined_at.pop(rid, since))) for rid in gone]
+            self.joined_at.pop(rid, None)
+        return [(rid, max(since, self.seen_until.pop(rid, since))) for rid in gone]
 
     def short_by(self, engine_count: float, in_flight: float) -> int:
         """How many ghosts the latest count cannot hold, before the hold has passed (the end of what was read)."""
@@ -104,6 +107,63 @@ class Ghosts:
 
     def oldest_age_s(self, now_s: float) -> float:
         return max((now_s - t for t in self.left_at.values()), default=0.0)
+
+
+# readings the watch keeps for WatchGhosts at the most (at its two a second, ten minutes): a cancel that is never
+# judged must not hold them for days
+MAX_READINGS = 1200
+
+
+@dataclass
+class WatchGhosts:
+    """The watch's ghosts, live: Ghosts read a grace behind the clock. A cancel leaves the watch's flight at its
+    client's close but is judged a grace later; read at once, a leaked one not judged yet sat in the count's
+    surplus as nothing, and hid another ghost's end: under steady leaking there always was one, and a ghost that
+    left stayed counted until a second one left (minutes, where the others ran long). So each reading (the
+    engine's count, the watch's requests in flight) waits until every cancel stopped before it has its verdict:
+    a leaked one is a ghost from its close, one that left (released, or leaked and seen leaving) is in the
+    engine until then; the rest are not known, and the surplus may hold them (the ghosts stay a bound from
+    above). A ghost that left is counted for its grace and the hold at the most."""
+
+    grace_s: float
+    ghosts: Ghosts = field(default_factory=Ghosts)
+    readings: deque = field(default_factory=deque)  # (t, engine count, in flight), not read yet
+    joins: list = field(default_factory=list)  # (close, request id): leaked, a ghost once the readings reach it
+    # request id -> (close, left): judged, in the engine from its close until it left, and no ghost
+    leaving: dict = field(default_factory=dict)
+
+    def reading(self, t_s: float, engine_count: float, in_flight: float) -> None:
+        self.readings.append((t_s, engine_count, in_flight))
+
+    def judged(self, request_id: str, stop_s: float, verdict: str, left_s: float | None) -> None:
+        """A cancel's verdict: leaked and not seen leaving is a ghost from its stop; seen leaving, it was in the
+        engine until then."""
+        if verdict == "leaked" and left_s is None:
+            self.joins.append((stop_s, request_id))
+            self.joins.sort()
+        elif left_s is not None and left_s > stop_s:
+            self.leaving[request_id] = (stop_s, left_s)
+
+    def read(self, through_s: float) -> list[tuple[str, float]]:
+        """Read the readings before `through_s` (the first stop with no verdict yet); (id, by when) of the ghosts
+        taken to have left."""
+        gone = []
+        while self.readings and (self.readings[0][0] < through_s or len(self.readings) > MAX_READINGS):
+            t, count, flying = self.readings.popleft()
+            while self.joins and self.joins[0][0] <= t:
+                stop, rid = self.joins.pop(0)
+                self.ghosts.leaked(rid, stop, seen_until_s=stop + self.grace_s)
+            leaving = sum(1 for stop, left in self.leaving.values() if stop <= t < left)
+            gone += self.ghosts.update(count, flying + leaving, t)
+            self.leaving = {rid: span for rid, span in self.leaving.items() if span[1] > t}
+        return gone
+
+    def count(self) -> int:
+        """The ghosts as of the last reading read, with those judged leaked since (there at their grace's end)."""
+        return self.ghosts.count() + len(self.joins)
+
+    def oldest_age_s(self, now_s: float) -> float:
+        return max(self.ghosts.oldest_age_s(now_s), max((now_s - t for t, _ in self.joins), default=0.0))
 
 
 def _surplus(engine_count: float, in_flight: float) -> int:

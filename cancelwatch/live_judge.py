@@ -53,9 +53,9 @@ class LiveJudge:
         # the cancel past the grace (the probe admitted, the KV drop, a leaked request running out)
         self.until: dict[str, float] = {}
         self.committed_through_ns = lambda: None
-        from analysis.ghosts import Ghosts
+        from analysis.ghosts import WatchGhosts
 
-        self.ghosts = Ghosts()  # the leaked ones the engine may still hold (the watch counts them)
+        self.ghosts = WatchGhosts(grace_s)  # the leaked ones the engine may still hold (the watch counts them)
 
     def start(self, run_id: int, t0_ns: int, committed_through_ns=lambda: None, keep=None) -> None:
         self.run_id, self.t0_ns = run_id, t0_ns
@@ -210,8 +210,8 @@ class LiveJudge:
         self.left_seen = {r: t for r, t in self.left_seen.items() if t >= self.now_s() - LOOKBACK_S - LATE_S}
         for v in verdicts:
             self.counts[v.verdict] = self.counts.get(v.verdict, 0) + 1
-            if v.verdict == "leaked" and v.timepoints.get("left_scheduler") is None and self.ledger is not None:
-                self.ghosts.leaked(v.request_id, ready[v.request_id], seen_at_s=self.now_s())  # not seen leaving
+            if self.ledger is not None:  # the watch's
+                self.ghosts.judged(v.request_id, ready[v.request_id], v.verdict, v.timepoints.get("left_scheduler"))
             why = f": {v.evidence.why}" if v.evidence.why else ""
             paid = v.evidence.tokens_after_client_left
             if paid is not None:

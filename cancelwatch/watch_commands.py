@@ -105,10 +105,13 @@ class _UpstreamWord:
 
 
 def _count_ghosts(judge: LiveJudge, ledger, scheduler, metrics: WatchMetrics | None) -> None:
-    """The ghosts against the engine's latest count and the watch's requests in flight; said as they go."""
+    """The ghosts against the engine's latest count and the watch's requests in flight, read once every cancel
+    stopped before has its verdict (analysis.ghosts.WatchGhosts); said as they go."""
     running, waiting = scheduler()
     in_flight = sum(row.n or 1 for row in ledger.open_rows())
-    gone = judge.ghosts.update(running + waiting, in_flight, judge.now_s())
+    now = judge.now_s()
+    judge.ghosts.reading(now, running + waiting, in_flight)
+    gone = judge.ghosts.read(min(judge.pending.values(), default=now))
     if gone:
         out.print(f"watch: {len(gone)} leaked request(s) left the engine (by its count; the oldest taken first): "
                   f"{', '.join(rid for rid, _ in gone)}", highlight=False)

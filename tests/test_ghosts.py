@@ -1,6 +1,9 @@
 """analysis/ghosts.py: the leaked cancels the engine's count can still hold, never more than its surplus."""
 
-from analysis.ghosts import Ghosts
+import numpy as np
+import pytest
+
+from analysis.ghosts import LEFT, Ghosts
 
 
 def test_ghosts_are_bounded_by_the_engines_surplus_and_cleared_when_it_is_gone():
@@ -31,6 +34,87 @@ def test_a_dip_shorter_than_the_hold_drops_no_ghost():
     readings = [(2, 1), (1, 1), (1, 1), (2, 2), (3, 2)]  # (engine count, in flight) each 0.25 s
     assert [g.update(c, f, 11.0 + i * 0.25) for i, (c, f) in enumerate(readings)] == [[]] * 5
     assert g.count() == 1
+
+
+def steady_leaking(every_s=0.8, runs_on_s=6.0, verdict_after_s=2.5, until_s=40.0):
+    """Behind a proxy that passes no cancel on, with the engine's abort for every other one: a client gives up
+    every `every_s` to `until_s`; a lost request runs on `runs_on_s` in the engine (to its length), an aborted one
+    0.3 s; two more are in the watch's flight throughout. Each verdict comes `verdict_after_s` after its stop
+    (a 2 s grace, a store half a second behind). -> (stop, end, leaked) of each cancel."""
+    stops = [i * every_s for i in range(int(until_s / every_s) + 1)]
+    return [(t, t + (runs_on_s if i % 2 == 0 else 0.3), i % 2 == 0) for i, t in enumerate(stops)]
+
+
+def watch_readings(cancels, until_s):
+    """The watch's ghosts over `cancels` (steady_leaking's), as LiveJudge and watch_commands keep them: each
+    verdict 2.5 s after its stop, a reading two a second. -> [(t, ghosts counted, {those counted})]."""
+    from analysis.ghosts import WatchGhosts
+
+    g, judged, seen = WatchGhosts(grace_s=2.0), set(), []
+    for k in range(int(until_s / 0.5)):
+        now = k * 0.5
+        for i, (stop, end, leaked) in enumerate(cancels):
+            if i not in judged and stop + 2.5 <= now:
+                judged.add(i)
+                # a lost one that ran out within its grace was seen leaving by its verdict
+                left = None if leaked and end > stop + 2.0 else end
+                g.judged(f"c{i}", stop, "leaked" if leaked else "released", left)
+        in_engine = sum(1 for stop, end, _ in cancels if stop <= now < end)
+        g.reading(now, 2 + in_engine, 2)  # two more requests in the watch's flight throughout
+        pending = [stop for i, (stop, _, _) in enumerate(cancels) if stop <= now and i not in judged]
+        for rid, by in g.read(min(pending, default=now)):
+            assert by >= cancels[int(rid[1:])][0] + 2.0, (rid, by)  # never before its grace's end
+        seen.append((now, g.count(), set(g.ghosts.left_at) | {rid for _, rid in g.joins}))
+    return seen
+
+
+@pytest.mark.parametrize("one_short", [False, True])
+def test_under_steady_leaking_a_ghost_that_left_is_counted_for_its_grace_and_the_hold_at_most(one_short):
+    # live, a cancel is known leaked only at its verdict, a grace after its close: until then it sits in the
+    # count's surplus. Read at once, it hid an older ghost's end, and under steady leaking there always was one:
+    # with the others running long, the one that ran out at 13 s stayed counted until the next left (107 s on)
+    cancels = steady_leaking(runs_on_s=120.0, until_s=60.0)
+    if one_short:
+        stop, _, _ = cancels[10]
+        cancels[10] = (stop, stop + 5.0, True)
+    seen = watch_readings(cancels, until_s=200.0)
+    for now, counted, who in seen:
+        judged = [(stop, end) for stop, end, leaked in cancels if leaked and end > stop + 2.0 and stop + 2.5 <= now]
+        held = sum(1 for _, end in judged if now < end)
+        # which left the count does not say (the oldest is taken first): how many it counts is never fewer than the
+        # engine holds, and over by those that left within their grace, the store's lag and the hold at the most
+        recent = sum(1 for _, end in judged if now - (2.0 + 3.0) < end <= now)
+        assert held <= counted == len(who) <= held + recent, (now, counted, held, recent)
+    assert max(c for _, c, _ in seen) >= 30, seen  # they were counted
+    assert seen[-1][1] == 0, seen
+
+
+def test_a_stored_runs_ghosts_under_steady_leaking_leave_with_the_count():
+    # the same traffic over a stored run (verdicts/ghost_list.py): each lost request ran out 6 s after its stop,
+    # and the ghost table says so, though another lost one was always in its grace
+    from types import SimpleNamespace
+
+    from analysis.ghosts import EngineReading
+    from analysis.verdicts.ghost_list import ghost_table as replayed
+
+    cancels = steady_leaking()
+    times = np.arange(0.0, 52.0, 0.05)
+    count = np.array([2 + sum(1 for stop, end, _ in cancels if stop <= t < end) for t in times], dtype=float)
+    # the ledger's requests in the engine: the two in flight, an aborted one until its abort (its end here)
+    flying = np.array([2 + sum(1 for stop, end, leaked in cancels if not leaked and stop <= t < end) for t in times],
+                      dtype=float)
+    reading = EngineReading(times, count, flying, {})
+    verdicts = [SimpleNamespace(request_id=f"c{i}", verdict="leaked", rule="no_abort_still_there", scenario="watch",
+                                timepoints={"user_stop": stop, "left_scheduler": None},
+                                evidence=SimpleNamespace(grace_s=2.0, tokens_after_client_left=None,
+                                                         tokens_after_client_left_is=None))
+                for i, (stop, _, leaked) in enumerate(cancels) if leaked]
+    run = SimpleNamespace(info={"targets": [{"label": "t0", "url": "http://127.0.0.1:1"}]})
+    rows = replayed(run, verdicts, lambda run, target: reading).set_index("request_id")
+    assert set(rows["in_engine"]) == {LEFT}, rows
+    for i, (stop, end, leaked) in enumerate(cancels):
+        if leaked:  # gone where the count held one fewer for the hold, by the first sample that showed it
+            assert rows.loc[f"c{i}", "left_engine_s"] == pytest.approx(end, abs=0.06), (i, rows.loc[f"c{i}"])
 
 
 # ghost_table: every leaked cancel of a run, with its age, on small hand-built runs (tests/test_verdicts.py's)

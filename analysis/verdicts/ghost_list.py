@@ -36,7 +36,7 @@ def ghost_table(run, verdicts, in_engine) -> pd.DataFrame:
             "tokens_after_client_left": v.evidence.tokens_after_client_left,
             "tokens_are": v.evidence.tokens_after_client_left_is}
         if left is None:
-            joining.append((stop + v.evidence.grace_s, v.request_id))
+            joining.append((stop, v.evidence.grace_s, v.request_id))
             if by is not None:
                 left_by[v.request_id] = by
     if joining:
@@ -48,10 +48,13 @@ def ghost_table(run, verdicts, in_engine) -> pd.DataFrame:
     return frame.sort_values("client_left_s", kind="stable").reset_index(drop=True)
 
 
-def _replay(run, joins: list[tuple[float, str]], rows: dict, in_engine) -> None:
-    """The engine's count after each of `joins` (its verdict saw it there until then, request id): each joins
-    the ghosts there, or from when the engine counted it at the latest if later (a request a hop sent on late),
-    and leaves them where the count no longer holds it beyond the ledger's requests in the engine."""
+def _replay(run, joins: list[tuple[float, float, str]], rows: dict, in_engine) -> None:
+    """The engine's count from each of `joins` (its client's close, its grace, request id): each joins the ghosts
+    at its close, or from when the engine counted it at the latest if later (a request a hop sent on late), as
+    the ledger's requests in the engine let it go there; it leaves them where the count no longer holds it beyond
+    those, never before its grace's end (its verdict saw it there). Joined only at its grace's end, a leaked one
+    in its grace sat in the count's surplus as nothing: under steady leaking there always was one, and no older
+    ghost's end showed (analysis.ghosts.WatchGhosts, the watch's live reading)."""
     targets = run.info.get("targets") or []
     times = counts = flying = reading = None
     if len(targets) > 1:
@@ -63,20 +66,21 @@ def _replay(run, joins: list[tuple[float, str]], rows: dict, in_engine) -> None:
             times, counts, flying = reading.t_s[ok], reading.count[ok], reading.in_flight[ok]
         why = None if times is not None and len(times) else "no_count"
     if why:
-        for _, rid in joins:
+        for *_, rid in joins:
             rows[rid]["unknown_why"] = GHOST_UNKNOWN[why]
         return
-    joins = sorted((max(t, reading.counted_from.get(rid, t)), rid) for t, rid in joins)
+    joins = sorted((max(t, reading.counted_from.get(rid, t)), t + grace, rid) for t, grace, rid in joins)
     ghosts, k = Ghosts(), 0
     for t, count, n in zip(times, counts, flying):
         while k < len(joins) and joins[k][0] <= t:
-            ghosts.leaked(joins[k][1], rows[joins[k][1]]["client_left_s"], seen_at_s=joins[k][0])
+            at, until, rid = joins[k]
+            ghosts.leaked(rid, rows[rid]["client_left_s"], seen_at_s=at, seen_until_s=max(at, until))
             k += 1
         for rid, by in ghosts.update(count, n, float(t)):
             rows[rid].update(in_engine=LEFT, left_engine_s=by, age_s=by - rows[rid]["client_left_s"])
     last = float(times[-1])
     # the grace of the last ones ends past the last sample: the verdict saw them there, and nothing since
-    for _, rid in joins[k:]:
+    for *_, rid in joins[k:]:
         ghosts.leaked(rid, rows[rid]["client_left_s"])
     # a fall in the last second read has not held long enough to say who left: the oldest it may be
     short = ghosts.short_by(counts[-1], flying[-1])

@@ -309,7 +309,7 @@ def _gone_by_surplus(gone_at: dict[str, float], lost: dict[str, tuple[float, str
     short of the ledger for each, as the engine running ahead (`already_finished`). Returns gone_at so bounded,
     and the requests taken out at a fall that others still in the engine could have made (their end assumed)."""
     order = sorted((t, rid) for rid, t in joins.items())
-    out, chosen, ghosts, k = dict(gone_at), {}, Ghosts(hold_s=hold_s, per_sample=True), 0
+    out, chosen, ghosts, k = dict(gone_at), {}, Ghosts(hold_s=hold_s), 0
     for t, count, flying in zip(cols["t_s"], cols["count"], others):
         t = float(t)
         while k < len(order) and order[k][0] <= t:
