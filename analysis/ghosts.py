@@ -123,26 +123,28 @@ class WatchGhosts:
     engine's count, the watch's requests in flight) waits until every cancel stopped before it has its verdict:
     a leaked one is a ghost from its close, one that left (released, or leaked and seen leaving) is in the
     engine until then; the rest are not known, and the surplus may hold them (the ghosts stay a bound from
-    above). A ghost that left is counted for its grace and the hold at the most."""
+    above). A ghost that left is counted for the time its verdict takes and the hold at the most."""
 
     grace_s: float
     ghosts: Ghosts = field(default_factory=Ghosts)
     readings: deque = field(default_factory=deque)  # (t, engine count, in flight), not read yet
-    joins: list = field(default_factory=list)  # (close, request id): leaked, a ghost once the readings reach it
-    # request id -> (close, left): judged, in the engine from its close until it left, and no ghost
+    # (from, request id, close): leaked, a ghost once the readings reach `from` (when the engine's count holds it
+    # beyond the watch's flight)
+    joins: list = field(default_factory=list)
+    # request id -> (from, until): judged, in the engine beyond the watch's flight then, and no ghost
     leaving: dict = field(default_factory=dict)
 
     def reading(self, t_s: float, engine_count: float, in_flight: float) -> None:
         self.readings.append((t_s, engine_count, in_flight))
 
-    def judged(self, request_id: str, stop_s: float, verdict: str, left_s: float | None) -> None:
-        """A cancel's verdict: leaked and not seen leaving is a ghost from its stop; seen leaving, it was in the
-        engine until then."""
-        if verdict == "leaked" and left_s is None:
-            self.joins.append((stop_s, request_id))
+    def judged(self, request_id: str, stop_s: float, ghost: bool, from_s: float, until_s: float | None) -> None:
+        """A cancel's verdict, as cancelwatch.live_judge reads it: a ghost (leaked, not seen leaving) from `from_s`
+        (its age from `stop_s`); or in the engine from `from_s` until `until_s` (surely there until then)."""
+        if ghost:
+            self.joins.append((from_s, request_id, stop_s))
             self.joins.sort()
-        elif left_s is not None and left_s > stop_s:
-            self.leaving[request_id] = (stop_s, left_s)
+        elif until_s is not None and until_s > from_s:
+            self.leaving[request_id] = (from_s, until_s)
 
     def read(self, through_s: float) -> list[tuple[str, float]]:
         """Read the readings before `through_s` (the first stop with no verdict yet); (id, by when) of the ghosts
@@ -151,9 +153,9 @@ class WatchGhosts:
         while self.readings and (self.readings[0][0] < through_s or len(self.readings) > MAX_READINGS):
             t, count, flying = self.readings.popleft()
             while self.joins and self.joins[0][0] <= t:
-                stop, rid = self.joins.pop(0)
-                self.ghosts.leaked(rid, stop, seen_until_s=stop + self.grace_s)
-            leaving = sum(1 for stop, left in self.leaving.values() if stop <= t < left)
+                at, rid, stop = self.joins.pop(0)
+                self.ghosts.leaked(rid, stop, seen_at_s=at, seen_until_s=max(at, stop + self.grace_s))
+            leaving = sum(1 for start, left in self.leaving.values() if start <= t < left)
             gone += self.ghosts.update(count, flying + leaving, t)
             self.leaving = {rid: span for rid, span in self.leaving.items() if span[1] > t}
         return gone
@@ -163,7 +165,7 @@ class WatchGhosts:
         return self.ghosts.count() + len(self.joins)
 
     def oldest_age_s(self, now_s: float) -> float:
-        return max(self.ghosts.oldest_age_s(now_s), max((now_s - t for t, _ in self.joins), default=0.0))
+        return max(self.ghosts.oldest_age_s(now_s), max((now_s - stop for *_, stop in self.joins), default=0.0))
 
 
 def _surplus(engine_count: float, in_flight: float) -> int:

@@ -157,6 +157,8 @@ class LiveJudge:
         from analysis.watching import ENTRY_WAIT_S, LOOKBACK_S, NOT_YET_ENTERED, window_of
         from runstore.reader import load_window
 
+        # when the watch's ledger let each go from its flight (a half-close is put at its connection's end)
+        decided = {rid: self.decided.get(rid, t) for rid, t in ready.items()}
         lo = window_of(min(ready.values()), self.grace_s)[0]
         hi = max(max(window_of(t, self.grace_s, self.extra.get(rid, 0.0))[1], self.until.get(rid, -math.inf))
                  for rid, t in ready.items())
@@ -211,7 +213,8 @@ class LiveJudge:
         for v in verdicts:
             self.counts[v.verdict] = self.counts.get(v.verdict, 0) + 1
             if self.ledger is not None:  # the watch's
-                self.ghosts.judged(v.request_id, ready[v.request_id], v.verdict, v.timepoints.get("left_scheduler"))
+                stop = ready[v.request_id]
+                self.ghosts.judged(v.request_id, stop, *_in_engine(v, stop, max(stop, decided[v.request_id]), self.now_s()))
             why = f": {v.evidence.why}" if v.evidence.why else ""
             paid = v.evidence.tokens_after_client_left
             if paid is not None:
@@ -228,6 +231,26 @@ class LiveJudge:
             except (TypeError, ValueError) as exc:  # not kept: said; the verdicts stand, the run goes on
                 err.print(f"{self.said}: {len(verdicts)} verdict(s) not kept in the run ({exc}); `cancelwatch "
                           "report` judges them from the run")
+
+
+def _in_engine(v, stop_s: float, out_s: float, now_s: float) -> tuple[bool, float, float | None]:
+    """What the watch's ghosts (analysis.ghosts.WatchGhosts) take from verdict `v` of a cancel its ledger let go
+    from its flight at `out_s`: (a ghost?, from, until when surely in the engine). Counting one in the engine
+    longer than it was would take a ghost still there to have left; shorter only keeps one too long."""
+    from analysis.verdicts.core import LEFT_BY_RULES
+
+    left, kept = v.timepoints.get("left_scheduler"), v.evidence.kept_running_ms
+    if v.rule == "entered_after_stop":
+        # a hop sent it on after its client left: the engine counted it only from its entry (kept_running_ms runs
+        # from there); with no leaving seen, it is a ghost from its verdict on
+        if left is None:
+            return True, now_s, None
+        return False, max(out_s, left - (kept or 0.0) / 1000), left
+    if v.verdict == "leaked" and left is None:
+        return True, out_s, None
+    if v.rule in LEFT_BY_RULES:  # gone *by* left_scheduler: surely there only for kept_running_ms
+        return False, out_s, None if kept is None else stop_s + kept / 1000
+    return False, out_s, left
 
 
 def recording_judge(store: Path, grace_s: float, writer, sampler) -> LiveJudge:

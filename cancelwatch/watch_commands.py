@@ -148,6 +148,7 @@ async def _watch_loop(tap, ledger, writer, judge: LiveJudge, stop: threading.Eve
             if time.monotonic() - last_judged >= 0.5:
                 last_judged = time.monotonic()
                 await judge.due()
+                feed()  # what the tap saw while judging: the reading's requests in flight are as of now
                 _count_ghosts(judge, ledger, scheduler, metrics)
             await asyncio.sleep(0.1)
     finally:

@@ -45,10 +45,19 @@ def steady_leaking(every_s=0.8, runs_on_s=6.0, verdict_after_s=2.5, until_s=40.0
     return [(t, t + (runs_on_s if i % 2 == 0 else 0.3), i % 2 == 0) for i, t in enumerate(stops)]
 
 
+def verdict(kind: str, rule: str, stop: float, left: float | None, kept_ms: float | None = None):
+    """What cancelwatch.live_judge reads of a verdict for the watch's ghosts."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(verdict=kind, rule=rule, timepoints={"user_stop": stop, "left_scheduler": left},
+                           evidence=SimpleNamespace(kept_running_ms=kept_ms))
+
+
 def watch_readings(cancels, until_s):
     """The watch's ghosts over `cancels` (steady_leaking's), as LiveJudge and watch_commands keep them: each
     verdict 2.5 s after its stop, a reading two a second. -> [(t, ghosts counted, {those counted})]."""
     from analysis.ghosts import WatchGhosts
+    from cancelwatch.live_judge import _in_engine
 
     g, judged, seen = WatchGhosts(grace_s=2.0), set(), []
     for k in range(int(until_s / 0.5)):
@@ -58,7 +67,9 @@ def watch_readings(cancels, until_s):
                 judged.add(i)
                 # a lost one that ran out within its grace was seen leaving by its verdict
                 left = None if leaked and end > stop + 2.0 else end
-                g.judged(f"c{i}", stop, "leaked" if leaked else "released", left)
+                v = verdict("leaked" if leaked else "released", "no_abort_still_there" if leaked else "released",
+                            stop, left)
+                g.judged(f"c{i}", stop, *_in_engine(v, stop, stop, now))
         in_engine = sum(1 for stop, end, _ in cancels if stop <= now < end)
         g.reading(now, 2 + in_engine, 2)  # two more requests in the watch's flight throughout
         pending = [stop for i, (stop, _, _) in enumerate(cancels) if stop <= now and i not in judged]
@@ -87,6 +98,64 @@ def test_under_steady_leaking_a_ghost_that_left_is_counted_for_its_grace_and_the
         assert held <= counted == len(who) <= held + recent, (now, counted, held, recent)
     assert max(c for _, c, _ in seen) >= 30, seen  # they were counted
     assert seen[-1][1] == 0, seen
+
+
+def watched(cancels: dict, engine: dict, until_s: float = 40.0) -> list[tuple[float, int, int]]:
+    """The watch's ghosts over hand-made traffic, as LiveJudge and watch_commands keep them, a reading each 0.5 s.
+    `cancels`: id -> (sent, stop, out of the watch's flight, judged at, verdict); `engine`: id -> (in, out) of the
+    engine's count. -> [(t, ghosts counted, leaked ones judged by then that the engine holds)]."""
+    from analysis.ghosts import WatchGhosts
+    from cancelwatch.live_judge import _in_engine
+
+    g, done, seen = WatchGhosts(grace_s=2.0), set(), []
+    for k in range(int(until_s / 0.5) + 1):
+        now = k * 0.5
+        for rid, (sent, stop, out, at, v) in cancels.items():
+            if rid not in done and at <= now:
+                done.add(rid)
+                g.judged(rid, stop, *_in_engine(v, stop, out, now))
+        count = sum(1 for t_in, t_out in engine.values() if t_in <= now < t_out)
+        flying = sum(1 for sent, _, out, _, _ in cancels.values() if sent <= now < out)
+        g.reading(now, count, flying)
+        g.read(min((stop for rid, (_, stop, out, _, _) in cancels.items() if out <= now and rid not in done),
+                   default=now))
+        held = sum(1 for rid, (_, _, _, at, v) in cancels.items() if v.verdict == "leaked" and at <= now
+                   and v.timepoints["left_scheduler"] is None and engine[rid][0] <= now < engine[rid][1])
+        seen.append((now, g.count(), held))
+    return seen
+
+
+INF = 1e9
+# the review's cases, each of which once made the watch drop a ghost still in the engine: id -> (sent, stop, out
+# of the watch's flight, judged at, verdict) and id -> (in, out) of the engine's count
+DROPPED_ONCE = {
+    # two lost ones judged 'left among others': left_scheduler is when both had left *by* (A left at 12, B at 13.8);
+    # each was surely there only for its kept_running_ms
+    "left by": ({"A": (5.0, 10.0, 10.0, 14.0, verdict("leaked", "no_abort_left_among_others", 10.0, 13.8, 1500)),
+                 "B": (5.0, 10.5, 10.5, 14.5, verdict("leaked", "no_abort_left_among_others", 10.5, 13.8, 1000))},
+                {"A": (5.0, 12.0), "B": (5.0, 13.8)}),
+    # a hop sent C on 2 s after its client left: the engine counted it from 12 s, its verdict came at 24 s
+    "entered after its stop": ({"C": (9.8, 10.0, 10.0, 24.0, verdict("leaked", "entered_after_stop", 10.0, None))},
+                               {"C": (12.0, INF)}),
+    # a half-close: B's FIN at 20.5, its connection (in the watch's flight) to 23 s; A's verdict held the readings
+    # back past it. Leaked; released at its connection's end
+    "half-close, leaked": ({"A": (15.0, 20.0, 20.0, 24.0, verdict("released", "released", 20.0, 20.1)),
+                            "B": (19.0, 20.5, 23.0, 24.5, verdict("leaked", "no_abort_still_there", 20.5, None))},
+                           {"A": (15.0, 20.1), "B": (19.0, INF)}),
+    "half-close, released": ({"A": (15.0, 20.0, 20.0, 24.0, verdict("released", "released", 20.0, 20.1)),
+                              "B": (19.0, 20.5, 23.0, 24.5, verdict("released", "released", 20.5, 23.1))},
+                             {"A": (15.0, 20.1), "B": (19.0, 23.1)}),
+}
+
+
+@pytest.mark.parametrize("case", list(DROPPED_ONCE))
+def test_the_watchs_ghosts_never_take_one_still_in_the_engine_to_have_left(case):
+    # G leaked at 1 s and stays in the engine throughout
+    cancels, engine = DROPPED_ONCE[case]
+    ghost = {"G": (0.0, 1.0, 1.0, 5.0, verdict("leaked", "no_abort_still_there", 1.0, None))}
+    seen = watched({**ghost, **cancels}, {"G": (0.0, INF), **engine})
+    assert all(counted >= held for _, counted, held in seen), [x for x in seen if x[1] < x[2]]
+    assert seen[-1][1] == seen[-1][2] >= 1, seen[-1]
 
 
 def test_a_stored_runs_ghosts_under_steady_leaking_leave_with_the_count():
