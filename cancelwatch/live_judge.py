@@ -213,8 +213,8 @@ class LiveJudge:
         for v in verdicts:
             self.counts[v.verdict] = self.counts.get(v.verdict, 0) + 1
             if self.ledger is not None:  # the watch's
-                stop = ready[v.request_id]
-                self.ghosts.judged(v.request_id, stop, *_in_engine(v, stop, max(stop, decided[v.request_id]), self.now_s()))
+                stop, out_s = ready[v.request_id], max(ready[v.request_id], decided[v.request_id])
+                self.ghosts.judged(v.request_id, stop, *_in_engine(v, stop, out_s, self.now_s()))
             why = f": {v.evidence.why}" if v.evidence.why else ""
             paid = v.evidence.tokens_after_client_left
             if paid is not None:
