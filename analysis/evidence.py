@@ -51,8 +51,10 @@ class Evidence:
         have gone back before the stop), "prefix_shared" (the prefix cache gave it part of its prompt
         while another request of the run ran beside it: those blocks stay held), "taken_in_its_place"
         (another request entered the engine from the abort on and the count held it and not this one, with
-        KV usage no higher than at the stop: the newcomer's prefill took the freed blocks); None when it was
-        asked
+        KV usage no higher than at the stop: the newcomer's prefill took the freed blocks),
+        "blocks_of_the_running" (the count the ledger's exactly without it, and no more blocks in use than
+        running requests, with no prefix-cache hit since the first entered: each holds one of its own, none
+        is left for this one); None when it was asked
     count_after: requests the server counted in the sample that showed the release
     ledger_after: sequences the ledger had in the server at that sample
     kv_after: KV-cache usage ratio (0..1) at that sample

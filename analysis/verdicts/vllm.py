@@ -289,6 +289,15 @@ def _gone_by_idle(gone_at: dict[str, float], stopped: dict[str, tuple[float, str
     return out
 
 
+def _pool_blocks(run: Run, target: str | None) -> int | None:
+    """The engine's KV blocks (vllm:cache_config_info's num_gpu_blocks); None where it did not say."""
+    try:
+        blocks = int(float((run.info.get("cache") or {}).get(target or "", {}).get("num_gpu_blocks")))
+    except (TypeError, ValueError):
+        return None
+    return blocks if blocks > 1 else None
+
+
 def _lost_from(t_stop: float, t_added: float, counted_within_s: float) -> float:
     """From when a stopped request with no abort is one of the lost ones the engine may still hold: its stop, once
     the gauges surely counted it (`counted_within_s` after its Added line: a stamp's rounding, the log clock's
@@ -587,6 +596,7 @@ class VllmCase(Case):
     tokens_at_cancel: int | None
     gone_until: float  # at the latest, the request left the engine then (inf: not known)
     hits_at_admission: float | None = None  # prefix-cache hit tokens while it was admitted (None: unknown)
+    frame_cols: dict = field(default_factory=dict)  # the target's whole scheduler frame (sched is its stretch)
     solo_rate: float | None = None  # tokens/s of one sequence running alone in the run: no sequence is faster
     # request id -> where the ledger stops counting it, when not its client's close (ledger_inflight)
     ledger_ends: dict[str, float] = field(default_factory=dict)
@@ -757,6 +767,44 @@ class VllmCase(Case):
         first = min(entered, default=math.inf)
         exact = np.abs(sched["count"] - (self.inflight + self.ended_unseen)) < 1e-9
         return (times >= first) & exact & (sched["kv"] <= kv_before + 1e-12)
+
+    @cached_property
+    def blocks_of_the_running(self) -> np.ndarray:
+        """Per sample of the stretch: every KV block in use is one the running requests hold, at one each (KV
+        usage is blocks in use over num_gpu_blocks - 1, from vllm:cache_config_info), and no running request
+        shares a block with another: the prefix cache gave no prompt a hit since the first of them entered
+        (blocks are only ever shared through a hit). A running request holds at least one block of its own
+        (the one its next token goes in; vLLM never takes a prompt's last token from the cache), so none is
+        left for one the count no longer holds (read where the count is the ledger's exactly). Seen under
+        AIPerf at concurrency 4: an abort, and in the same step two newcomers (one on its way at the stop):
+        3 blocks for 3 requests at the stop, 4 for 4 after it, usage never lower within the grace."""
+        times, sched = self.sched["t_s"], self.sched
+        out = np.zeros(len(times), dtype=bool)
+        pool = _pool_blocks(self.run, self.target)
+        hits = sched["prefix_hits"]
+        if pool is None or not len(times):
+            return out
+        # the earliest entry of a ledger request in the engine from the stop on: no hit may come after it
+        t0 = self.run.info["started_mono_ns"]
+        first_in = math.inf
+        for row in self.run.ledger.itertuples(index=False):
+            if pd.isna(row.sent_mono_ns) or _ledger_end_s(row, self.ledger_ends, t0) < self.t_stop:
+                continue
+            added = self.englog.added.get((self.target, row.request_id))
+            first_in = min(first_in, min(added) - LOG_SLACK_S if added else (row.sent_mono_ns - t0) / 1e9)
+        all_t, all_hits = self.frame_cols["t_s"], self.frame_cols["prefix_hits"]
+        i0 = int(np.searchsorted(all_t, first_in, side="right")) - 1
+        if i0 < 0 or np.isnan(all_hits[i0]):
+            return out  # hits not read from before the first entry: sharing cannot be ruled out
+        base = all_hits[i0]
+        running = sched["count"] - np.nan_to_num(sched["waiting"])
+        used = np.round(sched["kv"] * (pool - 1))
+        # the count the ledger's exactly, without this one: every request it holds is another of the ledger's
+        # (one fewer could be this one still counted, a newcomer not yet)
+        exact = np.abs(sched["count"] - (self.inflight + self.ended_unseen)) < 1e-9
+        with np.errstate(invalid="ignore"):
+            no_hit = np.logical_and.accumulate(~np.isnan(hits) & (hits <= base))
+            return no_hit & exact & (used <= running) & (times >= first_in)
 
     @cached_property
     def entering(self) -> np.ndarray:
@@ -993,7 +1041,8 @@ def _case(run: Run, frame: _Frame, englog: _EngineLog, trace: dict, same: dict, 
                     run=run, englog=englog, target=target, has_log=has_log, t_log_abort=t_log_abort, t_ref=t_ref,
                     t_end=t_end, sched=sched, inflight=inflight, lrow=lrow,
                     tokens_at_cancel=data.get("tokens_at_cancel"), gone_until=gone_until,
-                    hits_at_admission=hits_at_admission, solo_rate=solo_rate, ledger_ends=ledger_ends,
+                    hits_at_admission=hits_at_admission, frame_cols=cols_all, solo_rate=solo_rate,
+                    ledger_ends=ledger_ends,
                     assumed_gone=frame.assumed_gone, not_entered=not_entered)
 
 
@@ -1169,7 +1218,8 @@ def released(c: VllmCase) -> CancelVerdict | None:
         count_ok[:grace_end] = np.logical_and.accumulate(count_ok_all[:grace_end][::-1])[::-1]
     # a request that held KV must give it back: the probe taking blocks does not excuse a KV usage
     # that never fell
-    kv_ok = (below | c.taken_in_its_place(kv_before)) if needs_kv_drop else np.ones(len(times), dtype=bool)
+    kv_ok = (below | c.taken_in_its_place(kv_before) | c.blocks_of_the_running) if needs_kv_drop \
+        else np.ones(len(times), dtype=bool)
     hits = after[(count_ok & kv_ok & c.moved)[after]]
     if not len(hits):
         return None
@@ -1178,7 +1228,7 @@ def released(c: VllmCase) -> CancelVerdict | None:
     if times[left] - t_ref > c.grace_s:
         return None
     if not below[left] and needs_kv_drop:
-        ev.kv_drop_waived = "taken_in_its_place"
+        ev.kv_drop_waived = "taken_in_its_place" if c.taken_in_its_place(kv_before)[left] else "blocks_of_the_running"
     ev.count_after = float(sched["count"][left])
     ev.ledger_after = float(c.inflight[left])
     ev.kv_after = float(sched["kv"][left])

@@ -1,0 +1,72 @@
+"""A release shown by the KV blocks of the running requests (analysis/verdicts/vllm.py,
+VllmCase.blocks_of_the_running), on a run recorded here: AIPerf 0.13.0 at concurrency 4, half its requests
+cancelled, through `cancelwatch watch` straight to the CPU vLLM (tests/test_watch_aiperf.py, make test-aiperf;
+the store gzipped). One of its 26 cancels was aborted in the same step as two newcomers entered (one on its way
+at the stop): 3 blocks for 3 requests before, 4 for 4 after, KV usage never lower within the grace. It was
+`kv_did_not_fall` (inconclusive) until the blocks were read."""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+from pathlib import Path
+
+import pytest
+
+from analysis.verdicts import judge_run
+from runstore.reader import load_run
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "runs" / "aiperf_direct.db.gz"
+ONE = "53319596-6375-49bb-b4fb-c83a13998ca6"  # aborted at 22.894 s of the run, two newcomers in its place
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("kv_blocks") / "watch.db"
+    with gzip.open(FIXTURE, "rb") as src, open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    return path
+
+
+def judged(store: Path, change=None) -> dict:
+    run = load_run(store, "latest")
+    if change is not None:
+        change(run)
+    return {v.request_id: v for v in judge_run(run)}
+
+
+def test_the_cancel_aborted_as_two_newcomers_entered_is_released_by_the_blocks_of_the_running(store):
+    verdicts = judged(store)
+    assert len(verdicts) == 26 and {v.verdict for v in verdicts.values()} == {"released"}, \
+        {r: v.rule for r, v in verdicts.items() if v.verdict != "released"}
+    v = verdicts[ONE]
+    ev = v.evidence
+    assert ev.kv_drop_waived == "blocks_of_the_running", ev
+    # KV usage higher than at the stop (4 blocks of 63 against 3), the count the ledger's 4 without it
+    assert round(ev.kv_before * 63) == 3 and round(ev.kv_after * 63) == 4
+    assert ev.count_after == ev.ledger_after == 4
+    assert 0 < v.timepoints["left_scheduler"] - v.timepoints["engine_abort"] < 0.1
+    # the others: none of them rests on the blocks
+    assert all(x.evidence.kv_drop_waived != "blocks_of_the_running" for r, x in verdicts.items() if r != ONE)
+
+
+def no_pool_size(run) -> None:
+    run.info["cache"] = {}  # a vLLM that serves no vllm:cache_config_info
+
+
+def a_prefix_hit_after_the_stop(run) -> None:
+    s = run.samples
+    rows = (s["metric"] == "prefix_cache_hits_tokens_total") & (s["t_s"] > 22.92)
+    s.loc[rows, "value"] = s.loc[rows, "value"] + 128  # a newcomer took a whole block from the cache
+
+
+def one_block_more(run) -> None:
+    s = run.samples
+    rows = (s["metric"] == "kv_cache_usage_ratio") & (s["t_s"] > 22.92) & (s["t_s"] < 25.0)
+    s.loc[rows, "value"] = s.loc[rows, "value"] + 1 / 63  # a block no running request accounts for
+
+
+@pytest.mark.parametrize("change", [no_pool_size, a_prefix_hit_after_the_stop, one_block_more])
+def test_where_the_blocks_cannot_say_it_stays_inconclusive(store, change):
+    v = judged(store, change)[ONE]
+    assert (v.verdict, v.rule) == ("inconclusive", "kv_did_not_fall"), (v.verdict, v.rule, v.evidence)
