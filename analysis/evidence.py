@@ -52,9 +52,9 @@ class Evidence:
         while another request of the run ran beside it: those blocks stay held), "taken_in_its_place"
         (another request entered the engine from the abort on and the count held it and not this one, with
         KV usage no higher than at the stop: the newcomer's prefill took the freed blocks),
-        "blocks_of_the_running" (the count the ledger's exactly without it, and no more blocks in use than
-        running requests, with no prefix-cache hit since the first entered: each holds one of its own, none
-        is left for this one); None when it was asked
+        "blocks_of_the_running" (the count the ledger's exactly without it, each surely counted, and no more
+        blocks in use than running requests, with no prefix-cache hit or preemption since the first entered:
+        each holds one of its own, none is left for this one); None when it was asked
     count_after: requests the server counted in the sample that showed the release
     ledger_after: sequences the ledger had in the server at that sample
     kv_after: KV-cache usage ratio (0..1) at that sample

@@ -16,7 +16,7 @@ import pytest
 from analysis.verdicts import judge_run
 from runstore.reader import load_run
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "runs" / "aiperf_direct.db.gz"
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "recorded" / "aiperf_direct.db.gz"
 ONE = "53319596-6375-49bb-b4fb-c83a13998ca6"  # aborted at 22.894 s of the run, two newcomers in its place
 
 
@@ -70,3 +70,43 @@ def one_block_more(run) -> None:
 def test_where_the_blocks_cannot_say_it_stays_inconclusive(store, change):
     v = judged(store, change)[ONE]
     assert (v.verdict, v.rule) == ("inconclusive", "kv_did_not_fall"), (v.verdict, v.rule, v.evidence)
+
+
+# where the count is the ledger's by chance: the cancelled request still counted in the place of a newcomer the
+# engine has not taken yet (the review's cases, on tests/test_verdicts.py's small runs: one block a request)
+BLOCK = 1 / 63
+NO_HITS = {"prefix_cache_hits_tokens_total": lambda t: 0.0, "preemptions_total": lambda t: 0.0}
+
+
+def small_run(count, extra_ledger=(), engine_log=None):
+    from tests.test_verdicts import build_run, steady_gen
+
+    run = build_run(count, lambda t: count(t) * BLOCK, steady_gen, extra_ledger=list(extra_ledger),
+                    engine_log=engine_log, series=NO_HITS, length_s=5.4)
+    run.info["cache"] = {"t0": {"num_gpu_blocks": "64", "block_size": "128"}}
+    return run
+
+
+def newcomer(rid: str, sent: float, first: float) -> dict:
+    from tests.test_verdicts import T0
+
+    return {"request_id": rid, "scenario": "s2", "role": "target", "n": 1, "sent_mono_ns": T0 + int(sent * 1e9),
+            "first_token_mono_ns": T0 + int(first * 1e9), "closed_mono_ns": None, "cancel_mono_ns": None,
+            "terminal_state": None}
+
+
+def test_a_count_the_ledgers_by_chance_with_a_newcomer_not_yet_counted_shows_no_release():
+    from tests.test_verdicts import ADDED
+
+    # the cancel never reached the engine (no log): tg runs on, one block, to the run's end. A newcomer sent at
+    # 3.93 s is counted from 4.05 s, past the grace: till then the count (2) is the ledger's without tg
+    late = small_run(lambda t: 2.0 if t < 4.05 else 3.0, [newcomer("nw", 3.93, 4.13)])
+    # a starved API server hands one sent at 2.3 s to the engine at 4.05 s
+    stalled = small_run(lambda t: 2.0 if t < 4.05 else 3.0, [newcomer("nw", 2.3, 4.25)])
+    # the abort logged but tg kept; one newcomer counted at 2.55 s (usage rose), another Added at 3.93 s
+    log = [*ADDED, ("engine_aborted", "tg", 2.005), ("engine_added", "a", 2.5), ("engine_added", "b", 3.93)]
+    kept = small_run(lambda t: 2.0 + (t >= 2.55) + (t >= 4.05), [newcomer("a", 2.49, 2.69), newcomer("b", 3.92, 4.12)],
+                     engine_log=log)
+    for name, run in (("late", late), ("stalled", stalled), ("kept", kept)):
+        (v,) = [x for x in judge_run(run) if x.request_id == "tg"]
+        assert v.verdict != "released" and v.evidence.kv_drop_waived != "blocks_of_the_running", (name, v.rule)

@@ -291,9 +291,10 @@ def _gone_by_idle(gone_at: dict[str, float], stopped: dict[str, tuple[float, str
 
 def _pool_blocks(run: Run, target: str | None) -> int | None:
     """The engine's KV blocks (vllm:cache_config_info's num_gpu_blocks); None where it did not say."""
+    cache = (run.info.get("cache") or {}).get(target or "")
     try:
-        blocks = int(float((run.info.get("cache") or {}).get(target or "", {}).get("num_gpu_blocks")))
-    except (TypeError, ValueError):
+        blocks = int(float(cache.get("num_gpu_blocks"))) if isinstance(cache, dict) else 0
+    except (TypeError, ValueError, OverflowError):
         return None
     return blocks if blocks > 1 else None
 
@@ -772,12 +773,13 @@ class VllmCase(Case):
     def blocks_of_the_running(self) -> np.ndarray:
         """Per sample of the stretch: every KV block in use is one the running requests hold, at one each (KV
         usage is blocks in use over num_gpu_blocks - 1, from vllm:cache_config_info), and no running request
-        shares a block with another: the prefix cache gave no prompt a hit since the first of them entered
-        (blocks are only ever shared through a hit). A running request holds at least one block of its own
-        (the one its next token goes in; vLLM never takes a prompt's last token from the cache), so none is
-        left for one the count no longer holds (read where the count is the ledger's exactly). Seen under
-        AIPerf at concurrency 4: an abort, and in the same step two newcomers (one on its way at the stop):
-        3 blocks for 3 requests at the stop, 4 for 4 after it, usage never lower within the grace."""
+        shares a block with another: the prefix cache gave no prompt a hit, and the scheduler preempted none,
+        since the first of them entered (blocks are shared through a hit, or a preempted request resumed from
+        the cache). A running request holds at least one block of its own (its last: vLLM never takes a
+        prompt's last token from the cache), so none is left for one the count no longer holds (read where the
+        count is the ledger's exactly, each of its requests surely counted). Seen under AIPerf at
+        concurrency 4: an abort, and in the same step two newcomers (one on its way at the stop): 3 blocks
+        for 3 requests at the stop, 4 for 4 after it, usage never lower within the grace."""
         times, sched = self.sched["t_s"], self.sched
         out = np.zeros(len(times), dtype=bool)
         pool = _pool_blocks(self.run, self.target)
@@ -799,12 +801,28 @@ class VllmCase(Case):
         base = all_hits[i0]
         running = sched["count"] - np.nan_to_num(sched["waiting"])
         used = np.round(sched["kv"] * (pool - 1))
-        # the count the ledger's exactly, without this one: every request it holds is another of the ledger's
-        # (one fewer could be this one still counted, a newcomer not yet)
+        # the count the ledger's exactly, without this one: every request it holds is another of the ledger's.
+        # Only where each of those is surely counted by the engine too (its first token had reached its client):
+        # else the count can hold this one in the place of a newcomer the engine has not taken yet (the ledger
+        # counts it from its Added line, or its send with no log; the gauges from the engine's next step)
         exact = np.abs(sched["count"] - (self.inflight + self.ended_unseen)) < 1e-9
+        unseen = np.zeros(len(times), dtype=bool)
+        for row in self.run.ledger.itertuples(index=False):
+            if row.request_id == self.rid or pd.isna(row.sent_mono_ns) or row.request_id in self.not_entered:
+                continue
+            added = self.englog.added.get((self.target, row.request_id))
+            t_in = min(added) - LOG_SLACK_S if added else (row.sent_mono_ns - t0) / 1e9
+            first = math.inf if pd.isna(row.first_token_mono_ns) else (row.first_token_mono_ns - t0) / 1e9
+            unseen |= (times >= t_in) & (times < first) & (times < _ledger_end_s(row, self.ledger_ends, t0))
+        pre = sched["preemptions"]
         with np.errstate(invalid="ignore"):
             no_hit = np.logical_and.accumulate(~np.isnan(hits) & (hits <= base))
-            return no_hit & exact & (used <= running) & (times >= first_in)
+            # a preempted request resumed from the cache shares blocks without the hits counter moving (vLLM
+            # counts its hits apart and does not serve them)
+            pre_base = self.frame_cols["preemptions"][i0]
+            no_preempt = np.logical_and.accumulate(~np.isnan(pre) & (pre <= pre_base)) if not np.isnan(pre_base) \
+                else np.zeros(len(times), dtype=bool)
+            return no_hit & no_preempt & exact & ~unseen & (used <= running) & (times >= first_in)
 
     @cached_property
     def entering(self) -> np.ndarray:
