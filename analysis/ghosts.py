@@ -119,7 +119,7 @@ class WatchGhosts:
     """The watch's ghosts, live: Ghosts read a grace behind the clock. A cancel leaves the watch's flight at its
     client's close but is judged a grace later; read at once, a leaked one not judged yet sat in the count's
     surplus as nothing, and hid another ghost's end: under steady leaking there always was one, and a ghost that
-    left stayed counted until a second one left (minutes, where the others ran long). So each reading (the
+    left stayed counted until a second one left or the leaking stopped. So each reading (the
     engine's count, the watch's requests in flight) waits until every cancel stopped before it has its verdict:
     a leaked one is a ghost from its close, one that left (released, or leaked and seen leaving) is in the
     engine until then; the rest are not known, and the surplus may hold them (the ghosts stay a bound from

@@ -83,7 +83,7 @@ def watch_readings(cancels, until_s):
 def test_under_steady_leaking_a_ghost_that_left_is_counted_for_its_grace_and_the_hold_at_most(one_short):
     # live, a cancel is known leaked only at its verdict, a grace after its close: until then it sits in the
     # count's surplus. Read at once, it hid an older ghost's end, and under steady leaking there always was one:
-    # with the others running long, the one that ran out at 13 s stayed counted until the next left (107 s on)
+    # with the others running long, the one that ran out at 13 s stayed counted until the leaking stopped (62 s)
     cancels = steady_leaking(runs_on_s=120.0, until_s=60.0)
     if one_short:
         stop, _, _ = cancels[10]
