@@ -766,8 +766,13 @@ class VllmCase(Case):
         entered = [min(ts) for (tgt, rid), ts in self.englog.added.items()
                    if tgt == self.target and rid != self.rid and ts and min(ts) >= self.t_ref - LOG_SLACK_S - doubt]
         first = min(entered, default=math.inf)
-        exact = np.abs(sched["count"] - (self.inflight + self.ended_unseen)) < 1e-9
-        return (times >= first) & exact & (sched["kv"] <= kv_before + 1e-12)
+        return (times >= first) & self.count_exact & (sched["kv"] <= kv_before + 1e-12)
+
+    @cached_property
+    def count_exact(self) -> np.ndarray:
+        """Per sample of the stretch: the count is the ledger's exactly (its ends after the engine's last step
+        still in it: ended_unseen), this request's own share left out from its end."""
+        return np.abs(self.sched["count"] - (self.inflight + self.ended_unseen)) < 1e-9
 
     @cached_property
     def blocks_of_the_running(self) -> np.ndarray:
@@ -805,7 +810,6 @@ class VllmCase(Case):
         # Only where each of those is surely counted by the engine too (its first token had reached its client):
         # else the count can hold this one in the place of a newcomer the engine has not taken yet (the ledger
         # counts it from its Added line, or its send with no log; the gauges from the engine's next step)
-        exact = np.abs(sched["count"] - (self.inflight + self.ended_unseen)) < 1e-9
         unseen = np.zeros(len(times), dtype=bool)
         for row in self.run.ledger.itertuples(index=False):
             if row.request_id == self.rid or pd.isna(row.sent_mono_ns) or row.request_id in self.not_entered:
@@ -822,7 +826,7 @@ class VllmCase(Case):
             pre_base = self.frame_cols["preemptions"][i0]
             no_preempt = np.logical_and.accumulate(~np.isnan(pre) & (pre <= pre_base)) if not np.isnan(pre_base) \
                 else np.zeros(len(times), dtype=bool)
-            return no_hit & no_preempt & exact & ~unseen & (used <= running) & (times >= first_in)
+            return no_hit & no_preempt & self.count_exact & ~unseen & (used <= running) & (times >= first_in)
 
     @cached_property
     def entering(self) -> np.ndarray:
@@ -1236,8 +1240,8 @@ def released(c: VllmCase) -> CancelVerdict | None:
         count_ok[:grace_end] = np.logical_and.accumulate(count_ok_all[:grace_end][::-1])[::-1]
     # a request that held KV must give it back: the probe taking blocks does not excuse a KV usage
     # that never fell
-    kv_ok = (below | c.taken_in_its_place(kv_before) | c.blocks_of_the_running) if needs_kv_drop \
-        else np.ones(len(times), dtype=bool)
+    taken = c.taken_in_its_place(kv_before) if needs_kv_drop else None
+    kv_ok = (below | taken | c.blocks_of_the_running) if needs_kv_drop else np.ones(len(times), dtype=bool)
     hits = after[(count_ok & kv_ok & c.moved)[after]]
     if not len(hits):
         return None
@@ -1246,7 +1250,7 @@ def released(c: VllmCase) -> CancelVerdict | None:
     if times[left] - t_ref > c.grace_s:
         return None
     if not below[left] and needs_kv_drop:
-        ev.kv_drop_waived = "taken_in_its_place" if c.taken_in_its_place(kv_before)[left] else "blocks_of_the_running"
+        ev.kv_drop_waived = "taken_in_its_place" if taken[left] else "blocks_of_the_running"
     ev.count_after = float(sched["count"][left])
     ev.ledger_after = float(c.inflight[left])
     ev.kv_after = float(sched["kv"][left])
