@@ -760,13 +760,34 @@ class VllmCase(Case):
         place: the newcomer's prefill takes the freed blocks, and KV usage cannot fall (seen under AIPerf at
         concurrency 4: two cancels' aborts and two new requests' Added lines in the same 5 ms, the count at 4
         throughout). A newcomer holds blocks once counted: usage no higher with it counted and this one not
-        says this one's blocks went back."""
+        says this one's blocks went back. Read only where every other request the ledger counts is surely
+        counted by the engine too (others_unseen): else the count can hold this one, leaked, in the place of a
+        newcomer the engine has not taken yet, with KV usage no higher for the same reason, or a release read
+        a step before the step that made it."""
         times, sched = self.sched["t_s"], self.sched
         doubt = self.englog.entry_doubt_s(self.target)
         entered = [min(ts) for (tgt, rid), ts in self.englog.added.items()
                    if tgt == self.target and rid != self.rid and ts and min(ts) >= self.t_ref - LOG_SLACK_S - doubt]
         first = min(entered, default=math.inf)
-        return (times >= first) & self.count_exact & (sched["kv"] <= kv_before + 1e-12)
+        return (times >= first) & self.count_exact & ~self.others_unseen & (sched["kv"] <= kv_before + 1e-12)
+
+    @cached_property
+    def others_unseen(self) -> np.ndarray:
+        """Per sample of the stretch: another request the ledger counts in the engine there (from its Added
+        line, or its send with no log) is not surely counted by the engine yet: its first token had not
+        reached its client. The gauges take a newcomer only from the engine's next step (on a starved host,
+        seconds later): a count at the ledger's exactly there can hold this one in the newcomer's place."""
+        times = self.sched["t_s"]
+        out = np.zeros(len(times), dtype=bool)
+        t0 = self.run.info["started_mono_ns"]
+        for row in self.run.ledger.itertuples(index=False):
+            if row.request_id == self.rid or pd.isna(row.sent_mono_ns) or row.request_id in self.not_entered:
+                continue
+            added = self.englog.added.get((self.target, row.request_id))
+            t_in = min(added) - LOG_SLACK_S if added else (row.sent_mono_ns - t0) / 1e9
+            first = math.inf if pd.isna(row.first_token_mono_ns) else (row.first_token_mono_ns - t0) / 1e9
+            out |= (times >= t_in) & (times < first) & (times < _ledger_end_s(row, self.ledger_ends, t0))
+        return out
 
     @cached_property
     def count_exact(self) -> np.ndarray:
@@ -806,18 +827,6 @@ class VllmCase(Case):
         base = all_hits[i0]
         running = sched["count"] - np.nan_to_num(sched["waiting"])
         used = np.round(sched["kv"] * (pool - 1))
-        # the count the ledger's exactly, without this one: every request it holds is another of the ledger's.
-        # Only where each of those is surely counted by the engine too (its first token had reached its client):
-        # else the count can hold this one in the place of a newcomer the engine has not taken yet (the ledger
-        # counts it from its Added line, or its send with no log; the gauges from the engine's next step)
-        unseen = np.zeros(len(times), dtype=bool)
-        for row in self.run.ledger.itertuples(index=False):
-            if row.request_id == self.rid or pd.isna(row.sent_mono_ns) or row.request_id in self.not_entered:
-                continue
-            added = self.englog.added.get((self.target, row.request_id))
-            t_in = min(added) - LOG_SLACK_S if added else (row.sent_mono_ns - t0) / 1e9
-            first = math.inf if pd.isna(row.first_token_mono_ns) else (row.first_token_mono_ns - t0) / 1e9
-            unseen |= (times >= t_in) & (times < first) & (times < _ledger_end_s(row, self.ledger_ends, t0))
         pre = sched["preemptions"]
         with np.errstate(invalid="ignore"):
             no_hit = np.logical_and.accumulate(~np.isnan(hits) & (hits <= base))
@@ -826,7 +835,8 @@ class VllmCase(Case):
             pre_base = self.frame_cols["preemptions"][i0]
             no_preempt = np.logical_and.accumulate(~np.isnan(pre) & (pre <= pre_base)) if not np.isnan(pre_base) \
                 else np.zeros(len(times), dtype=bool)
-            return no_hit & no_preempt & self.count_exact & ~unseen & (used <= running) & (times >= first_in)
+            surely = self.count_exact & ~self.others_unseen
+            return no_hit & no_preempt & surely & (used <= running) & (times >= first_in)
 
     @cached_property
     def entering(self) -> np.ndarray:
@@ -1239,9 +1249,10 @@ def released(c: VllmCase) -> CancelVerdict | None:
     if grace_end:
         count_ok[:grace_end] = np.logical_and.accumulate(count_ok_all[:grace_end][::-1])[::-1]
     # a request that held KV must give it back: the probe taking blocks does not excuse a KV usage
-    # that never fell
-    taken = c.taken_in_its_place(kv_before) if needs_kv_drop else None
-    kv_ok = (below | taken | c.blocks_of_the_running) if needs_kv_drop else np.ones(len(times), dtype=bool)
+    # that never fell, only what shows its blocks went back all the same
+    waivers = {"taken_in_its_place": c.taken_in_its_place(kv_before),
+               "blocks_of_the_running": c.blocks_of_the_running} if needs_kv_drop else {}
+    kv_ok = np.logical_or.reduce([below, *waivers.values()]) if needs_kv_drop else np.ones(len(times), dtype=bool)
     hits = after[(count_ok & kv_ok & c.moved)[after]]
     if not len(hits):
         return None
@@ -1250,7 +1261,7 @@ def released(c: VllmCase) -> CancelVerdict | None:
     if times[left] - t_ref > c.grace_s:
         return None
     if not below[left] and needs_kv_drop:
-        ev.kv_drop_waived = "taken_in_its_place" if taken[left] else "blocks_of_the_running"
+        ev.kv_drop_waived = next(name for name, shown in waivers.items() if shown[left])
     ev.count_after = float(sched["count"][left])
     ev.ledger_after = float(c.inflight[left])
     ev.kv_after = float(sched["kv"][left])
