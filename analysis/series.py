@@ -3,13 +3,19 @@ side by side. Times `t_s` are instants, seconds since the run started."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 
 from runstore.reader import Run
 
 SERIES_COLUMNS = ["scrape_id", "t_s", "source", "target", "value"]
-SCHEDULER_COLUMNS = ["t_s", "running", "waiting", "count", "kv", "gen_tokens", "prefix_hits", "preemptions"]
+SCHEDULER_COLUMNS = ["t_s", "running", "waiting", "count", "kv", "gen_tokens", "prefix_hits", "preemptions",
+                     "finished"]
+# vllm:request_success_total's reasons for a request the engine ended by itself: an abort (there only from some
+# paths: vLLM 0.32 counts no client's) and an error are not a request run to its end
+OWN_ENDS = frozenset({"stop", "length", "repetition"})
 
 
 def series_frame(run: Run, metric: str, target: str | None = None) -> pd.DataFrame:
@@ -26,16 +32,32 @@ def series_frame(run: Run, metric: str, target: str | None = None) -> pd.DataFra
     return df[SERIES_COLUMNS].sort_values("t_s", kind="stable").reset_index(drop=True)
 
 
+def own_ends(run: Run, target: str | None = None) -> pd.Series:
+    """Per scrape (indexed by t_s): the requests the engine ended by themselves (requests_finished_total over
+    the finished_reason labels of OWN_ENDS), a counter; empty where no series says its reason."""
+    df = run.series("requests_finished_total", target=target)
+    if df.empty:
+        return pd.Series(dtype=float)
+    reasons = {lab: (json.loads(lab) if lab else {}).get("finished_reason") for lab in df["labels"].unique()}
+    df = df[df["labels"].map(reasons).isin(OWN_ENDS)]
+    if df.empty:
+        return pd.Series(dtype=float)
+    return df.groupby("scrape_id", observed=True).agg(t_s=("t_s", "first"), value=("value", "sum")) \
+        .sort_values("t_s", kind="stable").set_index("t_s")["value"]
+
+
 def scheduler_frame(run: Run, target: str | None = None) -> pd.DataFrame:
     """Per scrape: t_s, running, waiting, count (= running + waiting), kv (KV-cache usage ratio,
     0..1), gen_tokens (generation_tokens_total, a counter), prefix_hits and preemptions (counters: prompt
-    tokens found in the prefix cache, requests preempted); a series the engine does not serve is NaN."""
+    tokens found in the prefix cache, requests preempted), finished (a counter: own_ends); a series the
+    engine does not serve is NaN."""
     parts = {}
     for col, metric in (("running", "requests_running"), ("waiting", "requests_waiting"),
                         ("kv", "kv_cache_usage_ratio"), ("gen_tokens", "generation_tokens_total"),
                         ("prefix_hits", "prefix_cache_hits_tokens_total"), ("preemptions", "preemptions_total")):
         df = series_frame(run, metric, target)
         parts[col] = df.set_index("t_s")["value"] if not df.empty else pd.Series(dtype=float)
+    parts["finished"] = own_ends(run, target)
     frame = pd.DataFrame(parts).sort_index()
     # counters the scheduler's scrape carries beside its gauges: a stray instant of theirs alone adds no row
     frame = frame[frame[["running", "waiting", "kv", "gen_tokens"]].notna().any(axis=1)]

@@ -90,6 +90,11 @@ class EventRecord:
     data: dict = field(default_factory=dict)
 
 
+# the scenario of every request a watch saw (collectors/recording/watch_ledger.py): real traffic, whose bodies the
+# recorder did not write. The driver's own requests ask for max_tokens with ignore_eos: each runs to its length
+WATCHED_SCENARIO = "watched"
+
+
 @dataclass
 class LedgerRecord:
     """What the client knows of one request.

@@ -281,6 +281,12 @@ RULES: dict[str, Rule] = {
     "gauges_not_refreshed": Rule(STALE_GAUGE, "no engine step refreshed the gauges within the grace: they are stale "
                                  "until the next step"),
     "kv_did_not_fall": Rule(INCONCLUSIVE, "the count reconciled but KV usage did not fall within the grace"),
+    "finished_unseen": Rule(INCONCLUSIVE, "the count reconciled only with {unread} request(s) the engine had ended "
+                            "by themselves (vllm:request_success_total rose) that no end the clients read accounts "
+                            "for: requests whose clients had not read their end yet (a slow reader, a hop that "
+                            "buffers) or other traffic's. Counted by the ledger and not by the engine, they may "
+                            "stand in for this one: `cancelwatch report --grace` long enough to reach past their "
+                            "ends tells"),
     "abort_logged_still_generating": Rule(LEAKED, "the engine logged the abort, yet still counts the request after "
                                           "the grace while it keeps generating: the abort did not free it"),
     "abort_logged_gauges_stale": Rule(STALE_GAUGE, "the engine logged the abort; the gauges stayed up but no tokens "

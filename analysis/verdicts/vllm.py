@@ -64,6 +64,7 @@ from analysis.verdicts.paid_tokens import tokens_after_left
 from analysis.verdicts.log_clock import LogClock, log_evidence
 from analysis.verdicts.log_ids import LogIds
 from runstore.reader import Run
+from runstore.records import WATCHED_SCENARIO
 
 VLLM = "vllm"
 ENGINE_LOG = "engine_log"  # the source name of the engine log's gaps (collectors/sources/engine_log.py)
@@ -289,6 +290,13 @@ def _gone_by_idle(gone_at: dict[str, float], stopped: dict[str, tuple[float, str
     return out
 
 
+def _sum_from(times: np.ndarray, starts: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Per instant of `times`: the weights of the starts at or before it."""
+    order = np.argsort(starts, kind="stable")
+    cum = np.concatenate(([0.0], np.cumsum(weights[order])))
+    return cum[np.searchsorted(starts[order], times, side="right")]
+
+
 def _pool_blocks(run: Run, target: str | None) -> int | None:
     """The engine's KV blocks (vllm:cache_config_info's num_gpu_blocks); None where it did not say."""
     cache = (run.info.get("cache") or {}).get(target or "")
@@ -443,7 +451,7 @@ class _RunFrames:
             times = sched["t_s"].to_numpy()
             added = self.added(target)
             cols = {c: sched[c].to_numpy(dtype=float) for c in ("t_s", "count", "waiting", "kv", "gen_tokens",
-                                                                  "prefix_hits", "preemptions")}
+                                                                  "prefix_hits", "preemptions", "finished")}
             within = LOG_SLACK_S + englog.entry_doubt_s(target) + ENTER_S
             gone = _gone_by_idle(self.gone_at, self.stopped, target, cols, added, within)
             ends = {**gone, **englog.done_with(run, ledger, target, cols, gone, added)} if len(times) else gone
@@ -788,6 +796,63 @@ class VllmCase(Case):
             first = math.inf if pd.isna(row.first_token_mono_ns) else (row.first_token_mono_ns - t0) / 1e9
             out |= (times >= t_in) & (times < first) & (times < _ledger_end_s(row, self.ledger_ends, t0))
         return out
+
+    @cached_property
+    def finished_unseen(self) -> np.ndarray:
+        """Per sample of the stretch: requests the engine had ended by themselves that the ledger still counts,
+        at the least. From the stretch's first sample (a second before the stop: a watch's window holds it
+        too), every end of the engine's own (vllm:request_success_total: series.own_ends) is one of the
+        requests the ledger counts, or one it no longer counts there: one whose end reached its client; one
+        it stopped counting in the stretch (a cancel, an error) that could have ended before its abort line
+        (the driver's requests, with ignore_eos, only once 1.25 times the fastest one sequence went in the
+        window could have made their max_tokens; another only with no abort line: the API server logs none for a request
+        that ended before its client left); one it stopped counting before, as many as the engine counted
+        beyond the ledger at the stretch's first sample. More ends than those, up to the requests the ledger counts: the
+        ledger counts requests the engine had ended. A client reading slowly, or a hop buffering, ends a
+        request in the ledger long after the engine ended it: counted by the ledger and not by the engine,
+        it stands in, in a count at the ledger's, for this one kept (engine_done.py cannot tell: the kept
+        one fills the count; an end longer before the stop is its, where the log names every request)."""
+        times, fin, gen = self.sched["t_s"], self.sched["finished"], self.sched["gen_tokens"]
+        if not len(times) or np.isnan(fin[0]):
+            return np.zeros(len(times))  # the engine does not say why its requests ended
+        t_w, t0, ledger = float(times[0]), self.run.info["started_mono_ns"], self.run.ledger
+        sent = (ledger["sent_mono_ns"].to_numpy(dtype=float) - t0) / 1e9
+        closed = np.nan_to_num((ledger["closed_mono_ns"].to_numpy(dtype=float) - t0) / 1e9, nan=math.inf)
+        rids = ledger["request_id"].to_numpy()
+        ends = np.array([self.ledger_ends.get(rid, c) for rid, c in zip(rids, closed)], dtype=float)
+        t_abort = np.array([min(self.englog.aborted.get((self.target, rid)) or [math.inf]) for rid in rids])
+        seqs = ledger["n"].fillna(1).to_numpy(dtype=float) if "n" in ledger else np.ones(len(ledger))
+        completed = (ledger["terminal_state"] == "completed").to_numpy() & np.isfinite(closed)
+        # the earliest each could have ended by itself: one that may end at any token (not the driver's) before
+        # its abort line only as its last output crossed its client's leaving, a race the log cannot show
+        from_s = np.where(np.isfinite(t_abort), t_abort, -math.inf)
+        # the fastest one sequence went within the window (a watch's window holds it too: the whole run's may
+        # be faster, and judge otherwise)
+        sched, w = self.sched, times <= self.t_end
+        solo = solo_tokens_per_s(times[w], (sched["count"] - np.nan_to_num(sched["waiting"]))[w], sched["waiting"][w],
+                                 gen[w])
+        rate = None if solo is None else 1.25 * solo
+        if "max_tokens" in ledger:
+            max_tokens = ledger["max_tokens"].to_numpy(dtype=float)
+            bounded = (ledger["scenario"] != WATCHED_SCENARIO).to_numpy() & (max_tokens > 0)
+            from_s[bounded] = sent[bounded] + max_tokens[bounded] / rate if rate else -math.inf
+        # each request the ledger no longer counts that may have ended by itself in the stretch, from when
+        with np.errstate(invalid="ignore"):
+            could = ~np.isnan(sent) & np.where(completed, ends > t_w,
+                                               np.isfinite(ends) & (t_abort > t_w) & (from_s < t_abort))
+        start = np.maximum(ends, from_s)
+        early = could & ~completed & (ends < t_w)
+        late = could & ~early
+        surplus = np.nan_to_num(self.sched["count"][0] - self.inflight[0] - self.ended_unseen[0])
+        explained = _sum_from(times, start[late], seqs[late]) \
+            + np.minimum(max(surplus, 0.0), _sum_from(times, start[early], seqs[early]))
+        # the counter as of the gauges: an end the API server made (a stop string) is counted a step or two
+        # before the engine drops the request (VllmCase.ended_unseen's steps)
+        rises = np.nonzero(gen[1:] > gen[:-1])[0] + 1
+        k = np.searchsorted(rises, np.arange(len(times)), side="right")
+        settled = np.where(k >= 2, rises[np.maximum(k - 2, 0)] - 1 if len(rises) else 0, 0)
+        rose = np.nan_to_num(fin[settled] - fin[0])
+        return np.clip(rose - explained, 0.0, np.maximum(self.inflight, 0.0))
 
     @cached_property
     def count_exact(self) -> np.ndarray:
@@ -1240,8 +1305,9 @@ def released(c: VllmCase) -> CancelVerdict | None:
     below = sched["kv"] < kv_before if not math.isnan(kv_before) else np.zeros(len(times), dtype=bool)
     drop = after[below[after]]
     ev.kv_drop_s = float(times[drop[0]]) if len(drop) else None
-    # another request's end after the engine's last step is not in its gauges yet (VllmCase.ended_unseen)
-    count_ok_all = sched["count"] <= c.inflight + c.ended_unseen + 1e-9
+    # another request's end after the engine's last step is not in its gauges yet (VllmCase.ended_unseen); a
+    # request the engine ended that the ledger still counts is not in them either (finished_unseen)
+    count_ok_all = sched["count"] <= c.inflight + c.ended_unseen - c.finished_unseen + 1e-9
     grace_end = int(np.searchsorted(times, t_ref + c.grace_s, side="right"))
     # the count must stay reconciled to the end of the grace: a probe sent right after the abort
     # can stand in for a request that never left until the server counts the probe too
@@ -1296,7 +1362,13 @@ def held(c: VllmCase) -> CancelVerdict:
     ev.generation_tokens_delta = float(gen[-1] - gen[0]) if len(gen) >= 2 else None
     if not len(excess) or ev.excess_at_grace_end <= 0:
         ev.gauges_refreshed = bool(c.moved[in_grace].any())
-        return c.verdict("kv_did_not_fall" if ev.gauges_refreshed else "gauges_not_refreshed")
+        if not ev.gauges_refreshed:
+            return c.verdict("gauges_not_refreshed")
+        # the count at the ledger's only with requests the engine had ended and the ledger still counts
+        hidden = c.finished_unseen[in_grace]
+        if len(hidden) and (excess + hidden > 0)[refreshed[-1] if len(refreshed) else -1]:
+            return c.verdict("finished_unseen", unread=int(hidden.max()))
+        return c.verdict("kv_did_not_fall")
     if c.t_log_abort is not None:
         # the log names every request (no foreign id in the window) and this one's abort: an excess
         # that stays is the engine keeping a request it was told to drop

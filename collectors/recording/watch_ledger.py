@@ -18,9 +18,9 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 
-from runstore.records import EventRecord, LedgerRecord
+from runstore.records import WATCHED_SCENARIO, EventRecord, LedgerRecord
 
-SCENARIO = "watched"  # every watched request's ledger scenario: real traffic, one stream of it
+SCENARIO = WATCHED_SCENARIO  # every watched request's ledger scenario: real traffic, one stream of it
 CANCELLED = "target"  # the role of a request its client gave up on (the scripted target's role)
 WATCHED = "watched"  # the role of every other request the watch saw
 MODE = "client_gone"  # the user_stop's mode: how a real client gives up
