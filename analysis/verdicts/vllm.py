@@ -735,22 +735,30 @@ class VllmCase(Case):
         return out
 
     @cached_property
+    def settled(self) -> np.ndarray:
+        """Per sample of the stretch: the sample the gauges there hold every end before (-1: none known, fewer
+        than two steps seen). A rise of generation_tokens_total is a step's output; that step was scheduled
+        (its gauges made, the aborts before it taken) before it, maybe before the sample ahead of it (seen: a
+        step of 2 tokens stretched over 50 ms with two aborts in it, its count still 4). The step after it was
+        scheduled after that sample: the gauges hold every end before the sample ahead of the second-latest
+        rise."""
+        gen = self.sched["gen_tokens"]
+        rises = np.nonzero(gen[1:] > gen[:-1])[0] + 1
+        k = np.searchsorted(rises, np.arange(len(gen)), side="right")
+        out = np.full(len(gen), -1)
+        two = k >= 2
+        out[two] = rises[k[two] - 2] - 1
+        return out
+
+    @cached_property
     def ended_unseen(self) -> np.ndarray:
         """Per sample of the stretch: sequences of other requests the ledger ended (their abort, their close)
         after the engine's last step before that sample. The gauges are the engine's as of its last step
         (generation_tokens_total rose since the sample before): an end after it is not in them yet, and read
         against a ledger that has it, the count reads one too high (seen under AIPerf on two cores: a step of
         the engine stalled 0.3 s while two other cancels' aborts came, and the stretch's excess was theirs)."""
-        times, gen = self.sched["t_s"], self.sched["gen_tokens"]
-        rises = np.nonzero(gen[1:] > gen[:-1])[0] + 1
-        # a rise is a step's output; that step was scheduled (its gauges made, the aborts before it taken) before
-        # it, maybe before the sample ahead of it (seen: a step of 2 tokens stretched over 50 ms with two aborts
-        # in it, its count still 4). The step after it was scheduled after that sample: the gauges hold every end
-        # before the sample ahead of the second-latest rise
-        k = np.searchsorted(rises, np.arange(len(times)), side="right")
-        last_step = np.full(len(times), -math.inf)
-        two = k >= 2
-        last_step[two] = times[rises[k[two] - 2] - 1]
+        times, settled = self.sched["t_s"], self.settled
+        last_step = np.where(settled >= 0, times[np.maximum(settled, 0)], -math.inf)
         out = np.zeros(len(times))
         t0 = self.run.info["started_mono_ns"]
         for row in self.run.ledger.itertuples(index=False):
@@ -805,14 +813,16 @@ class VllmCase(Case):
         requests the ledger counts, or one it no longer counts there: one whose end reached its client; one
         it stopped counting in the stretch (a cancel, an error) that could have ended before its abort line
         (the driver's requests, with ignore_eos, only once 1.25 times the fastest one sequence went in the
-        window could have made their max_tokens; another only with no abort line: the API server logs none for a request
-        that ended before its client left); one it stopped counting before, as many as the engine counted
-        beyond the ledger at the stretch's first sample. More ends than those, up to the requests the ledger counts: the
-        ledger counts requests the engine had ended. A client reading slowly, or a hop buffering, ends a
-        request in the ledger long after the engine ended it: counted by the ledger and not by the engine,
-        it stands in, in a count at the ledger's, for this one kept (engine_done.py cannot tell: the kept
-        one fills the count; an end longer before the stop is its, where the log names every request)."""
-        times, fin, gen = self.sched["t_s"], self.sched["finished"], self.sched["gen_tokens"]
+        window could have made their max_tokens; another only with no abort line: the API server logs none
+        for a request that ended before its client left); one it stopped counting before, as many as the
+        engine counted beyond the ledger at the stretch's first sample. More ends than those, up to the
+        requests the ledger counts: the ledger counts requests the engine had ended. A client reading slowly,
+        or a hop buffering, ends a request in the ledger long after the engine ended it: counted by the
+        ledger and not by the engine, it stands in, in a count at the ledger's, for this one kept
+        (engine_done.py cannot tell: the kept one fills the count; an end longer before the stop is its,
+        where the log names every request)."""
+        sched = self.sched
+        times, fin = sched["t_s"], sched["finished"]
         if not len(times) or np.isnan(fin[0]):
             return np.zeros(len(times))  # the engine does not say why its requests ended
         t_w, t0, ledger = float(times[0]), self.run.info["started_mono_ns"], self.run.ledger
@@ -828,9 +838,9 @@ class VllmCase(Case):
         from_s = np.where(np.isfinite(t_abort), t_abort, -math.inf)
         # the fastest one sequence went within the window (a watch's window holds it too: the whole run's may
         # be faster, and judge otherwise)
-        sched, w = self.sched, times <= self.t_end
+        w = times <= self.t_end
         solo = solo_tokens_per_s(times[w], (sched["count"] - np.nan_to_num(sched["waiting"]))[w], sched["waiting"][w],
-                                 gen[w])
+                                 sched["gen_tokens"][w])
         rate = None if solo is None else 1.25 * solo
         if "max_tokens" in ledger:
             max_tokens = ledger["max_tokens"].to_numpy(dtype=float)
@@ -843,15 +853,12 @@ class VllmCase(Case):
         start = np.maximum(ends, from_s)
         early = could & ~completed & (ends < t_w)
         late = could & ~early
-        surplus = np.nan_to_num(self.sched["count"][0] - self.inflight[0] - self.ended_unseen[0])
+        surplus = np.nan_to_num(sched["count"][0] - self.inflight[0] - self.ended_unseen[0])
         explained = _sum_from(times, start[late], seqs[late]) \
             + np.minimum(max(surplus, 0.0), _sum_from(times, start[early], seqs[early]))
         # the counter as of the gauges: an end the API server made (a stop string) is counted a step or two
-        # before the engine drops the request (VllmCase.ended_unseen's steps)
-        rises = np.nonzero(gen[1:] > gen[:-1])[0] + 1
-        k = np.searchsorted(rises, np.arange(len(times)), side="right")
-        settled = np.where(k >= 2, rises[np.maximum(k - 2, 0)] - 1 if len(rises) else 0, 0)
-        rose = np.nan_to_num(fin[settled] - fin[0])
+        # before the engine drops the request
+        rose = np.nan_to_num(fin[np.maximum(self.settled, 0)] - fin[0])
         return np.clip(rose - explained, 0.0, np.maximum(self.inflight, 0.0))
 
     @cached_property
@@ -1357,7 +1364,8 @@ def held(c: VllmCase) -> CancelVerdict:
     # still counted after the grace is read where the grace ends: at its last refreshed sample (one taken
     # between the abort and the engine's next step still shows the count from before the abort)
     refreshed = np.nonzero(c.moved[in_grace])[0]
-    ev.excess_at_grace_end = float(excess[refreshed[-1] if len(refreshed) else -1]) if len(excess) else None
+    at_end = refreshed[-1] if len(refreshed) else -1
+    ev.excess_at_grace_end = float(excess[at_end]) if len(excess) else None
     ev.engine_stepping = bool(stepping)
     ev.generation_tokens_delta = float(gen[-1] - gen[0]) if len(gen) >= 2 else None
     if not len(excess) or ev.excess_at_grace_end <= 0:
@@ -1366,7 +1374,7 @@ def held(c: VllmCase) -> CancelVerdict:
             return c.verdict("gauges_not_refreshed")
         # the count at the ledger's only with requests the engine had ended and the ledger still counts
         hidden = c.finished_unseen[in_grace]
-        if len(hidden) and (excess + hidden > 0)[refreshed[-1] if len(refreshed) else -1]:
+        if len(hidden) and (excess + hidden)[at_end] > 0:
             return c.verdict("finished_unseen", unread=int(hidden.max()))
         return c.verdict("kv_did_not_fall")
     if c.t_log_abort is not None:
