@@ -50,12 +50,12 @@ class Evidence:
         its stop: "preempted" (the scheduler preempted a request in the window: this one's blocks may
         have gone back before the stop), "prefix_shared" (the prefix cache gave it part of its prompt
         while another request of the run ran beside it: those blocks stay held), "taken_in_its_place"
-        (another request entered the engine from the abort on and the count held it and not this one, each
-        request it holds surely counted, with KV usage no higher than at the stop: the newcomer's prefill
-        took the freed blocks),
-        "blocks_of_the_running" (the count the ledger's exactly without it, each surely counted, and no more
-        blocks in use than running requests, with no prefix-cache hit or preemption since the first entered:
-        each holds one of its own, none is left for this one); None when it was asked
+        (a request the count did not hold at the stop entered it, with KV usage no higher than at the stop:
+        the newcomer's prefill took the freed blocks),
+        "blocks_of_the_running" (no more blocks in use than running requests, with no prefix-cache hit or
+        preemption since the first entered: each holds one of its own, none is left for this one); both
+        read only where the count is exactly the other requests of the ledger that are surely counted (their
+        first token had reached their client): not this one; None when it was asked
     count_after: requests the server counted in the sample that showed the release
     ledger_after: sequences the ledger had in the server at that sample
     kv_after: KV-cache usage ratio (0..1) at that sample

@@ -574,6 +574,9 @@ class _Baseline(NamedTuple):
     before: np.ndarray  # per sample of the case's stretch: in the second before the stop
     kv_before: float  # KV usage at the last of them; NaN when none
     ahead: bool  # the server counted fewer requests than the ledger there: the engine ran ahead
+    # this request surely held KV there: the count was the ledger's, or below it only by other requests with no
+    # token yet, which the engine may not count yet (this one's had reached its client)
+    kv_held: bool
 
 
 LAG_S = 0.25  # an end the engine made reaches its client this much later through a hop, at the most assumed
@@ -622,11 +625,22 @@ class VllmCase(Case):
         ev.ledger_before = float(self.inflight[before][-1]) if before.any() else None
         kv_before = float(self.sched["kv"][before][-1]) if before.any() else math.nan
         ev.kv_before = kv_before
-        ahead = ev.count_before is not None and ev.ledger_before is not None and ev.count_before < ev.ledger_before
+        ahead, kv_held = False, True
+        if ev.count_before is not None and ev.ledger_before is not None:
+            b = np.nonzero(before)[0][-1]
+            ids, _, counted, first = self.ledger_rows
+            ahead = ev.count_before < ev.ledger_before - 1e-9
+            # below the ledger's by the requests the engine may not count yet alone (with no token yet): none ran
+            # ahead, unless this one is one of them
+            this = ids == self.rid
+            unseen = self.unseen_with_this[b]
+            unsure = unseen > 0.5 and ev.count_before >= ev.ledger_before - unseen - 1e-9
+            maybe_uncounted = bool((counted[this, b] & (first[this] > self.sched["t_s"][b])).any())
+            kv_held = not ahead or (unsure and not maybe_uncounted)
         if ahead:
             ev.note = ("the server counted fewer requests than the client before the stop: a request had already "
                        "finished in the engine while its tokens were still on their way to the client")
-        return _Baseline(before, kv_before, ahead)
+        return _Baseline(before, kv_before, ahead, kv_held)
 
     @property
     def ahead(self) -> bool:
@@ -770,40 +784,90 @@ class VllmCase(Case):
         return out
 
     def taken_in_its_place(self, kv_before: float) -> np.ndarray:
-        """Per sample of the stretch: another request of the ledger entered the engine (its Added line) from
-        the abort on, the count holds it and not this one (the ledger's exactly), and KV usage is no higher
-        than at the stop. Under steady load the step that drops an aborted request admits the next in its
-        place: the newcomer's prefill takes the freed blocks, and KV usage cannot fall (seen under AIPerf at
-        concurrency 4: two cancels' aborts and two new requests' Added lines in the same 5 ms, the count at 4
+        """Per sample of the stretch: the count holds the ledger's requests surely counted there and no other
+        (count_surely: not this one), one of them a newcomer the gauges did not count at the stop, and KV usage
+        is no higher than at the stop. Under steady load the step that drops an aborted request admits the next
+        in its place: the newcomer's prefill takes the freed blocks, and KV usage cannot fall (seen under AIPerf
+        at concurrency 4: two cancels' aborts and two new requests' Added lines in the same 5 ms, the count at 4
         throughout). A newcomer holds blocks once counted: usage no higher with it counted and this one not
-        says this one's blocks went back. Read only where every other request the ledger counts is surely
-        counted by the engine too (others_unseen): else the count can hold this one, leaked, in the place of a
-        newcomer the engine has not taken yet, with KV usage no higher for the same reason, or a release read
-        a step before the step that made it."""
+        says this one's blocks went back. A newcomer is one that entered (its Added line) from the abort on, or
+        one the count at the stop did not hold: there too it held the surely counted requests and no other, and
+        that one's first token had not reached its client. Where the count is the ledger's only with a request
+        not surely counted in it, it can hold this one, leaked, in that one's place, with KV usage no higher for
+        the same reason: no release is read there (seen under AIPerf: a newcomer Added by the abort, counted
+        from the step after it, in the freed block, another Added as the abort came not counted yet: the count,
+        3, below the ledger's, 4, was exactly the surely counted requests)."""
         times, sched = self.sched["t_s"], self.sched
+        ids, seqs, counted, first = self.ledger_rows
         doubt = self.englog.entry_doubt_s(self.target)
-        entered = [min(ts) for (tgt, rid), ts in self.englog.added.items()
-                   if tgt == self.target and rid != self.rid and ts and min(ts) >= self.t_ref - LOG_SLACK_S - doubt]
-        first = min(entered, default=math.inf)
-        return (times >= first) & self.count_exact & ~self.others_unseen & (sched["kv"] <= kv_before + 1e-12)
+        entered = np.array([min(self.englog.added.get((self.target, rid)) or [-math.inf]) for rid in ids], dtype=float)
+        new = (ids != self.rid) & (entered >= self.t_ref - LOG_SLACK_S - doubt)
+        before = np.nonzero(self.baseline.before)[0]
+        if len(before) and self.count_surely_with_this[before[-1]]:
+            b = before[-1]
+            new |= (ids != self.rid) & counted[:, b] & (first > times[b])
+        surely_new = (counted[new] & (times >= first[new, None])).any(axis=0)
+        return surely_new & self.count_surely & (sched["kv"] <= kv_before + 1e-12)
 
     @cached_property
-    def others_unseen(self) -> np.ndarray:
-        """Per sample of the stretch: another request the ledger counts in the engine there (from its Added
-        line, or its send with no log) is not surely counted by the engine yet: its first token had not
-        reached its client. The gauges take a newcomer only from the engine's next step (on a starved host,
-        seconds later): a count at the ledger's exactly there can hold this one in the newcomer's place."""
-        times = self.sched["t_s"]
-        out = np.zeros(len(times), dtype=bool)
-        t0 = self.run.info["started_mono_ns"]
-        for row in self.run.ledger.itertuples(index=False):
-            if row.request_id == self.rid or pd.isna(row.sent_mono_ns) or row.request_id in self.not_entered:
-                continue
-            added = self.englog.added.get((self.target, row.request_id))
-            t_in = min(added) - LOG_SLACK_S if added else (row.sent_mono_ns - t0) / 1e9
-            first = math.inf if pd.isna(row.first_token_mono_ns) else (row.first_token_mono_ns - t0) / 1e9
-            out |= (times >= t_in) & (times < first) & (times < _ledger_end_s(row, self.ledger_ends, t0))
-        return out
+    def ledger_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The ledger's requests whose first token had not reached their client at the stretch's start: their
+        ids, sequences, where the ledger counts them in the engine (rows x samples, as ledger_inflight does),
+        and when their first token reached their client (inf: never)."""
+        times, t0, ledger = self.sched["t_s"], self.run.info["started_mono_ns"], self.run.ledger
+        sent = (ledger["sent_mono_ns"].to_numpy(dtype=float) - t0) / 1e9
+        first = np.nan_to_num((ledger["first_token_mono_ns"].to_numpy(dtype=float) - t0) / 1e9, nan=math.inf)
+        with np.errstate(invalid="ignore"):  # sent before the stretch's end, no first token by its start
+            keep = (sent <= (times[-1] if len(times) else -math.inf)) & (first > (times[0] if len(times) else math.inf))
+        keep &= ~ledger["request_id"].isin(self.not_entered).to_numpy()
+        rows = ledger[keep]
+        ids, sent, first = rows["request_id"].to_numpy(), sent[keep], first[keep]
+        seqs = rows["n"].fillna(1).to_numpy(dtype=float) if "n" in rows else np.ones(len(rows))
+        added = np.array([min(self.englog.added.get((self.target, rid)) or [-math.inf]) for rid in ids], dtype=float)
+        end = np.array([_ledger_end_s(row, self.ledger_ends, t0) for row in rows.itertuples(index=False)],
+                       dtype=float)
+        counted = (times >= np.maximum(sent, added)[:, None]) & (times < end[:, None])
+        return ids, seqs, counted, first
+
+    def _count_surely(self, unseen: np.ndarray) -> np.ndarray:
+        exact = np.abs(self.sched["count"] - (self.inflight - unseen)) < 1e-9
+        ends = self.own_ends_unexplained
+        if ends is None:
+            # a sure one the engine had ended (a slow reader) may leave room in the count for another: with none
+            # unseen, the count is the ledger's whole (as before vLLM said why its requests ended); with some,
+            # that room is theirs or this one's, and nothing says which
+            return exact & (unseen < 0.5)
+        # the ends as of the sample, not of the gauges (finished_unseen): an end counted before the engine drops
+        # its request only makes the count less sure
+        with np.errstate(invalid="ignore"):
+            return exact & (self.finished_unseen < 0.5) & ((ends < 0.5) | (unseen < 0.5))
+
+    @cached_property
+    def count_surely(self) -> np.ndarray:
+        """Per sample of the stretch: the count holds the other requests the ledger counts that are surely
+        counted by the engine, and no other. The ledger counts a request from its Added line, the gauges only
+        from the engine's next step (on a starved host, seconds later); vLLM sets them from a step before it
+        sends that step's tokens on, so one whose first token reached its client is surely counted (vLLM 0.32's
+        output handler yields before it sets them only in a step of over 128 outputs, or with a stop string's
+        abort to send, and for no longer than that: a scrape served in between is not ruled out). One the
+        ledger ended after the engine's last step may be counted still (ended_unseen). A count of exactly the
+        sure ones, with no request ended by itself that the ledger still counts (finished_unseen), holds none
+        else: not this one, nor those the engine may not count yet or may count still."""
+        ids, seqs, counted, first = self.ledger_rows
+        others = ids != self.rid
+        return self._count_surely(seqs[others] @ (counted[others] & (self.sched["t_s"] < first[others, None])))
+
+    @cached_property
+    def unseen_with_this(self) -> np.ndarray:
+        """Per sample of the stretch: sequences the ledger counts whose first token had not reached their client,
+        this request's among them (before its stop)."""
+        ids, seqs, counted, first = self.ledger_rows
+        return seqs @ (counted & (self.sched["t_s"] < first[:, None]))
+
+    @cached_property
+    def count_surely_with_this(self) -> np.ndarray:
+        """count_surely with this request among those the engine may not count yet (before its stop)."""
+        return self._count_surely(self.unseen_with_this)
 
     @cached_property
     def finished_unseen(self) -> np.ndarray:
@@ -821,10 +885,22 @@ class VllmCase(Case):
         ledger and not by the engine, it stands in, in a count at the ledger's, for this one kept
         (engine_done.py cannot tell: the kept one fills the count; an end longer before the stop is its,
         where the log names every request)."""
+        unexplained = self.own_ends_unexplained
+        if unexplained is None:
+            return np.zeros(len(self.sched["t_s"]))  # the engine does not say why its requests ended
+        # the counter as of the gauges: an end the API server made (a stop string) is counted a step or two
+        # before the engine drops the request
+        return np.clip(np.nan_to_num(unexplained[np.maximum(self.settled, 0)]), 0.0, np.maximum(self.inflight, 0.0))
+
+    @cached_property
+    def own_ends_unexplained(self) -> np.ndarray | None:
+        """Per sample of the stretch: the rise of the engine's own ends (vllm:request_success_total) since the
+        stretch's first sample, less the ends the requests the ledger no longer counts explain (finished_unseen);
+        NaN where the counter was not read; None where the engine does not say why its requests ended."""
         sched = self.sched
         times, fin = sched["t_s"], sched["finished"]
         if not len(times) or np.isnan(fin[0]):
-            return np.zeros(len(times))  # the engine does not say why its requests ended
+            return None
         t_w, t0, ledger = float(times[0]), self.run.info["started_mono_ns"], self.run.ledger
         sent = (ledger["sent_mono_ns"].to_numpy(dtype=float) - t0) / 1e9
         closed = np.nan_to_num((ledger["closed_mono_ns"].to_numpy(dtype=float) - t0) / 1e9, nan=math.inf)
@@ -856,16 +932,7 @@ class VllmCase(Case):
         surplus = np.nan_to_num(sched["count"][0] - self.inflight[0] - self.ended_unseen[0])
         explained = _sum_from(times, start[late], seqs[late]) \
             + np.minimum(max(surplus, 0.0), _sum_from(times, start[early], seqs[early]))
-        # the counter as of the gauges: an end the API server made (a stop string) is counted a step or two
-        # before the engine drops the request
-        rose = np.nan_to_num(fin[np.maximum(self.settled, 0)] - fin[0])
-        return np.clip(rose - explained, 0.0, np.maximum(self.inflight, 0.0))
-
-    @cached_property
-    def count_exact(self) -> np.ndarray:
-        """Per sample of the stretch: the count is the ledger's exactly (its ends after the engine's last step
-        still in it: ended_unseen), this request's own share left out from its end."""
-        return np.abs(self.sched["count"] - (self.inflight + self.ended_unseen)) < 1e-9
+        return fin - fin[0] - explained
 
     @cached_property
     def blocks_of_the_running(self) -> np.ndarray:
@@ -875,7 +942,7 @@ class VllmCase(Case):
         since the first of them entered (blocks are shared through a hit, or a preempted request resumed from
         the cache). A running request holds at least one block of its own (its last: vLLM never takes a
         prompt's last token from the cache), so none is left for one the count no longer holds (read where the
-        count is the ledger's exactly, each of its requests surely counted). Seen under AIPerf at
+        count holds the surely counted requests and no other: count_surely). Seen under AIPerf at
         concurrency 4: an abort, and in the same step two newcomers (one on its way at the stop): 3 blocks
         for 3 requests at the stop, 4 for 4 after it, usage never lower within the grace."""
         times, sched = self.sched["t_s"], self.sched
@@ -907,8 +974,7 @@ class VllmCase(Case):
             pre_base = self.frame_cols["preemptions"][i0]
             no_preempt = np.logical_and.accumulate(~np.isnan(pre) & (pre <= pre_base)) if not np.isnan(pre_base) \
                 else np.zeros(len(times), dtype=bool)
-            surely = self.count_exact & ~self.others_unseen
-            return no_hit & no_preempt & surely & (used <= running) & (times >= first_in)
+            return no_hit & no_preempt & self.count_surely & (used <= running) & (times >= first_in)
 
     @cached_property
     def entering(self) -> np.ndarray:
@@ -1306,7 +1372,7 @@ def released(c: VllmCase) -> CancelVerdict | None:
     after = np.nonzero(times >= t_ref)[0]
     # a request the gauges counted at the stop held KV there, and must give it back; one they never
     # counted (the engine was mid-step when it came and went) shows its release by the count alone
-    needs_kv_drop = (c.phase in ("prefill", "decode", "in_flight") and not math.isnan(kv_before) and not c.ahead
+    needs_kv_drop = (c.phase in ("prefill", "decode", "in_flight") and not math.isnan(kv_before) and c.baseline.kv_held
                      and not c.waiting_at_stop and not c.kv_waived)
     ev.kv_drop_waived = c.kv_waived
     below = sched["kv"] < kv_before if not math.isnan(kv_before) else np.zeros(len(times), dtype=bool)
