@@ -191,7 +191,7 @@ def test_a_newcomer_the_count_did_not_hold_at_the_stop_took_its_blocks():
     assert 2.09 < v.timepoints["left_scheduler"] < 2.2  # once its first token says the engine counts it
 
 
-@pytest.mark.parametrize("case", ["counted_already", "an_end_unread", "no_counter"])
+@pytest.mark.parametrize("case", ["counted_already", "an_end_unread"])
 def test_where_the_count_at_the_stop_may_have_held_the_newcomer_no_blocks_are_read(case):
     if case == "counted_already":
         # the engine counted the newcomer from 1.85 s: its block was in use at the stop (4), so 4 after it, tg out
@@ -203,12 +203,106 @@ def test_where_the_count_at_the_stop_may_have_held_the_newcomer_no_blocks_are_re
         v = before_the_stop(counted_from=2.05, blocks_after=3.0, ends=lambda t: float(t >= 1.9))
         assert (v.verdict, v.rule) == ("inconclusive", "finished_unseen"), (v.verdict, v.rule, v.evidence)
         return
-    else:
-        # the engine does not say why its requests ended: a slow reader's end could not be ruled out
-        v = before_the_stop(counted_from=2.05, blocks_after=3.0, counter=False)
     assert (v.verdict, v.rule) == ("inconclusive", "kv_did_not_fall"), (v.verdict, v.rule, v.evidence)
+
+
+def test_with_no_counter_a_count_below_the_ledgers_before_the_stop_asks_no_kv_drop():
+    # nothing says tg did not end by itself before its stop, the newcomer in its place in the count: as before
+    # count_surely, the count alone shows its release
+    v = before_the_stop(counted_from=2.05, blocks_after=3.0, counter=False)
+    assert (v.verdict, v.evidence.kv_drop_waived) == ("released", None), (v.rule, v.evidence)
 
 
 def test_a_drop_of_a_block_is_a_release_with_the_newcomer_counted_at_the_stop():
     v = before_the_stop(counted_from=1.85, blocks_after=3.0)
     assert v.verdict == "released" and v.evidence.kv_drop_waived is None, (v.rule, v.evidence)
+
+
+# an adversarial review's cases (each built to break a first version of count_surely)
+def row(rid: str, sent: float, first: float | None, closed: float | None = None, state: str | None = None) -> dict:
+    from tests.test_verdicts import T0
+
+    ns = lambda s: None if s is None else T0 + int(s * 1e9)  # noqa: E731
+    return {"request_id": rid, "scenario": "s2", "role": "target", "n": 1, "sent_mono_ns": ns(sent),
+            "first_token_mono_ns": ns(first), "closed_mono_ns": ns(closed), "cancel_mono_ns": None,
+            "terminal_state": state}
+
+
+def slow_reader_run(counter: bool, cancel_before: bool = False):
+    """tg (2 blocks) aborted at 2.005 s but kept by the engine to the end. E ends in the engine at 2.10 s; its
+    client reads slowly and closes at 4.5 s, past the grace. N1 Added 2.01 s (first token 2.09 s, counted from
+    2.05 s), N2 Added 2.09 s (first token 2.40 s, counted from 2.35 s). At 2.10 s the count, 3 (nb, tg, N1), is
+    the ledger's 4 less N2 with no token yet, and KV usage (4 blocks) as at the stop: E's block went to N1.
+    `cancel_before`: A (max_tokens 1) aborted at 1.44 s, an end that could have been its own."""
+    import json
+
+    from tests.test_verdicts import ADDED, T0, build_run, steady_gen
+
+    a = lambda t: cancel_before and t < 1.45  # noqa: E731
+    count = lambda t: 2 + (t < 2.1) + (t >= 2.05) + (t >= 2.35) + a(t)  # noqa: E731
+    series = {**NO_HITS, "requests_finished_total": lambda t: 10.0 + (t >= 2.1)} if counter else NO_HITS
+    log = [*ADDED, ("engine_added", "E", 0.2), ("engine_aborted", "tg", 2.005), ("engine_added", "N1", 2.01),
+           ("engine_added", "N2", 2.09)]
+    extra = [row("E", 0.2, 0.4, closed=4.5, state="completed"), row("N1", 2.0, 2.09), row("N2", 2.08, 2.40)]
+    if cancel_before:
+        log += [("engine_added", "A", 0.3), ("engine_aborted", "A", 1.44)]
+        extra.append({**row("A", 0.3, 0.5, closed=1.45, state="cancelled"), "cancel_mono_ns": T0 + int(1.44e9),
+                      "max_tokens": 1})
+    run = build_run(count, lambda t: (count(t) + 1) * BLOCK, steady_gen, extra_ledger=extra, engine_log=log,
+                    series=series, length_s=6.0)
+    run.info["cache"] = {"t0": {"num_gpu_blocks": "64", "block_size": "128"}}
+    s = run.samples
+    s.loc[s["metric"] == "requests_finished_total", "labels"] = json.dumps({"finished_reason": "stop"})
+    (v,) = [x for x in judge_run(run) if x.request_id == "tg"]
+    return v
+
+
+@pytest.mark.parametrize("counter,cancel_before,rule", [(False, False, "kv_did_not_fall"),
+                                                        (True, False, "finished_unseen"),
+                                                        (True, True, "kv_did_not_fall")])
+def test_a_slow_readers_end_does_not_make_room_for_a_kept_request_in_a_count_below_the_ledgers(
+        counter, cancel_before, rule):
+    # with no counter nothing rules the slow reader out; with it, its end is unread; and a cancel's end that only
+    # could have been its own (A's) is no credit against E's (the first version read released there)
+    v = slow_reader_run(counter, cancel_before)
+    assert (v.verdict, v.rule) == ("inconclusive", rule), (v.verdict, v.rule, v.evidence)
+
+
+def ran_ahead_or_never_entered(case: str):
+    """nb at 2 blocks. N sent 1.84 s, Added 1.85 s, counted (1 block) from 1.90 s, first token at 2.09 s: at the
+    last sample before the stop the count is the ledger's less N. `ran_ahead`: tg (2 blocks) ended in the engine at
+    1.80 s, its client still reading; the abort logged at 2.005 s finds nothing. `never_entered`: the log, naming
+    every request, never names tg (stopped in prefill), and an app relay sends its abort."""
+    import json
+
+    from tests.test_verdicts import ADDED, T0, build_run, steady_gen
+
+    if case == "ran_ahead":
+        count = lambda t: 1 + (t < 1.80) + (t >= 1.90)  # noqa: E731
+        blocks = lambda t: 2 + 2 * (t < 1.80) + (t >= 1.90)  # noqa: E731
+        log, events = [*ADDED, ("engine_added", "N", 1.85), ("engine_aborted", "tg", 2.005)], []
+    else:
+        count = lambda t: 1 + (t >= 1.90)  # noqa: E731
+        blocks = lambda t: 2 + (t >= 1.90)  # noqa: E731
+        log = [("engine_added", "nb", 0.1), ("engine_added", "N", 1.85)]
+        events = [{"request_id": "tg", "kind": "engine_abort", "mono_ns": T0 + int(2.002e9),
+                   "data": json.dumps({"cancel_id": "c1", "source": "relay"})}]
+    run = build_run(count, lambda t: blocks(t) * BLOCK, steady_gen, extra_ledger=[row("N", 1.84, 2.09)],
+                    engine_log=log, extra_events=events, series=NO_HITS, length_s=6.0)
+    run.info["cache"] = {"t0": {"num_gpu_blocks": "64", "block_size": "128"}}
+    if case == "never_entered":
+        run.ledger.loc[run.ledger["request_id"] == "tg", "first_token_mono_ns"] = None
+        stop = run.events["kind"] == "user_stop"
+        run.events.loc[stop, "data"] = run.events.loc[stop, "data"].map(
+            lambda d: json.dumps({**json.loads(d), "phase": "prefill"}))
+    (v,) = [x for x in judge_run(run) if x.request_id == "tg"]
+    return v
+
+
+@pytest.mark.parametrize("case", ["ran_ahead", "never_entered"])
+def test_no_kv_drop_is_asked_where_the_count_before_the_stop_may_not_have_held_it(case):
+    # below the ledger's by N alone, with no token yet, but N may be in the count in tg's place (ran ahead, with
+    # no counter to say none ended by itself), or tg was never in the engine: it gave back no KV to show
+    v = ran_ahead_or_never_entered(case)
+    assert (v.verdict, v.evidence.kv_drop_waived) == ("released", None), (v.rule, v.evidence)
+    assert abs(v.timepoints["left_scheduler"] - 2.05) < 0.01

@@ -635,8 +635,12 @@ class VllmCase(Case):
             this = ids == self.rid
             unseen = self.unseen_with_this[b]
             unsure = unseen > 0.5 and ev.count_before >= ev.ledger_before - unseen - 1e-9
-            maybe_uncounted = bool((counted[this, b] & (first[this] > self.sched["t_s"][b])).any())
-            kv_held = not ahead or (unsure and not maybe_uncounted)
+            maybe_uncounted = bool((counted[this, b] & (first[this] > self.sched["t_s"][b])).any()) \
+                or self.rid in self.not_entered
+            # and none of those is in the count in place of this one ended by itself (it ran ahead): the engine
+            # ended none by itself unread
+            ends = self.own_ends_unread
+            kv_held = not ahead or (unsure and not maybe_uncounted and ends is not None and ends[b] < 0.5)
         if ahead:
             ev.note = ("the server counted fewer requests than the client before the stop: a request had already "
                        "finished in the engine while its tokens were still on their way to the client")
@@ -830,17 +834,17 @@ class VllmCase(Case):
         return ids, seqs, counted, first
 
     def _count_surely(self, unseen: np.ndarray) -> np.ndarray:
-        exact = np.abs(self.sched["count"] - (self.inflight - unseen)) < 1e-9
-        ends = self.own_ends_unexplained
+        exact = (np.abs(self.sched["count"] - (self.inflight - unseen)) < 1e-9) & (self.finished_unseen < 0.5)
+        ends = self.own_ends_unread
         if ends is None:
             # a sure one the engine had ended (a slow reader) may leave room in the count for another: with none
             # unseen, the count is the ledger's whole (as before vLLM said why its requests ended); with some,
             # that room is theirs or this one's, and nothing says which
             return exact & (unseen < 0.5)
-        # the ends as of the sample, not of the gauges (finished_unseen): an end counted before the engine drops
-        # its request only makes the count less sure
+        # the ends as of the sample, not of the gauges (an end counted before the engine drops its request only
+        # makes the count less sure), and none credited that only could have been
         with np.errstate(invalid="ignore"):
-            return exact & (self.finished_unseen < 0.5) & ((ends < 0.5) | (unseen < 0.5))
+            return exact & ((unseen < 0.5) | (ends < 0.5))
 
     @cached_property
     def count_surely(self) -> np.ndarray:
@@ -862,7 +866,12 @@ class VllmCase(Case):
         """Per sample of the stretch: sequences the ledger counts whose first token had not reached their client,
         this request's among them (before its stop)."""
         ids, seqs, counted, first = self.ledger_rows
-        return seqs @ (counted & (self.sched["t_s"] < first[:, None]))
+        unseen = seqs @ (counted & (self.sched["t_s"] < first[:, None]))
+        if self.rid in self.not_entered and self.lrow is not None:
+            # the log shows it never entered, yet it is the ledger's until its stop (judge_vllm's case)
+            times, t0 = self.sched["t_s"], self.run.info["started_mono_ns"]
+            unseen = unseen + self.n * ((times >= (self.lrow["sent_mono_ns"] - t0) / 1e9) & (times < self.t_stop))
+        return unseen
 
     @cached_property
     def count_surely_with_this(self) -> np.ndarray:
@@ -885,22 +894,10 @@ class VllmCase(Case):
         ledger and not by the engine, it stands in, in a count at the ledger's, for this one kept
         (engine_done.py cannot tell: the kept one fills the count; an end longer before the stop is its,
         where the log names every request)."""
-        unexplained = self.own_ends_unexplained
-        if unexplained is None:
-            return np.zeros(len(self.sched["t_s"]))  # the engine does not say why its requests ended
-        # the counter as of the gauges: an end the API server made (a stop string) is counted a step or two
-        # before the engine drops the request
-        return np.clip(np.nan_to_num(unexplained[np.maximum(self.settled, 0)]), 0.0, np.maximum(self.inflight, 0.0))
-
-    @cached_property
-    def own_ends_unexplained(self) -> np.ndarray | None:
-        """Per sample of the stretch: the rise of the engine's own ends (vllm:request_success_total) since the
-        stretch's first sample, less the ends the requests the ledger no longer counts explain (finished_unseen);
-        NaN where the counter was not read; None where the engine does not say why its requests ended."""
         sched = self.sched
         times, fin = sched["t_s"], sched["finished"]
         if not len(times) or np.isnan(fin[0]):
-            return None
+            return np.zeros(len(times))  # the engine does not say why its requests ended
         t_w, t0, ledger = float(times[0]), self.run.info["started_mono_ns"], self.run.ledger
         sent = (ledger["sent_mono_ns"].to_numpy(dtype=float) - t0) / 1e9
         closed = np.nan_to_num((ledger["closed_mono_ns"].to_numpy(dtype=float) - t0) / 1e9, nan=math.inf)
@@ -932,7 +929,27 @@ class VllmCase(Case):
         surplus = np.nan_to_num(sched["count"][0] - self.inflight[0] - self.ended_unseen[0])
         explained = _sum_from(times, start[late], seqs[late]) \
             + np.minimum(max(surplus, 0.0), _sum_from(times, start[early], seqs[early]))
-        return fin - fin[0] - explained
+        # the counter as of the gauges: an end the API server made (a stop string) is counted a step or two
+        # before the engine drops the request
+        rose = np.nan_to_num(fin[np.maximum(self.settled, 0)] - fin[0])
+        return np.clip(rose - explained, 0.0, np.maximum(self.inflight, 0.0))
+
+    @cached_property
+    def own_ends_unread(self) -> np.ndarray | None:
+        """Per sample of the stretch: the engine's own ends (vllm:request_success_total: stop, length, repetition)
+        since the stretch's first sample beyond the requests the ledger saw complete in it, their close LAG_S
+        past its start at the least (an end before the stretch reaches its client within LAG_S). Unlike
+        finished_unseen, no end that only could have been (a cancel's) is credited: above zero, a request the
+        ledger counts as surely in the engine may have ended there unread (a slow reader). NaN where the counter
+        was not read; None where the engine does not say why its requests ended."""
+        times, fin = self.sched["t_s"], self.sched["finished"]
+        if not len(times) or np.isnan(fin[0]):
+            return None
+        ledger = self.run.ledger
+        closed = (ledger["closed_mono_ns"].to_numpy(dtype=float) - self.run.info["started_mono_ns"]) / 1e9
+        with np.errstate(invalid="ignore"):
+            seen = (ledger["terminal_state"] == "completed").to_numpy() & (closed > times[0] + LAG_S)
+        return fin - fin[0] - _sum_from(times, closed[seen], np.ones(int(seen.sum())))
 
     @cached_property
     def blocks_of_the_running(self) -> np.ndarray:
