@@ -228,19 +228,21 @@ def row(rid: str, sent: float, first: float | None, closed: float | None = None,
             "terminal_state": state}
 
 
-def slow_reader_run(counter: bool, cancel_before: bool = False):
+def slow_reader_run(counter: bool, cancel_before: bool = False, read_late: bool = False):
     """tg (2 blocks) aborted at 2.005 s but kept by the engine to the end. E ends in the engine at 2.10 s; its
     client reads slowly and closes at 4.5 s, past the grace. N1 Added 2.01 s (first token 2.09 s, counted from
     2.05 s), N2 Added 2.09 s (first token 2.40 s, counted from 2.35 s). At 2.10 s the count, 3 (nb, tg, N1), is
     the ledger's 4 less N2 with no token yet, and KV usage (4 blocks) as at the stop: E's block went to N1.
-    `cancel_before`: A (max_tokens 1) aborted at 1.44 s, an end that could have been its own."""
+    `cancel_before`: A (max_tokens 1) aborted at 1.44 s, an end that could have been its own. `read_late`: S1
+    ended in the engine at 0.90 s, before the stretch, its client closing at 1.30 s."""
     import json
 
     from tests.test_verdicts import ADDED, T0, build_run, steady_gen
 
     a = lambda t: cancel_before and t < 1.45  # noqa: E731
-    count = lambda t: 2 + (t < 2.1) + (t >= 2.05) + (t >= 2.35) + a(t)  # noqa: E731
-    series = {**NO_HITS, "requests_finished_total": lambda t: 10.0 + (t >= 2.1)} if counter else NO_HITS
+    count = lambda t: 2 + (t < 2.1) + (t >= 2.05) + (t >= 2.35) + a(t) + (read_late and t < 0.9)  # noqa: E731
+    ends = lambda t: 10.0 + (t >= 2.1) + (read_late and t >= 0.9)  # noqa: E731
+    series = {**NO_HITS, "requests_finished_total": ends} if counter else NO_HITS
     log = [*ADDED, ("engine_added", "E", 0.2), ("engine_aborted", "tg", 2.005), ("engine_added", "N1", 2.01),
            ("engine_added", "N2", 2.09)]
     extra = [row("E", 0.2, 0.4, closed=4.5, state="completed"), row("N1", 2.0, 2.09), row("N2", 2.08, 2.40)]
@@ -248,6 +250,9 @@ def slow_reader_run(counter: bool, cancel_before: bool = False):
         log += [("engine_added", "A", 0.3), ("engine_aborted", "A", 1.44)]
         extra.append({**row("A", 0.3, 0.5, closed=1.45, state="cancelled"), "cancel_mono_ns": T0 + int(1.44e9),
                       "max_tokens": 1})
+    if read_late:
+        log.append(("engine_added", "S1", 0.06))
+        extra.append(row("S1", 0.05, 0.1, closed=1.30, state="completed"))
     run = build_run(count, lambda t: (count(t) + 1) * BLOCK, steady_gen, extra_ledger=extra, engine_log=log,
                     series=series, length_s=6.0)
     run.info["cache"] = {"t0": {"num_gpu_blocks": "64", "block_size": "128"}}
@@ -257,14 +262,16 @@ def slow_reader_run(counter: bool, cancel_before: bool = False):
     return v
 
 
-@pytest.mark.parametrize("counter,cancel_before,rule", [(False, False, "kv_did_not_fall"),
-                                                        (True, False, "finished_unseen"),
-                                                        (True, True, "kv_did_not_fall")])
+@pytest.mark.parametrize("counter,cancel_before,read_late,rule", [(False, False, False, "kv_did_not_fall"),
+                                                                  (True, False, False, "finished_unseen"),
+                                                                  (True, True, False, "kv_did_not_fall"),
+                                                                  (True, False, True, "kv_did_not_fall")])
 def test_a_slow_readers_end_does_not_make_room_for_a_kept_request_in_a_count_below_the_ledgers(
-        counter, cancel_before, rule):
-    # with no counter nothing rules the slow reader out; with it, its end is unread; and a cancel's end that only
-    # could have been its own (A's) is no credit against E's (the first version read released there)
-    v = slow_reader_run(counter, cancel_before)
+        counter, cancel_before, read_late, rule):
+    # with no counter nothing rules the slow reader out; with it, its end is unread; a cancel's end that only
+    # could have been its own (A's) reads none of E's, nor does a close whose end came before the stretch (S1's;
+    # the two first versions read released there)
+    v = slow_reader_run(counter, cancel_before, read_late)
     assert (v.verdict, v.rule) == ("inconclusive", rule), (v.verdict, v.rule, v.evidence)
 
 

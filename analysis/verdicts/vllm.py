@@ -937,19 +937,33 @@ class VllmCase(Case):
     @cached_property
     def own_ends_unread(self) -> np.ndarray | None:
         """Per sample of the stretch: the engine's own ends (vllm:request_success_total: stop, length, repetition)
-        since the stretch's first sample beyond the requests the ledger saw complete in it, their close LAG_S
-        past its start at the least (an end before the stretch reaches its client within LAG_S). Unlike
-        finished_unseen, no end that only could have been (a cancel's) is credited: above zero, a request the
-        ledger counts as surely in the engine may have ended there unread (a slow reader). NaN where the counter
-        was not read; None where the engine does not say why its requests ended."""
+        since the stretch's first sample that no completion the ledger saw by then reads: a completed request's
+        close reads one end counted in the stretch before it, within LAG_S (an end reaches its client within
+        LAG_S, at the most assumed; vLLM counts it before it sends the last token). Unlike finished_unseen, no
+        end that only could have been (a cancel's) is read, and no close reads an end it cannot be (one counted
+        after it, or long before: a slow reader's close, its end before the stretch, reads none): above zero, a
+        request the ledger counts as surely in the engine may have ended there unread (a slow reader). NaN where
+        the counter was not read; None where the engine does not say why its requests ended."""
         times, fin = self.sched["t_s"], self.sched["finished"]
         if not len(times) or np.isnan(fin[0]):
             return None
         ledger = self.run.ledger
         closed = (ledger["closed_mono_ns"].to_numpy(dtype=float) - self.run.info["started_mono_ns"]) / 1e9
         with np.errstate(invalid="ignore"):
-            seen = (ledger["terminal_state"] == "completed").to_numpy() & (closed > times[0] + LAG_S)
-        return fin - fin[0] - _sum_from(times, closed[seen], np.ones(int(seen.sum())))
+            completed = (ledger["terminal_state"] == "completed").to_numpy() & (closed > times[0])
+        read = np.nonzero(~np.isnan(fin))[0]
+        # each end counted in the stretch: after the read sample before the one that shows it, by that one
+        rises = [(times[p], times[q]) for p, q in zip(read[:-1], read[1:])
+                 for _ in range(int(round(max(fin[q] - fin[p], 0.0))))]
+        taken = [False] * len(rises)
+        reads = []
+        for c in np.sort(closed[completed]):
+            for k, (after, by) in enumerate(rises):
+                if not taken[k] and after < c and by >= c - LAG_S:
+                    taken[k] = True
+                    reads.append(c)
+                    break
+        return fin - fin[0] - _sum_from(times, np.array(reads, dtype=float), np.ones(len(reads)))
 
     @cached_property
     def blocks_of_the_running(self) -> np.ndarray:
