@@ -579,6 +579,15 @@ class _Baseline(NamedTuple):
     kv_held: bool
 
 
+class _LedgerRows(NamedTuple):
+    """VllmCase.ledger_rows: the ledger's requests with no first token at the stretch's start."""
+    ids: np.ndarray
+    seqs: np.ndarray  # sequences the server runs for each
+    counted: np.ndarray  # rows x samples: where the ledger counts it in the engine (as ledger_inflight does)
+    first: np.ndarray  # when its first token reached its client (inf: never)
+    added: np.ndarray  # its first Added line (-inf: none)
+
+
 LAG_S = 0.25  # an end the engine made reaches its client this much later through a hop, at the most assumed
 # a request is counted by the gauges within this long of its Added line (the engine's next step), at the most
 # assumed: on a starved host a step took over half a second
@@ -628,14 +637,14 @@ class VllmCase(Case):
         ahead, kv_held = False, True
         if ev.count_before is not None and ev.ledger_before is not None:
             b = np.nonzero(before)[0][-1]
-            ids, _, counted, first = self.ledger_rows
+            rows = self.ledger_rows
             ahead = ev.count_before < ev.ledger_before - 1e-9
             # below the ledger's by the requests the engine may not count yet alone (with no token yet): none ran
             # ahead, unless this one is one of them
-            this = ids == self.rid
+            this = rows.ids == self.rid
             unseen = self.unseen_with_this[b]
             unsure = unseen > 0.5 and ev.count_before >= ev.ledger_before - unseen - 1e-9
-            maybe_uncounted = bool((counted[this, b] & (first[this] > self.sched["t_s"][b])).any()) \
+            maybe_uncounted = bool((rows.counted[this, b] & (rows.first[this] > self.sched["t_s"][b])).any()) \
                 or self.rid in self.not_entered
             # and none of those is in the count in place of this one ended by itself (it ran ahead): the engine
             # ended none by itself unread
@@ -802,10 +811,9 @@ class VllmCase(Case):
         from the step after it, in the freed block, another Added as the abort came not counted yet: the count,
         3, below the ledger's, 4, was exactly the surely counted requests)."""
         times, sched = self.sched["t_s"], self.sched
-        ids, seqs, counted, first = self.ledger_rows
+        ids, _, counted, first, added = self.ledger_rows
         doubt = self.englog.entry_doubt_s(self.target)
-        entered = np.array([min(self.englog.added.get((self.target, rid)) or [-math.inf]) for rid in ids], dtype=float)
-        new = (ids != self.rid) & (entered >= self.t_ref - LOG_SLACK_S - doubt)
+        new = (ids != self.rid) & (added >= self.t_ref - LOG_SLACK_S - doubt)
         before = np.nonzero(self.baseline.before)[0]
         if len(before) and self.count_surely_with_this[before[-1]]:
             b = before[-1]
@@ -814,10 +822,8 @@ class VllmCase(Case):
         return surely_new & self.count_surely & (sched["kv"] <= kv_before + 1e-12)
 
     @cached_property
-    def ledger_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The ledger's requests whose first token had not reached their client at the stretch's start: their
-        ids, sequences, where the ledger counts them in the engine (rows x samples, as ledger_inflight does),
-        and when their first token reached their client (inf: never)."""
+    def ledger_rows(self) -> _LedgerRows:
+        """The ledger's requests whose first token had not reached their client at the stretch's start."""
         times, t0, ledger = self.sched["t_s"], self.run.info["started_mono_ns"], self.run.ledger
         sent = (ledger["sent_mono_ns"].to_numpy(dtype=float) - t0) / 1e9
         first = np.nan_to_num((ledger["first_token_mono_ns"].to_numpy(dtype=float) - t0) / 1e9, nan=math.inf)
@@ -831,7 +837,7 @@ class VllmCase(Case):
         end = np.array([_ledger_end_s(row, self.ledger_ends, t0) for row in rows.itertuples(index=False)],
                        dtype=float)
         counted = (times >= np.maximum(sent, added)[:, None]) & (times < end[:, None])
-        return ids, seqs, counted, first
+        return _LedgerRows(ids, seqs, counted, first, added)
 
     def _count_surely(self, unseen: np.ndarray) -> np.ndarray:
         exact = (np.abs(self.sched["count"] - (self.inflight - unseen)) < 1e-9) & (self.finished_unseen < 0.5)
@@ -857,7 +863,7 @@ class VllmCase(Case):
         ledger ended after the engine's last step may be counted still (ended_unseen). A count of exactly the
         sure ones, with no request ended by itself that the ledger still counts (finished_unseen), holds none
         else: not this one, nor those the engine may not count yet or may count still."""
-        ids, seqs, counted, first = self.ledger_rows
+        ids, seqs, counted, first, _ = self.ledger_rows
         others = ids != self.rid
         return self._count_surely(seqs[others] @ (counted[others] & (self.sched["t_s"] < first[others, None])))
 
@@ -865,7 +871,7 @@ class VllmCase(Case):
     def unseen_with_this(self) -> np.ndarray:
         """Per sample of the stretch: sequences the ledger counts whose first token had not reached their client,
         this request's among them (before its stop)."""
-        ids, seqs, counted, first = self.ledger_rows
+        _, seqs, counted, first, _ = self.ledger_rows
         unseen = seqs @ (counted & (self.sched["t_s"] < first[:, None]))
         if self.rid in self.not_entered and self.lrow is not None:
             # the log shows it never entered, yet it is the ledger's until its stop (judge_vllm's case)
@@ -950,7 +956,9 @@ class VllmCase(Case):
         ledger = self.run.ledger
         closed = (ledger["closed_mono_ns"].to_numpy(dtype=float) - self.run.info["started_mono_ns"]) / 1e9
         with np.errstate(invalid="ignore"):
-            completed = (ledger["terminal_state"] == "completed").to_numpy() & (closed > times[0])
+            # a close past the stretch's last sample reads nothing in it
+            completed = (ledger["terminal_state"] == "completed").to_numpy() & (closed > times[0]) \
+                & (closed <= times[-1])
         read = np.nonzero(~np.isnan(fin))[0]
         # each end counted in the stretch: after the read sample before the one that shows it, by that one
         rises = [(times[p], times[q]) for p, q in zip(read[:-1], read[1:])
