@@ -10,7 +10,7 @@ PORT ?= 8000
 STORE ?= runs/cancelwatch.db
 DASHBOARD_PORT ?= 8501
 
-.PHONY: venv engine-venv triton-venv demo-triton browser prometheus gateways gateways-all test test-fast demo bench clean engine-down sample-run dashboard lab fuzz matrix aiperf-venv test-aiperf
+.PHONY: corpus venv engine-venv triton-venv demo-triton browser prometheus gateways gateways-all test test-fast demo bench clean engine-down sample-run dashboard lab fuzz matrix aiperf-venv test-aiperf
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -90,10 +90,18 @@ test-aiperf: venv engine-venv aiperf-venv
 test-fast: venv
 	$(VENV)/bin/python -m pytest -q -rs -n 2 -m "$(SERVERLESS)" tests
 
-# The fuzz tests (tests/test_fuzz.py, hypothesis) with thousands of random examples each instead of the
-# bounded, derandomized ones of the everyday run: a few minutes here.
+# The fuzz tests (tests/test_fuzz.py, hypothesis) and the verdicts' properties over the corpus and synthetic runs
+# (tests/test_verdict_properties.py) with thousands of random examples each instead of the bounded, derandomized
+# ones of the everyday run.
 fuzz: venv
-	CANCELWATCH_FUZZ=1 $(VENV)/bin/python -m pytest -q -rs tests/test_fuzz.py
+	CANCELWATCH_FUZZ=1 $(VENV)/bin/python -m pytest -q -rs tests/test_fuzz.py tests/test_verdict_properties.py
+
+# The verdicts' corpus (tests/corpus/): every run re-recorded from real servers (the embedded vLLM on its own
+# defaults and with its request log, the leaking and other test proxies, nginx and HAProxy, the openai SDK and
+# AIPerf through the watch, Triton), about 45 minutes here. Then `python -m tests.corpus.check` shows what the
+# rules say of it, and `--bless` keeps that.
+corpus: venv engine-venv triton-venv gateways aiperf-venv
+	$(VENV)/bin/python -m tests.corpus.record
 
 # The page serves until Ctrl-C, so its end is an interrupt: 130 either way. Streamlit catches the SIGINT and
 # exits 0, and bash then skips its INT trap (it takes a child that handled the signal as having ended

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from analysis.evidence import count_reading_text
 from analysis.verdicts import LATENCIES, STOP_TO_ABORT, CancelVerdict, latency_label, ledger_by_scenario
 from runstore.reader import Run
 
@@ -60,9 +61,10 @@ def _outcomes(by_scenario: dict, t0: int, v: CancelVerdict) -> tuple[str, str]:
 
 
 def _evidence_text(v: CancelVerdict) -> str:
-    """The rule that gave the verdict, then where each timepoint came from: `rule: released · user stop:
-    client · ...`."""
-    return " · ".join(part for part in (f"rule: {v.rule}" if v.rule else "", v.sources_text()) if part)
+    """The rule that gave the verdict, what its count was read against, then where each timepoint came from:
+    `rule: released · count 0 at 1.80 s, ... · user stop: client · ...`."""
+    parts = (f"rule: {v.rule}" if v.rule else "", count_reading_text(v.evidence.count_reading), v.sources_text())
+    return " · ".join(part for part in parts if part)
 
 
 def cancel_table(run: Run, verdicts: list[CancelVerdict]) -> pd.DataFrame:

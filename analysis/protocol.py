@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from analysis.evidence import count_reading_text
 from analysis.facts import run_facts
 from analysis.summary import key_figures
 from analysis.verdicts import (
@@ -617,9 +618,10 @@ def _outcome_section(doc: Mapping, recs: list[ScenarioRecord]) -> list[str]:
             why = ev.get("why") or (f"race: {ev['race']}" if ev.get("race") else None)
             table.append([f"`{_short_id(c.get('request_id'))}`", c.get("phase_at_cancel"), c.get("terminal_state"),
                           f"**{c.get('verdict')}**", *(_ms(lat.get(latency_key(a, b))) for a, b in LATENCIES),
-                          f"`{ev['rule']}`" if ev.get("rule") else None, why])
+                          f"`{ev['rule']}`" if ev.get("rule") else None, why,
+                          count_reading_text(ev.get("count_reading")) or None])
         lines += _table(["request", "phase", "ended as", "verdict", *(latency_label(a, b) for a, b in LATENCIES),
-                         "rule", "why"], table)
+                         "rule", "why", "count read"], table)
         lines.append("")
     if not cancels:
         lines += ["No cancel was recorded in this run.", ""]

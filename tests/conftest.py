@@ -43,7 +43,7 @@ def pytest_sessionstart(session):
 
 # Fixtures that start (or stand for) the embedded engine: a test using any of them, directly or through
 # another fixture, is marked `engine`, so `-m "not engine"` never starts one.
-ENGINE_FIXTURES = frozenset({"engine", "private_engine", "engine_home", "proxy_and_direct_runs", "utc_engine"})
+ENGINE_FIXTURES = frozenset({"engine", "private_engine", "engine_home", "proxy_and_direct_runs"})
 # the same for the embedded Triton (marked `triton`)
 TRITON_FIXTURES = frozenset({"triton", "triton_home", "triton_run"})
 

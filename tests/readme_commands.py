@@ -80,9 +80,16 @@ NOT_RUN = {
                       "every test it selects, and the marks are strict",
     ".venv/bin/python -m pytest -m \"not engine and not browser and not triton and not prometheus\" tests":
         "what `make test-fast` runs (see there)",
-    "make fuzz": "tests/test_fuzz.py with thousands of examples a test; the suite runs the same tests bounded",
+    "make fuzz": "tests/test_fuzz.py and tests/test_verdict_properties.py with thousands of examples a test; the "
+                 "suite runs the same tests bounded",
     "make test-aiperf": "the AIPerf tests (tests/test_watch_aiperf.py) with a 1.2 GB venv of their own: a suite "
         "target beside `make test`, run by hand",
+    "make corpus": "re-records the corpus from real servers (45 minutes); `make test` judges what it recorded "
+                   "(tests/test_corpus.py)",
+    "python -m tests.corpus.check --bless": "writes the manifest once a person has read the table of what moved; "
+                                            "tests/test_corpus.py runs the check it blesses",
+    "python -m analysis.verdicts.reference > docs/rules.md": "writes docs/rules.md; tests/test_rule_reference.py "
+                                                             "checks that file is what it writes",
     "make prometheus": "an install step that `make test` runs first",
     "make sample-run": "re-records the shipped sample run; the engine tests record the same scenarios",
     "make bench": "a benchmark: prints figures for minutes, read by a person, not asserted",

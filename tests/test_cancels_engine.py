@@ -1,21 +1,19 @@
-"""Scripted cancels against the real embedded engine: every built-in scenario releases; a proxy that
-never passes the disconnect on leaks."""
+"""Scripted cancels against the real embedded engine: every built-in scenario releases, and the run records
+what it did on the way. Every built-in scenario through a proxy that never passes the disconnect on is a corpus
+run (tests/corpus/: proxy_log, proxy_default), each cancel known leaked by construction."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import time
 
 import pytest
 
 from analysis.series import scheduler_frame, series_frame
 from analysis.verdicts import LOST_CANCEL_RULES
-from collectors.cancels.scenarios import BUILTIN, SUITES, Scenario, load_file, resolve
+from collectors.cancels.scenarios import SUITES, resolve
 from runstore.reader import load_run
-from tests.conftest import cli, decode_rate, free_port
-from tests.leaky_proxy import LeakyProxy
+from tests.conftest import cli
 
 # the default suite is recorded in the setup of the first test that reads it: <= 180 s where the suite was
 # tuned, ~400 s on an engine capped at 0.3 CPU (CANCELWATCH_ENGINE_CPUS=0.3), so pytest's 600 s would cut it on
@@ -303,94 +301,3 @@ def test_inproc_through_the_relay_app_is_released(default_run):
     assert {t["label"]: t["family"] for t in run.info["targets"]} == {"t0": "vllm", "relay": "vllm"}
     relay_running = series_frame(run, "requests_running")
     assert (relay_running["target"] == "relay").any()
-
-
-STREAMING = [s.name for s in BUILTIN.values() if s.stream and not s.via_relay]
-
-
-# each leaked target runs to its end before the next scenario (the driver waits for an idle engine as long as
-# the scenario's measured pace says it needs). The builtins' 1500-token targets would keep a slow engine busy
-# ~18 min (six leaks at ~0.1 s a token under a 0.3-CPU quota): the test gives each target as many tokens as
-# LEAK_S of decoding at the pace it measured first (the builtin's own where the engine is fast), so a leak
-# lasts about as long on any engine. Under the module's 1800 s, with the recording's own deadline
-LEAK_S = 30.0
-
-
-def leak_scenarios(tokens_per_s: float) -> list[Scenario]:
-    """The streaming builtins, each target's max_tokens cut to its trigger plus LEAK_S of decoding."""
-    out = []
-    for name in STREAMING:
-        s = BUILTIN[name]
-        needed = int(s.trigger_value) + math.ceil(LEAK_S * tokens_per_s)
-        out.append(dataclasses.replace(s, max_tokens=min(s.max_tokens, needed)))
-    return out
-
-
-def scenario_toml(scenarios: list[Scenario]) -> str:
-    """A scenario file holding every field of each scenario (strings as JSON, which TOML's basic strings read)."""
-    def value(v) -> str:
-        return "true" if v is True else "false" if v is False else json.dumps(v) if isinstance(v, str) else repr(v)
-    return "".join("[[scenario]]\n" + "".join(f"{k} = {value(v)}\n" for k, v in dataclasses.asdict(s).items())
-                   + "\n" for s in scenarios)
-
-
-def test_leak_scenarios_cut_targets_to_the_pace_and_keep_every_other_field(tmp_path):
-    slow = leak_scenarios(10.0)  # ~10 tokens/s: the 0.3-CPU engine
-    assert [s.name for s in slow] == STREAMING
-    decode = next(s for s in slow if s.name == "decode")
-    assert decode.max_tokens == 20 + 300 and decode.prompt_tokens == BUILTIN["decode"].prompt_tokens
-    assert next(s for s in slow if s.name == "race").max_tokens == BUILTIN["race"].max_tokens  # 40 already short
-    assert [s.max_tokens for s in leak_scenarios(100.0)] == [BUILTIN[n].max_tokens for n in STREAMING]
-    f = tmp_path / "leak.toml"
-    f.write_text(scenario_toml(slow))
-    assert load_file(f) == slow
-
-
-def test_every_streaming_builtin_leaks_through_a_proxy_that_never_passes_the_cancel_on(engine, engine_home,
-                                                                                       tmp_path):
-    """Recorded once, whatever the machine's timing: each built-in scenario that streams, through a proxy
-    that keeps reading the engine after its client went, is judged leaked on the engine log's own
-    evidence (no abort line for the request while it stayed in the engine). The race scenario, whose
-    stop comes 2 tokens before the end, may instead be a race the completion won, said as such."""
-    rate = decode_rate(engine.url, engine.served_model_name)
-    scenarios = leak_scenarios(rate)
-    print(f"the engine decodes {rate:.1f} tokens/s: targets of {[s.max_tokens for s in scenarios]} tokens")
-    scenario_file = tmp_path / "leak.toml"
-    scenario_file.write_text(scenario_toml(scenarios))
-    store = tmp_path / "cw.db"
-    proxy = LeakyProxy(engine.url, free_port()).start()
-    try:
-        res = cli("record", "--target", proxy.url, "--metrics-url", engine.url, "--scenario", str(scenario_file),
-                  "--store", str(store), home=engine_home, timeout=1700)
-    finally:
-        proxy.stop()
-    assert res.returncode == 1, res.stdout + res.stderr
-    doc = json.loads(cli("report", "latest", "--json", "--store", str(store)).stdout)
-    assert {c["scenario"] for c in doc["cancels"]} == set(STREAMING)
-    assert proxy.client_gone >= len(doc["cancels"]) - 1  # the proxy really kept reading after its clients went
-    run, never = load_run(store, "latest"), []
-    for c in doc["cancels"]:
-        print(f"through the leaky proxy: {c['scenario']}: {c['verdict']}, kept running "
-              f"{c['evidence'].get('kept_running_ms')} ms")
-        assert c["timepoints"]["engine_abort"] is None, c
-        assert c["timepoint_sources"]["engine_abort"]["reason"] == "no abort in the engine log", c
-        if c["scenario"] == "race" and c["verdict"] == "inconclusive":
-            if c["evidence"].get("rule") == "trigger_never_reached":
-                # its stop comes 2 tokens before the end: a client that read the last tokens in one go (CI:
-                # after a stall) jumped the trigger, and the driver said so in the run
-                missed = run.events[(run.events["kind"] == "trigger_missed")
-                                    & (run.events["request_id"] == c["request_id"])]
-                assert len(missed) == 1, (c, run.events[run.events["kind"] == "trigger_missed"].to_dict("records"))
-            else:
-                assert c["evidence"]["race"], c
-            continue
-        if c["evidence"].get("rule") == "never_added":
-            # a loaded machine kept the request on its way (in the proxy, the API server) past the stop, and
-            # the engine never had it: nothing was left to leak. Only where its log names it nowhere in the run
-            never.append(c["scenario"])
-            added = run.events[(run.events["kind"] == "engine_added") & (run.events["request_id"] == c["request_id"])]
-            assert added.empty and c["verdict"] == "inconclusive", (c, added)
-            continue
-        assert c["verdict"] == "leaked", json.dumps(c, indent=1)
-        assert c["evidence"]["rule"] in LOST_CANCEL, c
-    assert len(never) <= 1, never

@@ -61,3 +61,11 @@ def test_relay_command_runs_the_relay_app():
     cmd = build_command("/py", "/m/tiny", 8100, EngineShape(), dummy_weights=True, relay=True)
     assert cmd[1:3] == ["-m", "collectors.engines.relay_app"] and "--enable-log-requests" not in cmd
     assert flag(cmd, "--num-gpu-blocks-override") == "64" and "--enforce-eager" in cmd
+
+
+def test_the_engine_logs_each_request_only_when_asked():
+    """vLLM's own default writes no per-request lines (the corpus records it so, tests/corpus/record.py)."""
+    on = build_command("/py", "/m/tiny", 8000, EngineShape(), dummy_weights=True)
+    off = build_command("/py", "/m/tiny", 8000, EngineShape(), dummy_weights=True, log_requests=False)
+    assert "--enable-log-requests" in on and "--enable-log-requests" not in off
+    assert [a for a in on if a != "--enable-log-requests"] == off

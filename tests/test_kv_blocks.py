@@ -17,7 +17,7 @@ import pytest
 from analysis.verdicts import judge_run
 from runstore.reader import load_run
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "recorded" / "aiperf_direct.db.gz"
+FIXTURE = Path(__file__).resolve().parent / "corpus" / "runs" / "aiperf_watch_direct_kept.db.gz"
 ONE = "53319596-6375-49bb-b4fb-c83a13998ca6"  # aborted at 22.894 s of the run, two newcomers in its place
 
 

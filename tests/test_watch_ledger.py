@@ -134,6 +134,58 @@ def test_a_half_close_that_waits_for_its_answer_is_no_cancel():
     assert stops(got) == [] and led.cancels == 0
 
 
+def test_a_client_that_closes_once_the_last_event_passed_read_a_whole_answer_and_made_no_cancel():
+    """The `openai` SDK reads a stream to its `data: [DONE]` and closes before the chunked body's last bytes
+    come: the answer was whole, whatever the framing did after. A client that closes one event short of it,
+    or resets there, made a cancel."""
+    def script(conn, seen):
+        recv_until(conn, b"\r\n\r\n")
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for i in range(3):
+            event = b'data: {"i": %d}\n\n' % i
+            conn.sendall(b"%x\r\n%s\r\n" % (len(event), event))
+        conn.sendall(b"e\r\ndata: [DONE]\n\n\r\n")
+        time.sleep(0.5)  # the terminating chunk comes late: the client is gone by then
+        try:
+            conn.sendall(b"0\r\n\r\n")
+            read_to_close(conn)
+        except OSError:
+            pass
+        seen.append("ended")
+
+    outcomes = {}
+    for name, leave in (("close", lambda c: c.close()), ("reset", rst_close)):
+        up = Upstream(script)
+        tap = watched_tap(up.port)
+        try:
+            c = socket.create_connection(("127.0.0.1", tap.hop.listen_port))
+            c.sendall(request(f"r-done-{name}", b'{"stream": true, "max_tokens": 3}'))
+            recv_until(c, b"data: [DONE]\n\n")
+            leave(c)
+            got, led = ledger_of(tap, lambda out: rows(out))
+        finally:
+            tap.close()
+            up.close()
+        (row,) = rows(got)
+        outcomes[name] = (row.role, row.terminal_state, row.chunks, len(stops(got)), led.cancels)
+    assert outcomes == {"close": (WATCHED, "completed", 3, 0, 0), "reset": (WATCHED, "completed", 3, 0, 0)}
+    # one event short of the end: a cancel
+    started = threading.Event()
+    up = Upstream(lambda conn, seen: sse_stream(conn, seen, tokens=40, step_s=0.05, started=started))
+    tap = watched_tap(up.port)
+    try:
+        c = socket.create_connection(("127.0.0.1", tap.hop.listen_port))
+        c.sendall(request("r-short", b'{"stream": true, "max_tokens": 40}'))
+        assert started.wait(5)
+        c.close()
+        got, led = ledger_of(tap, lambda out: rows(out))
+    finally:
+        tap.close()
+        up.close()
+    (row,) = rows(got)
+    assert (row.terminal_state, len(stops(got))) == ("cancelled", 1)
+
+
 def test_a_non_streaming_client_that_times_out_is_a_cancel_when_the_connection_ends():
     answered = threading.Event()
 

@@ -338,6 +338,11 @@ RULES: dict[str, Rule] = {
     "still_running_at_end": Rule(LEAKED, "the model started the request and logged no cancel and no end: it was "
                                  "still running at the end of the run"),
 }
+# the rules that read the scheduler's count at a deciding sample: their evidence carries count_reading (the count,
+# the fewest and the most other requests the engine could hold there, and the requests that keep those apart)
+COUNT_READING_RULES = frozenset({"released", "released_beside_traffic", "gauges_not_refreshed", "kv_did_not_fall",
+                                 "finished_unseen", "abort_logged_still_generating", "abort_logged_gauges_stale",
+                                 "still_counted_generating", "gauges_stale"})
 # the rules whose evidence concluded a race the completion won (the acceptance counts them apart)
 RACE_RULES = frozenset(code for code, r in RULES.items() if r.race)
 # run.info key: request id -> when an earlier verdict saw a request, stopped with no abort, leave the engine. A

@@ -867,6 +867,67 @@ class VllmCase(Case):
         others = ids != self.rid
         return self._count_surely(seqs[others] @ (counted[others] & (self.sched["t_s"] < first[others, None])))
 
+    def confirmed_past_ended_unseen(self, count_ok: np.ndarray) -> np.ndarray:
+        """Per sample of the stretch: a count reconciled there (`count_ok`) only by other requests the ledger
+        ended after the engine's last step (ended_unseen: the gauges may count them still) is borne out where the
+        gauges first hold those ends: the first sample whose gauges hold every end before this one (settled)
+        counts no more than the ledger there. Until then the count may hold this request in their place (seen
+        through a proxy that never passed the cancel on, no request log: a neighbour that ended 43 ms before a
+        sample left room in a count of 1 for this request, running on for 13 s, and the neighbour's blocks going
+        back read as this one's). True where the count needs no such allowance."""
+        sched, times = self.sched, self.sched["t_s"]
+        needs = sched["count"] > self.inflight - self.finished_unseen + 1e-9
+        out = np.ones(len(times), dtype=bool)
+        idx = np.nonzero(needs & count_ok)[0]
+        if not len(idx):
+            return out
+        j = np.array([self.where_ends_settle(i) or len(times) for i in idx])
+        ok = j < len(times)
+        out[idx] = False
+        out[idx[ok]] = count_ok[j[ok]]
+        return out
+
+    def where_ends_settle(self, i: int) -> int | None:
+        """The first sample, from `i` on, whose gauges hold every end before sample `i` (settled); None where the
+        stretch holds none."""
+        settled = self._settled_ever
+        j = max(int(np.searchsorted(settled, i, side="left")), i)
+        return j if j < len(settled) else None
+
+    @cached_property
+    def _settled_ever(self) -> np.ndarray:
+        return np.maximum.accumulate(self.settled)  # the gauges never un-hold an end
+
+    def count_reading(self, i: int, compared_with: float | None = None) -> dict:
+        """What the count at sample `i` of the stretch was read against, as data (Evidence.count_reading): the
+        engine's count; the fewest and the most of the other requests the engine could hold there, by the ledger
+        and what it cannot see; the requests that keep those two apart, each with why; and the bound the rule
+        compared the count with, where it compared one."""
+        times = self.sched["t_s"]
+        t = float(times[i])
+        ids, seqs, counted, first, _ = self.ledger_rows
+        others = ids != self.rid
+        no_token = others & counted[:, i] & (t < first)
+        open_ = [{"request_id": str(r), "reason": "first_token_not_at_client"} for r in ids[no_token]]
+        last = self.settled[i]
+        last_step = float(times[last]) if last >= 0 else -math.inf
+        t0 = self.run.info["started_mono_ns"]
+        for row in self.run.ledger.itertuples(index=False):
+            if row.request_id == self.rid or pd.isna(row.sent_mono_ns):
+                continue
+            t_gone = _ledger_end_s(row, self.ledger_ends, t0)
+            if last_step < t_gone <= t:
+                open_.append({"request_id": str(row.request_id), "reason": "ended_after_engines_last_step"})
+        unread = int(round(float(self.finished_unseen[i])))
+        if unread:
+            open_.append({"request_id": None, "reason": "ended_by_itself_unread", "count": unread})
+        others_now = float(self.without[i])
+        return {"at_s": round(t, 3), "count": float(self.sched["count"][i]),
+                "others_fewest": max(0.0, others_now - float(seqs[no_token].sum()) - unread),
+                "others_most": others_now + float(self.ended_unseen[i]),
+                "compared_with": None if compared_with is None else float(compared_with),
+                "open": open_}
+
     @cached_property
     def unseen_with_this(self) -> np.ndarray:
         """Per sample of the stretch: sequences the ledger counts whose first token had not reached their client,
@@ -1426,6 +1487,7 @@ def released(c: VllmCase) -> CancelVerdict | None:
     count_ok = count_ok_all.copy()
     if grace_end:
         count_ok[:grace_end] = np.logical_and.accumulate(count_ok_all[:grace_end][::-1])[::-1]
+    count_ok &= c.confirmed_past_ended_unseen(count_ok_all)
     # a request that held KV must give it back: the probe taking blocks does not excuse a KV usage
     # that never fell, only what shows its blocks went back all the same
     waivers = {"taken_in_its_place": c.taken_in_its_place(kv_before),
@@ -1442,6 +1504,7 @@ def released(c: VllmCase) -> CancelVerdict | None:
         ev.kv_drop_waived = next(name for name, shown in waivers.items() if shown[left])
     ev.count_after = float(sched["count"][left])
     ev.ledger_after = float(c.inflight[left])
+    ev.count_reading = c.count_reading(left, c.inflight[left] + c.ended_unseen[left] - c.finished_unseen[left])
     ev.kv_after = float(sched["kv"][left])
     ev.release_ms = round((times[left] - t_ref) * 1000, 1)
     ev.samples_to_release = int(left - after[0]) + 1
@@ -1471,6 +1534,15 @@ def held(c: VllmCase) -> CancelVerdict:
     refreshed = np.nonzero(c.moved[in_grace])[0]
     at_end = refreshed[-1] if len(refreshed) else -1
     ev.excess_at_grace_end = float(excess[at_end]) if len(excess) else None
+    if len(excess) and ev.excess_at_grace_end <= 0:
+        # reconciled there only by ends the gauges may not hold yet (ended_unseen): read where they first do
+        i = int(np.nonzero(in_grace)[0][at_end])
+        j = c.where_ends_settle(i)
+        if j is not None and sched["count"][i] > c.inflight[i] - c.finished_unseen[i] + 1e-9:
+            ev.excess_at_grace_end = float(sched["count"][j] - c.inflight[j] - c.ended_unseen[j])
+    if len(excess):
+        i = int(np.nonzero(in_grace)[0][at_end])
+        ev.count_reading = c.count_reading(i, c.inflight[i] + c.ended_unseen[i])
     ev.engine_stepping = bool(stepping)
     ev.generation_tokens_delta = float(gen[-1] - gen[0]) if len(gen) >= 2 else None
     if not len(excess) or ev.excess_at_grace_end <= 0:
@@ -1525,6 +1597,7 @@ def beside_traffic(c: VllmCase) -> CancelVerdict | None:
     left = int(hits[0])
     c.tp["left_scheduler"] = float(times[left])
     c.ev.count_after, c.ev.ledger_after = float(sched["count"][left]), float(c.inflight[left])
+    c.ev.count_reading = c.count_reading(left, c.inflight[left])
     c.ev.release_ms = round((times[left] - c.t_abort) * 1000, 1)
     return c.verdict("released_beside_traffic", requests=c.ev.foreign_requests, after_ms=c.ev.release_ms)
 

@@ -141,8 +141,10 @@ def build_command(
     gpu: bool = False,
     relay: bool = False,
     extra_args: list[str] | None = None,
+    log_requests: bool = True,
 ) -> list[str]:
-    """The server command line. Pure, so the GPU variant is testable without a GPU."""
+    """The server command line. Pure, so the GPU variant is testable without a GPU. `log_requests`: the
+    per-request lines cancelwatch reads (off is vLLM's own default, as most deployments run it)."""
     if relay:
         # cancelwatch's relay app: AsyncLLM in process, cancels through collectors.engines.relay
         cmd = [engine_python, "-m", "collectors.engines.relay_app", "--model", model]
@@ -162,7 +164,7 @@ def build_command(
         "--dtype", shape.dtype,
         "--gpu-memory-utilization", str(shape.gpu_memory_utilization),
     ]
-    if not relay:
+    if not relay and log_requests:
         cmd += ["--enable-log-requests"]
     if shape.num_gpu_blocks:
         cmd += ["--num-gpu-blocks-override", str(shape.num_gpu_blocks)]
@@ -188,10 +190,12 @@ def start(
     relay: bool = False,
     cpu_cores: float | None = None,
     vllm_log_format: bool = False,
+    log_requests: bool = True,
 ) -> EngineState:
     """Start the engine and wait for /health. Raises PortBusy when the port is taken. `cpu_cores`: the CPU
     time the whole engine may use (a cgroup quota, see cpu_limit.py): a slow engine on demand.
-    `vllm_log_format`: log as vLLM does on its own (whole seconds, no year), as an engine a user starts."""
+    `vllm_log_format`: log as vLLM does on its own (whole seconds, no year), as an engine a user starts.
+    `log_requests=False`: no per-request lines, vLLM's default."""
     home = Path(home).resolve()
     home.mkdir(parents=True, exist_ok=True)
     shape = shape or EngineShape()
@@ -204,7 +208,7 @@ def start(
         model = str(Path(model).resolve())  # the server runs in `home`; a relative path would turn into a hub id
     model_path = str(ensure_tiny_model(home, engine_python)) if dummy else model
     cmd = build_command(engine_python, model_path, port, shape, dummy_weights=dummy, gpu=gpu, relay=relay,
-                        extra_args=extra_args)
+                        extra_args=extra_args, log_requests=log_requests)
     env = dict(os.environ)
     if relay:
         env["PYTHONPATH"] = str(PROJECT_ROOT)  # collectors.engines.relay_app

@@ -6,7 +6,9 @@ A request is a cancel when its client closed or reset the connection before the 
 half-close (FIN) is not one on its own: clients send their request, half-close and wait. So a FIN with
 the response open is held until the connection tells: the response passing to its end (not a cancel),
 or the connection ending without it (a cancel, stamped at the FIN: the instant the client left). A
-reset is a cancel at once.
+reset is a cancel at once. A complete answer is never a cancel: a client that closes once the stream's last
+event (`data: [DONE]`) has passed read it whole, whatever the transport's framing did after (the `openai`
+SDK closes before the chunked body's last bytes come).
 
 Pure bookkeeping over the tap's events (runstore/event_kinds.py: tap_*), on the tap's monotonic clock:
 `feed` returns the records to write, the tap's own events first; nothing here reads a socket or a clock.
@@ -124,6 +126,8 @@ class WatchLedger:
             return self._ended(key, o, ev.mono_ns)
         elif kind == "tap_closed" and d.get("side") == "client":
             self._body(o, d)
+            if d.get("sse_done"):
+                return self._ended(key, o, ev.mono_ns)  # the answer passed whole: no cancel
             if d.get("how") == "rst":
                 return self._cancel(key, o, ev.mono_ns, ev.wall_ns, int(d.get("chunks") or 0), "client reset")
             o.fin_ns, o.fin_wall_ns, o.fin_chunks = ev.mono_ns, ev.wall_ns, int(d.get("chunks") or 0)

@@ -180,16 +180,17 @@ class _Http:
         self.ids: dict[int, str | None] = {}  # seq -> its X-Request-Id
         self.answered = -1  # the latest request whose response started
         self.ended = -1  # the latest request whose response ended
-        self.body: dict[int, list] = {}  # seq -> [first body byte's mono ns or None, SSE data events]
+        # seq -> [first body byte's mono ns or None, SSE data events, whether `data: [DONE]` passed]
+        self.body: dict[int, list] = {}
         self._request_body = bytearray()  # the body of the request being read, up to BODY_BYTES
         self._sse_tail = b""  # the end of the last response chunk: an SSE line split between two reads
         self.now = 0  # the instant of the bytes being read (the tap's clock), set by the tap
 
     def body_of(self, seq: int | None) -> dict:
-        """What passed of a request's response body: `first_body_mono_ns` and `chunks` (SSE data events,
-        a token each on a stream; `[DONE]` not counted)."""
-        first, chunks = self.body.get(seq, (None, 0)) if seq is not None else (None, 0)
-        return {"first_body_mono_ns": first, "chunks": chunks}
+        """What passed of a request's response body: `first_body_mono_ns`, `chunks` (SSE data events, a token
+        each on a stream; `[DONE]` not counted) and `sse_done` (the stream's `data: [DONE]` passed)."""
+        first, chunks, done = self.body.get(seq, (None, 0, False)) if seq is not None else (None, 0, False)
+        return {"first_body_mono_ns": first, "chunks": chunks, "sse_done": done}
 
     def open_seq(self) -> int | None:
         """The request whose response has not ended, if any."""
@@ -275,16 +276,18 @@ class _Http:
                 return out
             if isinstance(ev, h11.Response):
                 self.answered = self.seq
-                self.body[self.seq] = [None, 0]
+                self.body[self.seq] = [None, 0, False]
                 self._sse_tail = b"\n"  # the body starts a line
                 self.body.pop(self.seq - 8, None)  # a kept-alive connection's old requests: bounded
                 out.append(("response", {"seq": self.seq, "status": ev.status_code,
                                          "request_id": self.ids.get(self.seq)}))
             elif isinstance(ev, h11.Data):
-                stats = self.body.setdefault(self.seq, [None, 0])
+                stats = self.body.setdefault(self.seq, [None, 0, False])
                 if stats[0] is None and ev.data:
                     stats[0] = self.now
-                stats[1] += self._sse_events(bytes(ev.data))
+                events, done = self._sse_events(bytes(ev.data))
+                stats[1] += events
+                stats[2] = stats[2] or done
             elif isinstance(ev, h11.InformationalResponse) and ev.status_code == 101:
                 return out + self._broke("switched protocols (an upgrade): no further request ids")
             elif isinstance(ev, h11.EndOfMessage):
@@ -294,9 +297,10 @@ class _Http:
                 if self._next_cycle():
                     out += self._requests()  # a request the client sent on before this response ended
 
-    def _sse_events(self, data: bytes) -> int:
+    def _sse_events(self, data: bytes) -> tuple[int, bool]:
         """SSE data events that end in `data` (a token each on a stream): `data:` at a line's start, less
-        `data: [DONE]`; the tail of the last read kept, so an event split between two reads counts once."""
+        `data: [DONE]`; the tail of the last read kept, so an event split between two reads counts once. And
+        whether `data: [DONE]` ends in it: the stream's last event, the answer whole."""
         text = self._sse_tail + data
         skip = len(self._sse_tail)
         def new(pattern: bytes) -> int:  # occurrences that end in `data`: the tail's were counted before
@@ -307,7 +311,8 @@ class _Http:
             return n
 
         self._sse_tail = text[-(len(_SSE_DONE) - 1):]
-        return new(b"\ndata:") - new(_SSE_DONE)
+        done = new(_SSE_DONE)
+        return new(b"\ndata:") - done, done > 0
 
     def _next_cycle(self) -> bool:
         """Both messages of the exchange are done and the connection is kept alive: read the next one."""
@@ -468,7 +473,7 @@ class TapSource(Source):
                 self._event("tap_response", flow, at_ns, d["request_id"], seq=d["seq"], status=d["status"])
             elif what == "end":
                 self._event("tap_response_end", flow, at_ns, d["request_id"], seq=d["seq"],
-                            chunks=d["chunks"], first_body_mono_ns=d["first_body_mono_ns"])
+                            chunks=d["chunks"], first_body_mono_ns=d["first_body_mono_ns"], sse_done=d["sse_done"])
             elif what == "request_body":
                 self._event("tap_request_body", flow, at_ns, d["request_id"], seq=d["seq"], model=d["model"],
                             stream=d["stream"], max_tokens=d["max_tokens"], n=d["n"])
@@ -505,8 +510,8 @@ class TapSource(Source):
             body = flow.http.body_of(seq)
             self._event("tap_connection_end", flow, self._clock(), flow.http.ids.get(seq) if seq is not None else None,
                         open_seq=seq, closed=dict(flow.closed), by_tap=sorted(flow.reset_by_tap),
-                        client_gone=flow.client_gone,
-                        chunks=body["chunks"], first_body_mono_ns=body["first_body_mono_ns"])
+                        client_gone=flow.client_gone, chunks=body["chunks"],
+                        first_body_mono_ns=body["first_body_mono_ns"], sse_done=body["sse_done"])
             for w in (writer, flow.upstream_w):
                 if w is not None and not w.transport.is_closing():
                     w.transport.close()
@@ -618,7 +623,7 @@ class TapSource(Source):
         body = flow.http.body_of(seq)
         self._event("tap_closed", flow, now, rid, side=side, how=how,
                     open_seq=seq, response_ended=seq is None and flow.http.ended >= 0 and not flow.http.broken,
-                    chunks=body["chunks"], first_body_mono_ns=body["first_body_mono_ns"])
+                    chunks=body["chunks"], first_body_mono_ns=body["first_body_mono_ns"], sse_done=body["sse_done"])
         if out is None:
             return
         if how == "rst":

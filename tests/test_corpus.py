@@ -1,0 +1,64 @@
+"""The corpus check (tests/corpus/): every run recorded from real servers is judged, and the verdicts are what
+the manifest blessed; none of the cancels whose truth the set-up makes certain is judged the other way.
+A difference prints one table by rule (before, after, how many, which runs); `python -m tests.corpus.check
+--bless` keeps the new verdicts once that table has been read."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from tests.corpus.check import Judged, compare, counts, judge_corpus, table
+from tests.corpus.manifest import CONSTRUCTION, REVIEWED, TRUTHS, load_manifest
+
+MIN_CANCELS, MIN_CONSTRUCTION = 300, 100
+
+
+@pytest.fixture(scope="module")
+def manifest() -> dict:
+    return load_manifest()
+
+
+@pytest.fixture(scope="module")
+def judged(manifest, tmp_path_factory) -> tuple[list[Judged], float]:
+    t = time.perf_counter()
+    out = judge_corpus(tmp_path_factory.mktemp("corpus"), manifest)
+    return out, time.perf_counter() - t
+
+
+def test_every_corpus_run_is_judged_as_the_manifest_says(manifest, judged):
+    verdicts, seconds = judged
+    outcome = compare(verdicts, manifest)
+    print(f"corpus: {outcome.judged} cancels judged in {seconds:.1f} s")
+    assert outcome.ok, "\n" + table(outcome) + "\n(python -m tests.corpus.check --bless keeps them, once read)"
+    assert seconds < 60, f"the corpus check took {seconds:.0f} s: at most a minute"
+
+
+def test_the_corpus_holds_enough_cancels_and_enough_known_by_construction(manifest):
+    c = counts(manifest)
+    assert c[CONSTRUCTION] + c[REVIEWED] >= MIN_CANCELS, c
+    assert c[CONSTRUCTION] >= MIN_CONSTRUCTION, c
+    # every reviewed verdict says in one line what it rests on; every entry names how its run was recorded
+    for name, entry in manifest["runs"].items():
+        assert entry["recorded"]["commit"] and entry["recorded"]["commands"], name
+        for run in entry["expected"].values():
+            for rid, e in run.items():
+                assert e["basis"] in (CONSTRUCTION, REVIEWED) and e["why"].strip(), (name, rid, e)
+
+
+def test_a_cancel_known_by_construction_judged_the_other_way_fails_the_check(manifest, judged):
+    """The check can fail: a rule that calls every leak a release (or every release a leak) is caught on the
+    cancels whose truth the set-up makes certain, and is shown by rule."""
+    verdicts, _ = judged
+    known = {(n, r, rid): t["truth"] for n, e in manifest["runs"].items() for r, run in e["runs"].items()
+             for rid, t in run.get("truth", {}).items()}
+    flip = {"released": "leaked", "leaked": "released"}
+    broken = [dataclasses.replace(j, verdict=flip.get(j.verdict, j.verdict), rule="broken") for j in verdicts]
+    outcome = compare(broken, manifest)
+    contradicted = [j for j in broken if j.verdict in TRUTHS.get(known.get((j.corpus_run, j.run_id, j.request_id),
+                                                                          "no_cancel"), ())
+                    and (j.corpus_run, j.run_id, j.request_id) in known]
+    assert contradicted and len(outcome.wrong) == len(contradicted)
+    assert not outcome.ok and "broken" in table(outcome)
