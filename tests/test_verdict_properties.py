@@ -357,9 +357,11 @@ def broken(monkeypatch, code: str, verdict: str) -> None:
 
 
 def found(check, *cases) -> dict:
+    """The first counterexample `check` finds among `cases` (printed: what the broken rule did)."""
     for case in cases:
         bad = check(*case)
         if bad:
+            print(f"{check.__name__}{case}: {bad}")
             return {case: bad}
     return {}
 

@@ -870,22 +870,37 @@ class VllmCase(Case):
     def confirmed_past_ended_unseen(self, count_ok: np.ndarray) -> np.ndarray:
         """Per sample of the stretch: a count reconciled there (`count_ok`) only by other requests the ledger
         ended after the engine's last step (ended_unseen: the gauges may count them still) is borne out where the
-        gauges first hold those ends: the first sample whose gauges hold every end before this one (settled)
-        counts no more than the ledger there. Until then the count may hold this request in their place (seen
-        through a proxy that never passed the cancel on, no request log: a neighbour that ended 43 ms before a
-        sample left room in a count of 1 for this request, running on for 13 s, and the neighbour's blocks going
-        back read as this one's). True where the count needs no such allowance."""
-        sched, times = self.sched, self.sched["t_s"]
-        needs = sched["count"] > self.inflight - self.finished_unseen + 1e-9
+        gauges first hold those ends (the first sample whose gauges hold every end before this one: settled),
+        and so on, until a sample reconciled with no such allowance. Until then the count may hold this request
+        in their place (seen through a proxy that never passed the cancel on, no request log: a neighbour that
+        ended 43 ms before a sample left room in a count of 1 for this request, running on for 13 s, and the
+        neighbour's blocks going back read as this one's; at half the sampling rate, the probe's end then left
+        the same room at the sample that was to bear it out). True where the count needs no such allowance."""
+        times = self.sched["t_s"]
         out = np.ones(len(times), dtype=bool)
-        idx = np.nonzero(needs & count_ok)[0]
-        if not len(idx):
-            return out
-        j = np.array([self.where_ends_settle(i) or len(times) for i in idx])
-        ok = j < len(times)
-        out[idx] = False
-        out[idx[ok]] = count_ok[j[ok]]
+        for i in np.nonzero(self.needs_ended_unseen & count_ok)[0]:
+            j = self.borne_out_at(int(i), count_ok)
+            out[i] = j is not None
         return out
+
+    @cached_property
+    def needs_ended_unseen(self) -> np.ndarray:
+        """Per sample of the stretch: the count is over the ledger's without the requests it ended after the
+        engine's last step (finished_unseen allowed for): reconciled, if at all, only by those."""
+        return (self.ended_unseen > 0.5) & (self.sched["count"] > self.inflight - self.finished_unseen + 1e-9)
+
+    def borne_out_at(self, i: int, count_ok: np.ndarray) -> int | None:
+        """From sample `i` on, following each reading to where the gauges hold the ends it allowed for: the first
+        sample reconciled with no such allowance, where every one on the way was reconciled; None where one was
+        not, or the stretch ends first."""
+        while count_ok[i]:
+            if not self.needs_ended_unseen[i]:
+                return i
+            j = self.where_ends_settle(i)
+            if j is None or j <= i:
+                return None
+            i = j
+        return None
 
     def where_ends_settle(self, i: int) -> int | None:
         """The first sample, from `i` on, whose gauges hold every end before sample `i` (settled); None where the
@@ -1536,10 +1551,15 @@ def held(c: VllmCase) -> CancelVerdict:
     ev.excess_at_grace_end = float(excess[at_end]) if len(excess) else None
     if len(excess) and ev.excess_at_grace_end <= 0:
         # reconciled there only by ends the gauges may not hold yet (ended_unseen): read where they first do
-        i = int(np.nonzero(in_grace)[0][at_end])
-        j = c.where_ends_settle(i)
-        if j is not None and sched["count"][i] > c.inflight[i] - c.finished_unseen[i] + 1e-9:
-            ev.excess_at_grace_end = float(sched["count"][j] - c.inflight[j] - c.ended_unseen[j])
+        # within the ledger's there only by requests it ended after the engine's last step: followed to where the
+        # gauges hold those ends, the excess of the first sample that needs no such allowance (or is over)
+        k = int(np.nonzero(in_grace)[0][at_end])
+        while k is not None and excess_at(c, k) <= 0 and c.ended_unseen[k] > 0.5 \
+                and sched["count"][k] > c.inflight[k] + 1e-9:
+            j = c.where_ends_settle(k)
+            k = j if j is not None and j > k else None
+        if k is not None:
+            ev.excess_at_grace_end = float(excess_at(c, k))
     if len(excess):
         i = int(np.nonzero(in_grace)[0][at_end])
         ev.count_reading = c.count_reading(i, c.inflight[i] + c.ended_unseen[i])
@@ -1559,6 +1579,12 @@ def held(c: VllmCase) -> CancelVerdict:
         # that stays is the engine keeping a request it was told to drop
         return c.verdict("abort_logged_still_generating" if stepping else "abort_logged_gauges_stale")
     return c.verdict("still_counted_generating" if stepping else "gauges_stale")
+
+
+def excess_at(c: VllmCase, i: int) -> float:
+    """Requests the server counted beyond the ledger at sample `i`, those it ended after the engine's last step
+    allowed for."""
+    return float(c.sched["count"][i] - c.inflight[i] - c.ended_unseen[i])
 
 
 def resubmitted(c: VllmCase) -> CancelVerdict | None:
