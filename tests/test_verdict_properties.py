@@ -30,7 +30,7 @@ from analysis.verdicts import NO_LOG, judge_run
 from analysis.verdicts.families import family_of
 from bench.synthetic import write_synthetic_run
 from runstore.reader import load_run
-from tests.corpus.manifest import load_manifest, unpack
+from tests.corpus.check import corpus_stores
 from tests.test_fuzz import fuzz
 
 LOG_KINDS = ("engine_added", "engine_aborted", "engine_log_gap")
@@ -42,8 +42,7 @@ STORES: dict[str, tuple[Path, int]] = {}
 
 def _corpus_runs() -> dict[str, object]:
     out = {}
-    for name, entry in load_manifest()["runs"].items():
-        store = unpack(entry, WORK)
+    for name, store, entry in corpus_stores(WORK):
         for run_id in entry["runs"]:
             run = load_run(store, int(run_id))
             if family_of(run) == "vllm":

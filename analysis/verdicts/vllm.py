@@ -784,17 +784,27 @@ class VllmCase(Case):
         (generation_tokens_total rose since the sample before): an end after it is not in them yet, and read
         against a ledger that has it, the count reads one too high (seen under AIPerf on two cores: a step of
         the engine stalled 0.3 s while two other cancels' aborts came, and the stretch's excess was theirs)."""
+        _, seqs, ended = self._ended_after_last_step
+        return seqs @ ended
+
+    @cached_property
+    def _ended_after_last_step(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The other requests the ledger ended: (ids, sequences, per request and sample of the stretch: ended
+        after the engine's last step before that sample), for ended_unseen and count_reading."""
         times, settled = self.sched["t_s"], self.settled
         last_step = np.where(settled >= 0, times[np.maximum(settled, 0)], -math.inf)
-        out = np.zeros(len(times))
         t0 = self.run.info["started_mono_ns"]
+        ids, seqs, gone = [], [], []
         for row in self.run.ledger.itertuples(index=False):
             if row.request_id == self.rid or pd.isna(row.sent_mono_ns):
                 continue
             t_gone = _ledger_end_s(row, self.ledger_ends, t0)
             if math.isfinite(t_gone):
-                out += _seqs(row) * ((times >= t_gone) & (last_step < t_gone))
-        return out
+                ids.append(row.request_id)
+                seqs.append(_seqs(row))
+                gone.append(t_gone)
+        g = np.array(gone, dtype=float)[:, None]
+        return np.array(ids, dtype=object), np.array(seqs, dtype=float), (times >= g) & (last_step < g)
 
     def taken_in_its_place(self, kv_before: float) -> np.ndarray:
         """Per sample of the stretch: the count holds the ledger's requests surely counted there and no other
@@ -876,11 +886,11 @@ class VllmCase(Case):
         ended 43 ms before a sample left room in a count of 1 for this request, running on for 13 s, and the
         neighbour's blocks going back read as this one's; at half the sampling rate, the probe's end then left
         the same room at the sample that was to bear it out). True where the count needs no such allowance."""
-        times = self.sched["t_s"]
-        out = np.ones(len(times), dtype=bool)
-        for i in np.nonzero(self.needs_ended_unseen & count_ok)[0]:
-            j = self.borne_out_at(int(i), count_ok)
-            out[i] = j is not None
+        allowed = self.needs_ended_unseen & count_ok
+        out = np.ones(len(allowed), dtype=bool)
+        for i in np.nonzero(allowed)[0]:
+            k = self.past_unseen_ends(int(i), allowed)
+            out[i] = k is not None and bool(count_ok[k])
         return out
 
     @cached_property
@@ -889,18 +899,16 @@ class VllmCase(Case):
         engine's last step (finished_unseen allowed for): reconciled, if at all, only by those."""
         return (self.ended_unseen > 0.5) & (self.sched["count"] > self.inflight - self.finished_unseen + 1e-9)
 
-    def borne_out_at(self, i: int, count_ok: np.ndarray) -> int | None:
-        """From sample `i` on, following each reading to where the gauges hold the ends it allowed for: the first
-        sample reconciled with no such allowance, where every one on the way was reconciled; None where one was
-        not, or the stretch ends first."""
-        while count_ok[i]:
-            if not self.needs_ended_unseen[i]:
-                return i
+    def past_unseen_ends(self, i: int, allowed: np.ndarray) -> int | None:
+        """From sample `i` on, each reading that rests on ends after the engine's last step (`allowed`) followed to
+        where the gauges hold those ends: the first sample whose reading does not; None where the stretch ends
+        first."""
+        while allowed[i]:
             j = self.where_ends_settle(i)
             if j is None or j <= i:
                 return None
             i = j
-        return None
+        return i
 
     def where_ends_settle(self, i: int) -> int | None:
         """The first sample, from `i` on, whose gauges hold every end before sample `i` (settled); None where the
@@ -924,15 +932,8 @@ class VllmCase(Case):
         others = ids != self.rid
         no_token = others & counted[:, i] & (t < first)
         open_ = [{"request_id": str(r), "reason": "first_token_not_at_client"} for r in ids[no_token]]
-        last = self.settled[i]
-        last_step = float(times[last]) if last >= 0 else -math.inf
-        t0 = self.run.info["started_mono_ns"]
-        for row in self.run.ledger.itertuples(index=False):
-            if row.request_id == self.rid or pd.isna(row.sent_mono_ns):
-                continue
-            t_gone = _ledger_end_s(row, self.ledger_ends, t0)
-            if last_step < t_gone <= t:
-                open_.append({"request_id": str(row.request_id), "reason": "ended_after_engines_last_step"})
+        ended_ids, _, ended = self._ended_after_last_step
+        open_ += [{"request_id": str(r), "reason": "ended_after_engines_last_step"} for r in ended_ids[ended[:, i]]]
         unread = int(round(float(self.finished_unseen[i])))
         if unread:
             open_.append({"request_id": None, "reason": "ended_by_itself_unread", "count": unread})
@@ -1495,7 +1496,8 @@ def released(c: VllmCase) -> CancelVerdict | None:
     ev.kv_drop_s = float(times[drop[0]]) if len(drop) else None
     # another request's end after the engine's last step is not in its gauges yet (VllmCase.ended_unseen); a
     # request the engine ended that the ledger still counts is not in them either (finished_unseen)
-    count_ok_all = sched["count"] <= c.inflight + c.ended_unseen - c.finished_unseen + 1e-9
+    bound = c.inflight + c.ended_unseen - c.finished_unseen
+    count_ok_all = sched["count"] <= bound + 1e-9
     grace_end = int(np.searchsorted(times, t_ref + c.grace_s, side="right"))
     # the count must stay reconciled to the end of the grace: a probe sent right after the abort
     # can stand in for a request that never left until the server counts the probe too
@@ -1519,7 +1521,7 @@ def released(c: VllmCase) -> CancelVerdict | None:
         ev.kv_drop_waived = next(name for name, shown in waivers.items() if shown[left])
     ev.count_after = float(sched["count"][left])
     ev.ledger_after = float(c.inflight[left])
-    ev.count_reading = c.count_reading(left, c.inflight[left] + c.ended_unseen[left] - c.finished_unseen[left])
+    ev.count_reading = c.count_reading(left, bound[left])
     ev.kv_after = float(sched["kv"][left])
     ev.release_ms = round((times[left] - t_ref) * 1000, 1)
     ev.samples_to_release = int(left - after[0]) + 1
@@ -1542,27 +1544,23 @@ def held(c: VllmCase) -> CancelVerdict:
     gen = gen[~np.isnan(gen)]
     stepping = len(gen) >= 2 and gen[-1] > gen[0]
     # another request's end after the engine's last step is not in its gauges yet (VllmCase.ended_unseen)
-    excess = sched["count"][in_grace] - c.inflight[in_grace] - c.ended_unseen[in_grace]
+    all_excess = sched["count"] - c.inflight - c.ended_unseen
+    excess = all_excess[in_grace]
     ev.excess_max = float(excess.max()) if len(excess) else None
     # still counted after the grace is read where the grace ends: at its last refreshed sample (one taken
     # between the abort and the engine's next step still shows the count from before the abort)
     refreshed = np.nonzero(c.moved[in_grace])[0]
     at_end = refreshed[-1] if len(refreshed) else -1
     ev.excess_at_grace_end = float(excess[at_end]) if len(excess) else None
-    if len(excess) and ev.excess_at_grace_end <= 0:
-        # reconciled there only by ends the gauges may not hold yet (ended_unseen): read where they first do
-        # within the ledger's there only by requests it ended after the engine's last step: followed to where the
-        # gauges hold those ends, the excess of the first sample that needs no such allowance (or is over)
-        k = int(np.nonzero(in_grace)[0][at_end])
-        while k is not None and excess_at(c, k) <= 0 and c.ended_unseen[k] > 0.5 \
-                and sched["count"][k] > c.inflight[k] + 1e-9:
-            j = c.where_ends_settle(k)
-            k = j if j is not None and j > k else None
-        if k is not None:
-            ev.excess_at_grace_end = float(excess_at(c, k))
     if len(excess):
         i = int(np.nonzero(in_grace)[0][at_end])
         ev.count_reading = c.count_reading(i, c.inflight[i] + c.ended_unseen[i])
+        # within the ledger's there only by requests it ended after the engine's last step: the excess where the
+        # gauges hold those ends, at the first sample that needs no such allowance (or is over the ledger's)
+        allowed = (all_excess <= 0) & (c.ended_unseen > 0.5) & (sched["count"] > c.inflight + 1e-9)
+        k = c.past_unseen_ends(i, allowed)
+        if k is not None:
+            ev.excess_at_grace_end = float(all_excess[k])
     ev.engine_stepping = bool(stepping)
     ev.generation_tokens_delta = float(gen[-1] - gen[0]) if len(gen) >= 2 else None
     if not len(excess) or ev.excess_at_grace_end <= 0:
@@ -1579,12 +1577,6 @@ def held(c: VllmCase) -> CancelVerdict:
         # that stays is the engine keeping a request it was told to drop
         return c.verdict("abort_logged_still_generating" if stepping else "abort_logged_gauges_stale")
     return c.verdict("still_counted_generating" if stepping else "gauges_stale")
-
-
-def excess_at(c: VllmCase, i: int) -> float:
-    """Requests the server counted beyond the ledger at sample `i`, those it ended after the engine's last step
-    allowed for."""
-    return float(c.sched["count"][i] - c.inflight[i] - c.ended_unseen[i])
 
 
 def resubmitted(c: VllmCase) -> CancelVerdict | None:

@@ -293,22 +293,14 @@ def sdk_clients(url: str, model: str, *, cancels: int = 10, full: int = 4, seed:
         rid = f"sdk-{what}-{i:02d}"
         headers = {"X-Request-Id": rid}
         if what == "stream":
-            stream = client.completions.create(model=model, prompt=f"The sea {i}", max_tokens=1200, stream=True,
-                                               extra_body={"ignore_eos": True}, extra_headers=headers)
-            stop_at = rng.randint(3, 40)
-            for k, _ in enumerate(stream):
-                if k >= stop_at:
-                    break
-            stream.close()
+            break_off(client.completions.create(model=model, prompt=f"The sea {i}", max_tokens=1200, stream=True,
+                                                extra_body={"ignore_eos": True}, extra_headers=headers),
+                      rng.randint(3, 40))
         elif what == "chat":
-            stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": f"Hi {i}"}],
-                                                    max_tokens=1200, stream=True, extra_body={"ignore_eos": True},
-                                                    extra_headers=headers)
-            stop_at = rng.randint(3, 40)
-            for k, _ in enumerate(stream):
-                if k >= stop_at:
-                    break
-            stream.close()
+            break_off(client.chat.completions.create(model=model, messages=[{"role": "user", "content": f"Hi {i}"}],
+                                                     max_tokens=1200, stream=True, extra_body={"ignore_eos": True},
+                                                     extra_headers=headers),
+                      rng.randint(3, 40))
         elif what == "timeout":
             try:
                 client.with_options(timeout=1.5).completions.create(
@@ -326,6 +318,14 @@ def sdk_clients(url: str, model: str, *, cancels: int = 10, full: int = 4, seed:
     return done
 
 
+def break_off(stream, after: int) -> None:
+    """Read `after` chunks of an SDK stream, then close it: an app's Stop."""
+    for k, _ in enumerate(stream):
+        if k >= after:
+            break
+    stream.close()
+
+
 def aiperf_clients(url: str, model: str, tokenizer: str, out: Path, seed: int = 5) -> dict[str, str]:
     """AIPerf's bounded run (tests/test_watch_aiperf.py's command) through the watch: request id -> `cancel`
     for the requests AIPerf cancelled (its code 499), `full` for those it read to their end."""
@@ -341,16 +341,11 @@ def aiperf_clients(url: str, model: str, tokenizer: str, out: Path, seed: int = 
 
 
 def engine_idle(url: str, limit_s: float = 240.0) -> None:
-    import re
-
-    import httpx
+    """Until the engine holds no request (tests/test_watch_engine.py's reading), at most `limit_s`."""
+    from tests.test_watch_engine import engine_busy
 
     deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        text = httpx.get(url + "/metrics", timeout=10).text
-        if not any(float(m.group(1)) > 0 for m in
-                   re.finditer(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text, re.M)):
-            return
+    while engine_busy(url) and time.monotonic() < deadline:
         time.sleep(0.5)
 
 
@@ -413,6 +408,7 @@ def record_vllm(spec: Spec, work: Path, home: Path, state) -> Recorded:
         metrics = proxy.url if (proxy and spec.metrics_via_proxy) else state.url
         if spec.kind == "watch":
             from collectors.engines.lifecycle import free_port
+            from tests.test_watch_engine import wait_listening
 
             port = free_port()
             args = ["watch", "--listen", f"127.0.0.1:{port}", "--upstream", target, "--metrics-url", metrics,
@@ -423,7 +419,7 @@ def record_vllm(spec: Spec, work: Path, home: Path, state) -> Recorded:
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                                     env={**os.environ, "CANCELWATCH_HOME": str(recorder_home), **env})
             try:
-                _wait_port(port, proc)
+                wait_listening(port, proc)
                 url = f"http://127.0.0.1:{port}"
                 rec.clients = (aiperf_clients(url, served_model(state.url), state.model, work / f"aiperf-{spec.name}")
                                if spec.client == AIPERF else sdk_clients(url, served_model(state.url)))
@@ -466,21 +462,6 @@ def record_vllm(spec: Spec, work: Path, home: Path, state) -> Recorded:
     return rec
 
 
-def _wait_port(port: int, proc: subprocess.Popen, limit_s: float = 90.0) -> None:
-    import socket
-
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the watch ended before it listened: {proc.communicate()[1][-2000:]}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"the watch did not listen on {port} within {limit_s:.0f} s")
-
-
 def record_matrix(spec: Spec, work: Path) -> Recorded:
     rec = Recorded(work / f"{spec.name}.db")
     args = ["matrix", "--store", str(rec.store), "--out", str(work / "matrix-docs"),
@@ -517,7 +498,6 @@ def record_triton(spec: Spec, work: Path) -> Recorded:
 def keep(spec: Spec, rec: Recorded, manifest: dict) -> None:
     """Compact, gzip and enter the run: how it was recorded, and the truth its set-up makes certain."""
     from runstore.compact import compact
-    from runstore.reader import list_runs, load_run
 
     RUNS_DIR.mkdir(parents=True, exist_ok=True)
     compacted = rec.store.with_suffix(".compact.db")
@@ -525,10 +505,7 @@ def keep(spec: Spec, rec: Recorded, manifest: dict) -> None:
     dest = RUNS_DIR / f"{spec.name}.db.gz"
     with open(compacted, "rb") as src, gzip.GzipFile(dest, "wb", compresslevel=9, mtime=0) as out:
         shutil.copyfileobj(src, out)
-    runs = {}
-    for run_id in list_runs(compacted)["id"].tolist():
-        run = load_run(compacted, run_id)
-        runs[str(run_id)] = {"name": run.info.get("name")}
+    runs = run_names(compacted)
     old = manifest["runs"].get(spec.name, {})
     commands = [c.replace(str(rec.store.parent), "$WORK") for c in rec.commands]
     engine = json.loads(json.dumps(rec.engine).replace(str(rec.store.parent), "$WORK"))
@@ -550,6 +527,14 @@ def keep(spec: Spec, rec: Recorded, manifest: dict) -> None:
         "expected": old.get("expected", {}),
     }
     enter_truths(manifest["runs"][spec.name], compacted)
+
+
+def run_names(store: Path) -> dict:
+    """The manifest's `runs` of a store: run id -> {"name"}, the truths entered later."""
+    from runstore.reader import list_runs
+
+    runs = list_runs(store)
+    return {str(i): {"name": n} for i, n in zip(runs["id"], runs["name"])}
 
 
 def proxy_facts(summary: dict) -> dict:
@@ -592,8 +577,6 @@ ADOPTED = [
 def adopt(manifest: dict) -> None:
     with tempfile.TemporaryDirectory(prefix="cancelwatch-corpus-") as tmp:
         for a in ADOPTED:
-            from runstore.reader import list_runs
-
             entry = manifest["runs"].setdefault(a["name"], {"expected": {}})
             entry.update(file=a["file"], what=a["what"],
                          recorded={"by": a["by"], "commit": a["commit"], "commands": [a["by"]], "path": a["path"],
@@ -601,7 +584,7 @@ def adopt(manifest: dict) -> None:
                                    "engine": {"log_requests": True, "log_format": "milliseconds"}},
                          facts={"clients": {}, "proxy": {}})
             store = unpack(entry, Path(tmp))
-            entry["runs"] = {str(i): {"name": n} for i, n in zip(list_runs(store)["id"], list_runs(store)["name"])}
+            entry["runs"] = run_names(store)
             enter_truths(entry, store)
 
 
