@@ -97,10 +97,10 @@ fuzz: venv
 	CANCELWATCH_FUZZ=1 $(VENV)/bin/python -m pytest -q -rs tests/test_fuzz.py tests/test_verdict_properties.py
 
 # The verdicts' corpus (tests/corpus/): every run re-recorded from real servers (the embedded vLLM on its own
-# defaults and with its request log, the leaking and other test proxies, nginx and HAProxy, the openai SDK and
-# AIPerf through the watch, Triton), about 45 minutes here. Then `python -m tests.corpus.check` shows what the
-# rules say of it, and `--bless` keeps that.
-corpus: venv engine-venv triton-venv gateways aiperf-venv
+# defaults and with its request log, the leaking and other test proxies, every gateway of the matrix, the openai
+# SDK and AIPerf through the watch, Triton), about 50 minutes here. Then `python -m tests.corpus.check` shows what
+# the rules say of it, and `--bless` keeps that.
+corpus: venv engine-venv triton-venv gateways-all aiperf-venv
 	$(VENV)/bin/python -m tests.corpus.record
 
 # The page serves until Ctrl-C, so its end is an interrupt: 130 either way. Streamlit catches the SIGINT and

@@ -7,7 +7,9 @@ when its value is unknown (None); an unreached one has no key, so a reader of th
 "not measured" from "measured, nothing there":
 
   always                 grace_s, metrics_target, samples_in_window
-  before the stop        count_before, ledger_before, with kv_before (never None once read: NaN)
+  every vLLM verdict     count_before, ledger_before, with kv_before (NaN with no sample in the second before
+                         the stop): the second before the stop, written with the verdict whichever rule gave it
+  past the traffic guard foreign_requests, where an engine log is read
   past foreign traffic   kv_drop_s, with release_ms (released) or engine_stepping (not released)
   not released           excess_max, excess_at_grace_end, generation_tokens_delta, with engine_stepping
   every judged cancel    rule (the code of the rule that gave the verdict), with why where it says one
@@ -60,12 +62,14 @@ class Evidence:
     ledger_after: sequences the ledger had in the server at that sample
     kv_after: KV-cache usage ratio (0..1) at that sample
     count_reading: what the deciding sample's count was read against (a release's first reconciled sample,
-        else the grace's last refreshed one): {at_s, count, others_fewest, others_most, compared_with, open},
+        else the grace's last refreshed one; a lost cancel's, the first sample short of the ledger, else the
+        grace's last read one): {at_s, count, others_fewest, others_most, compared_with, open},
         others_fewest/most the fewest and the most of the other requests the engine could hold there (the
         ledger's, less those it may not count yet or had ended unread; more those it ended after the engine's
         last step), compared_with the bound the rule held the count to, and open the requests that keep the
         two apart: {request_id, reason} with reason first_token_not_at_client, ended_after_engines_last_step or
-        ended_by_itself_unread (request_id None, with their count); None where no count decided
+        ended_by_itself_unread (request_id None, with their count), and for a lost cancel's reading (app_lost_*)
+        end_read_within_lag, sent_within_lag or sent_during_its_scrape; None where no count decided
     release_ms: duration, ms from engine abort (the completion, for a race) to left scheduler
     samples_to_release: count of samples from the first at or after the abort to the one that showed
         the release, both included
@@ -169,7 +173,12 @@ class Evidence:
 # the reasons a request keeps the fewest and the most of a count reading apart, in words
 OPEN_REASONS = {"first_token_not_at_client": "first token not at its client yet",
                 "ended_after_engines_last_step": "ended after the engine's last step",
-                "ended_by_itself_unread": "ended by the engine, its client still reading"}
+                "ended_by_itself_unread": "ended by the engine, its client still reading",
+                # a lost cancel's reading (app_lost_*): the ledger's requests around the sample the engine may
+                # not hold though the ledger does, or hold though the ledger does not yet
+                "end_read_within_lag": "its end read by its client just after the sample",
+                "sent_within_lag": "sent just before the sample",
+                "sent_during_its_scrape": "sent while the sample's scrape was being answered"}
 
 
 def count_reading_text(reading: dict | None) -> str:

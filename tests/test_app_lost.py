@@ -34,6 +34,14 @@ def answered(run, answer: str = "cancelled", end_s: float = 5.0, tokens: int = 6
     return run
 
 
+def reading(v):
+    """The count reading a lost cancel's verdict rests on: (at_s, count, others_fewest, others_most, compared_with,
+    the open requests as (id, reason))."""
+    r = v.evidence.count_reading
+    return (r["at_s"], r["count"], r["others_fewest"], r["others_most"], r["compared_with"],
+            [(o["request_id"], o["reason"]) for o in r["open"]])
+
+
 def in_engine_until(end_s: float):
     """The server counts the neighbour and the target until `end_s`, then the neighbour alone."""
     return lambda t: 2.0 if t < end_s else 1.0
@@ -42,15 +50,16 @@ def in_engine_until(end_s: float):
 def test_a_cancel_the_app_answered_while_the_engine_ran_on_is_leaked():
     (v,) = judge_run(answered(build_run(in_engine_until(5.0), lambda t: 0.4, steady_gen)))
     assert (v.verdict, v.rule) == ("leaked", "app_lost_cancel"), v
-    assert v.evidence.kept_running_ms == 3000.0 and "'cancelled'" in v.evidence.why and "60 tokens" in v.evidence.why
-    assert v.evidence.app_answer == "cancelled"
+    assert v.evidence.kept_running_ms == 3000.0 and v.evidence.app_answer == "cancelled", v.evidence
+    # what it read: at the grace's last sample the server counted the target beside the neighbour
+    assert reading(v) == (4.0, 2.0, 1.0, 1.0, 2.0, []), v.evidence.count_reading
 
 
 def test_the_answer_is_named_whatever_the_app_said():
     # a replica that does not hold the request keeps the cancel for later, or an app refuses the owner
     for answer in ("kept_until_registered", "rejected_not_owner", "HTTP 404"):
         (v,) = judge_run(answered(build_run(in_engine_until(5.0), lambda t: 0.4, steady_gen), answer))
-        assert (v.verdict, v.rule) == ("leaked", "app_lost_cancel") and f"'{answer}'" in v.evidence.why, v
+        assert (v.verdict, v.rule, v.evidence.app_answer) == ("leaked", "app_lost_cancel", answer), v
 
 
 def test_tokens_a_buffering_hop_held_back_are_not_a_lost_cancel():
@@ -129,13 +138,14 @@ def test_what_keeps_a_lost_cancel_unconfirmed_is_named():
     # the server stopped counting the target at 2.5 s, inside the grace, though its client read on to 5 s
     (v,) = judge_run(answered(build_run(in_engine_until(2.5), lambda t: 0.4, steady_gen)))
     assert (v.verdict, v.rule) == ("inconclusive", "app_lost_unconfirmed"), v
-    assert "after the stop the server counted 1 request(s) where the ledger had 2 open" in v.evidence.why, v.evidence.why
+    assert reading(v) == (2.5, 1.0, 1.0, 1.0, 2.0, []), v.evidence.count_reading  # the neighbour alone
     # and too few samples: the scrapes answered once in the grace
     run = answered(build_run(in_engine_until(5.0), lambda t: 0.4, steady_gen))
     s = run.samples
     s.loc[s["t_s"].between(1.99, 3.99), "value"] = float("nan")
     (v,) = judge_run(run)
-    assert v.rule == "app_lost_unconfirmed" and "scheduler sample(s) answered in the grace" in v.evidence.why, v
+    assert v.rule == "app_lost_unconfirmed" and v.evidence.count_reading is None, v  # no sample to read
+    assert "scheduler sample(s) answered in the grace" in v.evidence.why, v
 
 
 def test_a_scrape_that_answered_late_is_read_where_it_may_have_been_taken():
@@ -152,7 +162,7 @@ def test_a_scrape_that_answered_late_is_read_where_it_may_have_been_taken():
     # answered at once, the same readings are the engine's at their ticks: one short of the ledger
     sc.loc[sc["t_s"].between(2.9, 3.6), "duration_ns"] = 1
     (v,) = judge_run(run)
-    assert v.rule == "app_lost_unconfirmed" and "the server counted 1 request(s) where the ledger had 2" in v.evidence.why, v
+    assert v.rule == "app_lost_unconfirmed" and reading(v)[1:5] == (1.0, 1.0, 1.0, 2.0), v
 
 
 def neighbour_read_late(engine_end_s: float, read_s: float, target_gone_s: float = 5.0):
@@ -176,7 +186,7 @@ def test_a_neighbour_read_after_the_grace_leaves_the_engine_ahead_unconfirmed():
     # the neighbour's end reached its client only after the grace: no sample of the grace tells the two apart
     (v,) = judge_run(neighbour_read_late(1.8, 4.5))
     assert (v.verdict, v.rule) == ("inconclusive", "app_lost_unconfirmed"), v
-    assert "the engine had run ahead of the client before the stop" in v.evidence.why, v.evidence.why
+    assert (v.evidence.count_before, v.evidence.ledger_before, v.evidence.count_reading) == (1.0, 2.0, None), v.evidence
 
 
 def test_a_target_the_engine_ended_early_is_not_confirmed_by_a_neighbour_read_late():
@@ -184,7 +194,7 @@ def test_a_target_the_engine_ended_early_is_not_confirmed_by_a_neighbour_read_la
     # read at 2.6 s: from then the server counts nothing where the ledger holds the target
     (v,) = judge_run(neighbour_read_late(1.8, 2.6, target_gone_s=1.9))
     assert (v.verdict, v.rule) == ("inconclusive", "app_lost_unconfirmed"), v
-    assert "the server counted 0 request(s) where the ledger had 1 open" in v.evidence.why, v.evidence.why
+    assert reading(v) == (2.9, 0.0, 0.0, 0.0, 1.0, []), v.evidence.count_reading  # the target's place empty
 
 
 def test_a_sample_a_probe_might_stand_in_at_is_not_read_when_the_engine_ran_ahead():
@@ -217,4 +227,5 @@ def test_a_request_sent_while_a_slow_scrape_was_answered_does_not_stand_in_for_t
     sc.loc[sc["t_s"] >= 2.2, "duration_ns"] = int(span * 1e9)
     (v,) = [v for v in judge_run(answered(run, end_s=5.0)) if v.request_id == "tg"]
     assert (v.verdict, v.rule) == ("inconclusive", "app_lost_unconfirmed"), v
-    assert "sent while its scrape was being answered" in v.evidence.why, v.evidence.why
+    # read at 4.0 s, the count (2) holds the probe: with it, the target's place must have held 3
+    assert reading(v) == (2.2, 2.0, 1.0, 1.0, 3.0, [("pr", "sent_during_its_scrape")]), v.evidence.count_reading

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from analysis.verdicts.core import COUNT_READING_RULES
 from tests.corpus.check import Judged, compare, counts, judge_corpus, table
 from tests.corpus.manifest import CONSTRUCTION, REVIEWED, TRUTHS, load_manifest
 
@@ -34,6 +35,14 @@ def test_every_corpus_run_is_judged_as_the_manifest_says(manifest, judged):
     print(f"corpus: {outcome.judged} cancels judged in {seconds:.1f} s")
     assert outcome.ok, "\n" + table(outcome) + "\n(python -m tests.corpus.check --bless keeps them, once read)"
     assert seconds < 60, f"the corpus check took {seconds:.0f} s: at most a minute"
+
+
+def test_every_verdict_that_rests_on_the_count_carries_its_reading(judged):
+    verdicts, _ = judged
+    rules = {j.rule for j in verdicts} & COUNT_READING_RULES
+    assert {"released", "still_counted_generating"} <= rules, rules  # a release and a leak read on the count
+    missing = [(j.corpus_run, j.request_id, j.rule) for j in verdicts if j.rule in COUNT_READING_RULES and not j.count_read]
+    assert not missing, missing
 
 
 def test_the_corpus_holds_enough_cancels_and_enough_known_by_construction(manifest):

@@ -45,7 +45,10 @@ def test_a_kept_request_hidden_by_a_slow_readers_end_is_not_released(engine_log)
     # before. The engine had ended nb: the one it still counts is tg
     (v,) = judge_run(run_with(kept, kv_of(kept), engine_log))
     assert (v.verdict, v.rule) == ("inconclusive", "finished_unseen"), (v.verdict, v.rule, v.evidence)
-    assert "1 request(s) the engine had ended" in v.evidence.why
+    # the count (1) is within the ledger's other requests only by the one the engine ended while its client read on
+    r = v.evidence.count_reading
+    assert (r["count"], r["others_fewest"], r["others_most"]) == (1.0, 0.0, 1.0), r
+    assert [(o["request_id"], o["reason"], o.get("count")) for o in r["open"]] == [(None, "ended_by_itself_unread", 1)], r
 
 
 @pytest.mark.parametrize("engine_log", [None, [*ADDED, ("engine_aborted", "tg", 2.01)]], ids=["no_log", "abort_logged"])

@@ -340,9 +340,11 @@ RULES: dict[str, Rule] = {
 }
 # the rules that read the scheduler's count at a deciding sample: their evidence carries count_reading (the count,
 # the fewest and the most other requests the engine could hold there, and the requests that keep those apart)
+# (app_lost_unconfirmed carries one where a sample short of the ledger kept it open, none where too few samples or
+# other traffic did)
 COUNT_READING_RULES = frozenset({"released", "released_beside_traffic", "gauges_not_refreshed", "kv_did_not_fall",
                                  "finished_unseen", "abort_logged_still_generating", "abort_logged_gauges_stale",
-                                 "still_counted_generating", "gauges_stale"})
+                                 "still_counted_generating", "gauges_stale", "app_lost_cancel"})
 # the rules whose evidence concluded a race the completion won (the acceptance counts them apart)
 RACE_RULES = frozenset(code for code, r in RULES.items() if r.race)
 # run.info key: request id -> when an earlier verdict saw a request, stopped with no abort, leave the engine. A
@@ -456,6 +458,7 @@ def app_lost_cancel(c: Case) -> CancelVerdict | None:
     if lost is None:
         return None
     c.ev.app_answer = lost["answer"]
+    c.ev.count_reading = lost.pop("reading", None)
     if not lost.pop("confirmed"):
         return c.verdict("app_lost_unconfirmed", **lost)
     c.ev.kept_running_ms = round(lost["after_s"] * 1000, 1)
@@ -503,6 +506,7 @@ def other_traffic(c: Case) -> CancelVerdict | None:
     # requests the engine log names and the ledger does not know, or the server counting more than the
     # ledger before the stop: another client's requests would be read as this one's
     logged, counted = c.foreign_traffic()
+    c.ev.foreign_requests = logged  # reported from this rung on, whatever the verdict
     if logged and not c.judged_beside_traffic():
         return c.verdict("other_traffic_logged", requests=logged)
     if logged:

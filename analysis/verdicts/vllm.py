@@ -572,6 +572,8 @@ def paid_for_nobody(c: VllmCase) -> None:
 
 class _Baseline(NamedTuple):
     before: np.ndarray  # per sample of the case's stretch: in the second before the stop
+    count_before: float | None  # the server's count at the last of them (Evidence.count_before); None when none
+    ledger_before: float | None  # the ledger's sequences in the server there (Evidence.ledger_before)
     kv_before: float  # KV usage at the last of them; NaN when none
     ahead: bool  # the server counted fewer requests than the ledger there: the engine ran ahead
     # this request surely held KV there: the count was the ledger's, or below it only by other requests with no
@@ -627,33 +629,39 @@ class VllmCase(Case):
 
     @cached_property
     def baseline(self) -> _Baseline:
-        """The second before the stop, read once; its evidence is reported from here on."""
-        times, ev = self.sched["t_s"], self.ev
+        """The second before the stop, read once (every verdict reports it: `verdict`)."""
+        times = self.sched["t_s"]
         before = (times >= self.t_stop - 1.0) & (times < self.t_stop)
-        ev.count_before = float(self.sched["count"][before][-1]) if before.any() else None
-        ev.ledger_before = float(self.inflight[before][-1]) if before.any() else None
+        count_before = float(self.sched["count"][before][-1]) if before.any() else None
+        ledger_before = float(self.inflight[before][-1]) if before.any() else None
         kv_before = float(self.sched["kv"][before][-1]) if before.any() else math.nan
-        ev.kv_before = kv_before
         ahead, kv_held = False, True
-        if ev.count_before is not None and ev.ledger_before is not None:
+        if count_before is not None and ledger_before is not None:
             b = np.nonzero(before)[0][-1]
             rows = self.ledger_rows
-            ahead = ev.count_before < ev.ledger_before - 1e-9
+            ahead = count_before < ledger_before - 1e-9
             # below the ledger's by the requests the engine may not count yet alone (with no token yet): none ran
             # ahead, unless this one is one of them
             this = rows.ids == self.rid
             unseen = self.unseen_with_this[b]
-            unsure = unseen > 0.5 and ev.count_before >= ev.ledger_before - unseen - 1e-9
+            unsure = unseen > 0.5 and count_before >= ledger_before - unseen - 1e-9
             maybe_uncounted = bool((rows.counted[this, b] & (rows.first[this] > self.sched["t_s"][b])).any()) \
                 or self.rid in self.not_entered
             # and none of those is in the count in place of this one ended by itself (it ran ahead): the engine
             # ended none by itself unread
             ends = self.own_ends_unread
             kv_held = not ahead or (unsure and not maybe_uncounted and ends is not None and ends[b] < 0.5)
-        if ahead:
+        return _Baseline(before, count_before, ledger_before, kv_before, ahead, kv_held)
+
+    def verdict(self, rule: str, **fields) -> CancelVerdict:
+        """Case.verdict, with the second before the stop in the evidence of every verdict, whichever rule gave
+        it and whatever it read first."""
+        b, ev = self.baseline, self.ev
+        ev.count_before, ev.ledger_before, ev.kv_before = b.count_before, b.ledger_before, b.kv_before
+        if b.ahead and ev.note is None:  # a rule's own note says more
             ev.note = ("the server counted fewer requests than the client before the stop: a request had already "
                        "finished in the engine while its tokens were still on their way to the client")
-        return _Baseline(before, kv_before, ahead, kv_held)
+        return super().verdict(rule, **fields)
 
     @property
     def ahead(self) -> bool:
@@ -709,12 +717,15 @@ class VllmCase(Case):
             return "prefix_shared"
         return None
 
+    @cached_property
+    def foreign_logged(self) -> int | None:
+        """Requests the engine's log names that the ledger does not know, entering in the window; None without
+        a log."""
+        return self.englog.foreign_between(self.target, self.t_stop - 1.0, self.t_end) if self.has_log else None
+
     def foreign_traffic(self) -> tuple[int | None, int]:
-        before = self.baseline.before
-        self.ev.foreign_requests = self.englog.foreign_between(self.target, self.t_stop - 1.0, self.t_end) \
-            if self.has_log else None
         over = self.sched["count"] > self.inflight + self.ended_unseen + 0.5
-        return self.ev.foreign_requests, int((over & before).sum())
+        return self.foreign_logged, int((over & self.baseline.before).sum())
 
     def restart(self) -> str | None:
         return _restart_in(self.run, self.target, self.sched, self.t_stop - 1.0, self.t_end,
@@ -921,11 +932,11 @@ class VllmCase(Case):
     def _settled_ever(self) -> np.ndarray:
         return np.maximum.accumulate(self.settled)  # the gauges never un-hold an end
 
-    def count_reading(self, i: int, compared_with: float | None = None) -> dict:
+    def count_reading(self, i: int, compared_with: float | None = None, also_open: list[dict] = ()) -> dict:
         """What the count at sample `i` of the stretch was read against, as data (Evidence.count_reading): the
         engine's count; the fewest and the most of the other requests the engine could hold there, by the ledger
-        and what it cannot see; the requests that keep those two apart, each with why; and the bound the rule
-        compared the count with, where it compared one."""
+        and what it cannot see; the requests that keep those two apart, each with why (`also_open`: more the
+        rule allowed for); and the bound the rule compared the count with, where it compared one."""
         times = self.sched["t_s"]
         t = float(times[i])
         ids, seqs, counted, first, _ = self.ledger_rows
@@ -942,7 +953,7 @@ class VllmCase(Case):
                 "others_fewest": max(0.0, others_now - float(seqs[no_token].sum()) - unread),
                 "others_most": others_now + float(self.ended_unseen[i]),
                 "compared_with": None if compared_with is None else float(compared_with),
-                "open": open_}
+                "open": open_ + list(also_open)}
 
     @cached_property
     def unseen_with_this(self) -> np.ndarray:
@@ -1145,19 +1156,21 @@ class VllmCase(Case):
         after_s = (float(lrow["closed_mono_ns"]) - self.run.info["started_mono_ns"]) / 1e9 - self.t_stop
         if tokens <= RACE_TOKENS * self.n or after_s <= self.grace_s:
             return None
-        doubt = self.engine_doubt()
+        doubt, reading = self.engine_doubt()
         return {"answer": self.app_answer, "tokens": tokens, "after_s": after_s, "grace_s": self.grace_s,
-                "confirmed": doubt is None, "doubt": doubt or ""}
+                "confirmed": doubt is None, "doubt": doubt or "", "reading": reading}
 
-    def engine_doubt(self) -> str | None:
-        """None where the engine's samples show it kept this request across the grace after the stop: at
+    def engine_doubt(self) -> tuple[str | None, dict | None]:
+        """(None, the count reading at the grace's last sample read) where the engine's samples show it kept this request across the grace after the stop: at
         every sample there the server counted each request the ledger had open, this one included (less
         those whose client read their end within LAG_S after: a hop delivers an end a moment after the
         engine made it; and those sent within LAG_S before: a hop and the API server hand a request on a
         moment after its send), and its token counter rose. Else what stands in the way, in words: another
         target stopped in the scenario (the count cannot say which one the engine kept), other traffic, a
         restart, a hole in the engine's log or a log clock that cannot be placed, the engine ahead of the
-        client before the stop, too few samples, a counter that did not rise, a sample short of the ledger.
+        client before the stop, too few samples, a counter that did not rise, a sample short of the ledger
+        (with that sample's count reading: Evidence.count_reading, the ledger's requests ending or starting
+        around it open).
 
         Where the engine had run ahead of the client before the stop (it counted fewer than the ledger: a
         request it had finished was still reaching its client; CI: the neighbour's end, just before the stop),
@@ -1167,24 +1180,25 @@ class VllmCase(Case):
         set there holds the target."""
         ahead = "the engine had run ahead of the client before the stop"
         if self.restart():
-            return "the engine restarted in the window"
+            return "the engine restarted in the window", None
         if self.log_gap() or self.log_clock_off():
-            return "the engine log cannot be read across the window"
+            return "the engine log cannot be read across the window", None
         logged, counted = self.foreign_traffic()
         if logged or counted >= 2:
-            return "requests the run did not send reached the engine in the window"
+            return "requests the run did not send reached the engine in the window", None
         ledger, t0 = self.run.ledger, self.run.info["started_mono_ns"]
         mates = ledger[(ledger["scenario"] == self.scenario) & (ledger["request_id"] != self.rid)]
         if mates["cancel_mono_ns"].notna().any():
-            return "another request of the scenario was cancelled beside it"
+            return "another request of the scenario was cancelled beside it", None
         times = self.sched["t_s"]
         count, gen, inflight = self.sched["count"], self.sched["gen_tokens"], self.inflight
         grace = (times >= self.t_stop) & (times <= self.t_stop + self.grace_s) & ~np.isnan(count) & ~np.isnan(gen)
         if self.ahead:
             grace &= times > self.ahead_read_until()
-        others = ledger["request_id"] != self.rid
-        closes = (ledger.loc[others, "closed_mono_ns"].dropna().to_numpy(float) - t0) / 1e9
-        sends = (ledger.loc[others, "sent_mono_ns"].dropna().to_numpy(float) - t0) / 1e9
+        others = ledger[ledger["request_id"] != self.rid]
+        ids = others["request_id"].astype(str).to_numpy()
+        closes = (others["closed_mono_ns"].to_numpy(float) - t0) / 1e9  # NaN: never closed, never in a span
+        sends = (others["sent_mono_ns"].to_numpy(float) - t0) / 1e9
         # the server read its gauges somewhere in the scrape's span (CI: an app busy generating answered its
         # /metrics ~1 s after the tick): a request whose client read its end by then may be gone, and one sent
         # by then may be counted though the ledger's tick does not hold it yet; one sent within LAG_S before
@@ -1197,17 +1211,27 @@ class VllmCase(Case):
         if self.ahead:
             # no slack where any request might stand in for the target
             keep = (ending == 0) & (starting == 0) & (arriving == 0)
-            at, ending, starting, arriving = at[keep], ending[keep], starting[keep], arriving[keep]
+            at, spans, ending, starting, arriving = at[keep], spans[keep], ending[keep], starting[keep], arriving[keep]
         if len(at) < 2:
-            return ahead if self.ahead else f"{len(at)} scheduler sample(s) answered in the grace"
+            return (ahead if self.ahead else f"{len(at)} scheduler sample(s) answered in the grace"), None
         if not gen[at][-1] > gen[at][0]:
-            return "the engine's token counter did not rise across the grace"
-        for t, k, f, e, s, a in zip(times[at], count[at], inflight[at], ending, starting, arriving):
+            return "the engine's token counter did not rise across the grace", None
+
+        def reading(i: int, t: float, sp: float, held_to: float) -> dict:
+            # the ledger's requests whose end or start around the sample leaves the count's reading open
+            near = [(ids[(closes > t) & (closes <= t + sp + LAG_S)], "end_read_within_lag"),
+                    (ids[(sends <= t) & (sends > t - LAG_S)], "sent_within_lag"),
+                    (ids[(sends > t) & (sends <= t + sp)], "sent_during_its_scrape")]
+            return self.count_reading(i, held_to, [{"request_id": str(r), "reason": why}
+                                                   for rs, why in near for r in rs])
+
+        for i, t, sp, k, f, e, s, a in zip(at, times[at], spans, count[at], inflight[at], ending, starting, arriving):
             if k - a < f - e - s - 0.5:
                 late = f", {a} sent while its scrape was being answered" if a else ""
-                return (f"{t - self.t_stop:.2f} s after the stop the server counted {k:g} request(s){late} where "
-                        f"the ledger had {f:g} open")
-        return None
+                return ((f"{t - self.t_stop:.2f} s after the stop the server counted {k:g} request(s){late} where "
+                         f"the ledger had {f:g} open"), reading(i, t, sp, f - e - s + a))
+        i = at[-1]
+        return None, reading(i, times[i], spans[-1], inflight[i] - ending[-1] - starting[-1] + arriving[-1])
 
     def ahead_read_until(self) -> float:
         """When the last of the other requests the ledger had open at the sample before the stop was read to
@@ -1599,25 +1623,25 @@ def beside_traffic(c: VllmCase) -> CancelVerdict | None:
     server's count holds them too, and the rules below would read them as this one. Judged only on what
     that traffic cannot move: the count at or under the ledger's (so this request is not in it), or a
     lost cancel whose request could not have ended by the end of the grace at the engine's fastest."""
-    if not c.ev.foreign_requests:
+    if not c.foreign_logged:
         return None
     if c.t_abort is None:
         return never_added(c) or _lost_beside_traffic(c)
     if c.ahead:
         # the server counted fewer than the ledger before the stop: a request the ledger holds had left
         # (its client lagging), and could stand in for this one in a count at the ledger's
-        return c.verdict("other_traffic_logged", requests=c.ev.foreign_requests)
+        return c.verdict("other_traffic_logged", requests=c.foreign_logged)
     times, sched = c.sched["t_s"], c.sched
     window = (times >= c.t_abort) & (times <= c.t_abort + c.grace_s) & c.moved
     hits = np.nonzero(window & ~c.entering & ~_may_stand_in(c) & (sched["count"] <= c.inflight + 1e-9))[0]
     if not len(hits):
-        return c.verdict("other_traffic_logged", requests=c.ev.foreign_requests)
+        return c.verdict("other_traffic_logged", requests=c.foreign_logged)
     left = int(hits[0])
     c.tp["left_scheduler"] = float(times[left])
     c.ev.count_after, c.ev.ledger_after = float(sched["count"][left]), float(c.inflight[left])
     c.ev.count_reading = c.count_reading(left, c.inflight[left])
     c.ev.release_ms = round((times[left] - c.t_abort) * 1000, 1)
-    return c.verdict("released_beside_traffic", requests=c.ev.foreign_requests, after_ms=c.ev.release_ms)
+    return c.verdict("released_beside_traffic", requests=c.foreign_logged, after_ms=c.ev.release_ms)
 
 
 def _may_stand_in(c: VllmCase) -> np.ndarray:
@@ -1655,14 +1679,14 @@ def _lost_beside_traffic(c: VllmCase) -> CancelVerdict:
     than from its entry to the end of the grace. Other traffic cannot make that rate look slower."""
     tokens = None if c.lrow is None or pd.isna(c.lrow.get("max_tokens")) else int(c.lrow["max_tokens"])
     if c.solo_rate is None or not tokens:
-        return c.verdict("other_traffic_logged", requests=c.ev.foreign_requests)
+        return c.verdict("other_traffic_logged", requests=c.foreign_logged)
     rate = 1.25 * c.solo_rate
     t_in = min(c.englog.added[(c.target, c.rid)])
     finish_s = t_in + tokens / rate - c.t_stop
     if finish_s <= c.grace_s + max(LOG_SLACK_S, c.englog.resolution_of(c.target, c.rid)):
-        return c.verdict("other_traffic_logged", requests=c.ev.foreign_requests)
+        return c.verdict("other_traffic_logged", requests=c.foreign_logged)
     return c.verdict("no_abort_beside_traffic", rate=rate, tokens=tokens, finish_s=finish_s,
-                     requests=c.ev.foreign_requests)
+                     requests=c.foreign_logged)
 
 
 # after the shared guards, in order; the last always gives a verdict

@@ -39,6 +39,7 @@ class Judged:
     rule: str | None
     why: str  # what the verdict rests on, in one line: the rule's sentence, else the count it read, else sources
     fields: tuple = ()  # (name, value) of the KEY_FIELDS the evidence set
+    count_read: bool = False  # the evidence carries a count reading (Evidence.count_reading)
 
     def said(self) -> str:
         return said(self.verdict, self.rule, dict(self.fields))
@@ -67,7 +68,8 @@ def judge_store(name: str, store: Path, entry: dict, judge=None) -> list[Judged]
         for v in judge(load_run(store, int(run_id))):
             fields = tuple((k, getattr(v.evidence, k)) for k in KEY_FIELDS if getattr(v.evidence, k) not in (None, 0, []))
             rests_on = v.evidence.why or count_reading_text(v.evidence.count_reading) or v.sources_text()
-            out.append(Judged(name, run_id, v.request_id, v.verdict, v.rule, rests_on, fields))
+            out.append(Judged(name, run_id, v.request_id, v.verdict, v.rule, rests_on, fields,
+                              v.evidence.count_reading is not None))
     return out
 
 

@@ -67,6 +67,11 @@ class Spec:
     grace: float = GRACE_S
     metrics_via_proxy: bool = False  # /metrics read through the proxy (its outages are the run's)
     engine_log_tz: str | None = None  # record --engine-log-tz
+    gateways: tuple[str, ...] = ()  # the matrix's --gateway names (collectors/engines/gateways.py)
+
+
+MATRIX_GATEWAYS = ("nginx", "nginx-ignore-abort", "haproxy", "haproxy-abortonclose")
+MORE_GATEWAYS = ("caddy", "apache", "envoy", "traefik", "litellm", "vllm-router")
 
 
 RUNS: list[Spec] = [
@@ -106,7 +111,10 @@ RUNS: list[Spec] = [
     Spec("aiperf_proxy_default", "AIPerf through the watch in front of the leaking proxy, vLLM on its defaults",
          kind="watch", engine="default", path="leaky", read_log=False, client=AIPERF),
     Spec("matrix", "the gateway matrix (disconnect, chat, nonstream_timeout) direct and through nginx and "
-         "HAProxy in each configuration, a tap in front of each", kind="matrix"),
+         "HAProxy in each configuration, a tap in front of each", kind="matrix", gateways=MATRIX_GATEWAYS),
+    Spec("matrix_more", "the gateway matrix through the gateways beyond nginx and HAProxy (Caddy, Apache, Envoy, "
+         "Traefik, the LiteLLM proxy, vllm-router; make gateways-all installs them), a tap in front of each",
+         kind="matrix", gateways=MORE_GATEWAYS),
     Spec("triton_suite", "the Triton suite on the embedded tritonserver", kind="triton", engine="triton",
          scenario="triton", client="tritonclient (gRPC, HTTP)"),
 ]
@@ -178,7 +186,6 @@ RUNS += [
     Spec("utc_log_tz_given", "the engine logging in vLLM's own format in UTC, the recorder told so "
          "(--engine-log-tz UTC)", engine="utc", scenario="decode,disconnect", engine_log_tz="UTC", grace=6.0),
 ]
-MATRIX_GATEWAYS = ("nginx", "nginx-ignore-abort", "haproxy", "haproxy-abortonclose")
 
 
 def commit() -> str:
@@ -465,7 +472,7 @@ def record_vllm(spec: Spec, work: Path, home: Path, state) -> Recorded:
 def record_matrix(spec: Spec, work: Path) -> Recorded:
     rec = Recorded(work / f"{spec.name}.db")
     args = ["matrix", "--store", str(rec.store), "--out", str(work / "matrix-docs"),
-            *[a for g in MATRIX_GATEWAYS for a in ("--gateway", g)]]
+            *[a for g in spec.gateways for a in ("--gateway", g)]]
     res = cli(args, home=work / "matrix-home", log=rec.commands, timeout=1800)
     if res.returncode != 0:
         raise RuntimeError(f"matrix ended {res.returncode}: {res.stderr[-2000:]}")
@@ -515,7 +522,7 @@ def keep(spec: Spec, rec: Recorded, manifest: dict) -> None:
         "recorded": {"by": "tests/corpus/record.py", "commit": commit(),
                      "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                      "commands": commands, "engine": engine, "path": spec.path,
-                     "gateway": ("nginx, HAProxy: " + ", ".join(MATRIX_GATEWAYS)) if spec.kind == "matrix"
+                     "gateway": ", ".join(spec.gateways) if spec.kind == "matrix"
                      else ("tests/proxies.py ProxyBehaviour: " + spec.path if spec.path not in ("direct", "foreign")
                            else None),
                      "client": spec.client, "foreign_streams": rec.foreign or None,
