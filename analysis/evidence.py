@@ -69,7 +69,8 @@ class Evidence:
         last step), compared_with the bound the rule held the count to, and open the requests that keep the
         two apart: {request_id, reason} with reason first_token_not_at_client, ended_after_engines_last_step or
         ended_by_itself_unread (request_id None, with their count), and for a lost cancel's reading (app_lost_*)
-        end_read_within_lag, sent_within_lag or sent_during_its_scrape; None where no count decided
+        end_read_within_lag, sent_within_lag or sent_during_its_scrape, and for a leak read past other lost
+        requests (still_counted_oldest_first) assumed_left_oldest_first; None where no count decided
     release_ms: duration, ms from engine abort (the completion, for a race) to left scheduler
     samples_to_release: count of samples from the first at or after the abort to the one that showed
         the release, both included
@@ -178,7 +179,9 @@ OPEN_REASONS = {"first_token_not_at_client": "first token not at its client yet"
                 # not hold though the ledger does, or hold though the ledger does not yet
                 "end_read_within_lag": "its end read by its client just after the sample",
                 "sent_within_lag": "sent just before the sample",
-                "sent_during_its_scrape": "sent while the sample's scrape was being answered"}
+                "sent_during_its_scrape": "sent while the sample's scrape was being answered",
+                # a lost request the ledger took out at a fall of the count, oldest first: it may be there still
+                "assumed_left_oldest_first": "taken to have left first, as the oldest of the lost"}
 
 
 def count_reading_text(reading: dict | None) -> str:

@@ -14,6 +14,7 @@ from runstore.records import DriveSettings
 VIEW_METRICS = (
     "requests_running", "requests_waiting", "kv_cache_usage_ratio", "generation_tokens_total",
     "prefix_cache_queries_tokens_total", "prefix_cache_hits_tokens_total", "preemptions_total",
+    "requests_finished_total",  # the engine's own ends by reason: what a release without the request log rests on
     "engine_rss_bytes", "gpu_memory_used_bytes", "gpu_memory_reserved_bytes", "gpu_memory_total_bytes",
     # Triton: what its verdicts rest on, and the models' own memory
     "model_active_requests", "model_steps_total", "triton_pending_requests", "triton_request_failure_total",

@@ -10,7 +10,10 @@ from bisect import bisect_left
 from analysis.verdicts import HORIZON_S, SEEN_LEAVING, CancelVerdict, judge_run, left_seen_at
 from runstore.reader import Run
 
-BEFORE_S = 2.0  # the window starts this long before the stop: the baseline the rules read (1 s) and slack
+# the window starts this long before the stop: the baseline the rules read (1 s), and before it the hold over which
+# the count's surplus says which lost requests (stopped, no abort known) the engine still holds (vllm.py,
+# SURPLUS_HOLD_S): a window that starts later keeps them all at the baseline, where the whole run has let them go
+BEFORE_S = 4.0
 SETTLE_S = 2.0  # a cancel is judged this long after its grace ends: the store's commit, the log's last lines
 # the ledger rows and engine-log events a cancel's window also reads from before it: a request cancelled
 # earlier with no abort may still be in the engine (the rules' own horizon)

@@ -76,6 +76,7 @@ def write_run(path, scenarios: list[dict], *, name: str = "protocol-test", engin
                                             "model_names": [SERVED]}})
     t = np.arange(int(PERIOD_S * len(scenarios) * HZ)) / HZ
     running, waiting, kv = np.zeros(len(t)), np.zeros(len(t)), np.zeros(len(t))
+    ended = np.zeros(len(t))  # vllm:request_success_total{finished_reason="length"}: the engine's own ends
     events: list[EventRecord] = []
     ledger: list[LedgerRecord] = []
 
@@ -90,6 +91,7 @@ def write_run(path, scenarios: list[dict], *, name: str = "protocol-test", engin
         u = t - c
         nb = (u >= 1.0) & (u < 10.0)
         running += nb
+        ended += (u >= 10.0) + (u >= 7.0)  # the neighbour's end and the probe's
         kv += 0.02 * nb * (u - 1.0)
         probe = (u >= 5.3) & (u < 7.0)
         running += probe
@@ -104,6 +106,8 @@ def write_run(path, scenarios: list[dict], *, name: str = "protocol-test", engin
             cancelled = j < k
             end = (s.get("leak_end", 9.0) if s.get("leak") else 5.05) if cancelled else 8.0
             live = (u >= 1.5) & (u < end)
+            if not cancelled or s.get("leak"):
+                ended += n * (u >= end)  # run to its end (a leaked one too): cancelled ones end in no reason of these
             if s["phase"] == "queued" and cancelled:
                 waiting += live
             else:
@@ -133,7 +137,8 @@ def write_run(path, scenarios: list[dict], *, name: str = "protocol-test", engin
                            duration_ns=3_000_000,
                            series={("requests_running", labels): running, ("requests_waiting", labels): waiting,
                                    ("kv_cache_usage_ratio", labels): np.clip(kv, 0, 1),
-                                   ("generation_tokens_total", labels): gen})
+                                   ("generation_tokens_total", labels): gen,
+                                   ("requests_finished_total", (*labels, ("finished_reason", "length"))): ended})
         write_events(con, rid, events)
         write_ledger(con, rid, ledger)
     finish_run(con, rid, "completed", {"test": True}, ended_wall_ns=W0 + int(t[-1] * 1e9))

@@ -131,6 +131,8 @@ VLLM_RUNS = {
                                      engine_log=[("engine_added", "nb", 0.1)]),
     "aborted_before_stop": lambda: build_run(step(2.0, 1.0, 1.5), step(0.4, 0.1, 1.5), steady_gen, probe_first_s=2.2,
                                              engine_log=[*ADDED, ("engine_aborted", "tg", 1.5)]),
+    # no request log and no abort: the count falls, but the engine does not say why its requests ended
+    "gone_may_have_run_out": lambda: build_run(*DROP, steady_gen, probe_first_s=2.3),
     "already_finished": lambda: build_run(step(2.0, 1.0, 1.5), step(0.4, 0.1, 1.5), steady_gen, probe_first_s=2.2,
                                           engine_log=ADDED),
     "no_refresh_after_stop": lambda: build_run(lambda t: 2.0, lambda t: 0.4, flat_from(1.9), engine_log=ADDED),
@@ -283,6 +285,8 @@ UNREACHED: dict[str, str] = {
     "renamed_untold": "tests/test_log_ids.py: the shipped sample's burst targets, its engine lines renamed",
     "no_abort_left_among_others": "tests/test_ghosts.py: two lost cancels, the engine idle within the hold of a drop",
     "no_abort_left_oldest_first": "tests/test_verdicts.py: lost requests overlapping under steady load",
+    "still_counted_oldest_first": "tests/corpus: the AIPerf and openai SDK watches behind the leaking proxy, vLLM on "
+                                  "its defaults (aiperf_proxy_default, watch_sdk_proxy_default)",
 }
 
 

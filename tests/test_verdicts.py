@@ -20,10 +20,12 @@ HZ = 20
 
 def build_run(count, kv, gen, *, stop_s=2.0, abort_s=2.002, probe_first_s=None, extra_ledger=(), missing=None,
               engine_log=None, extra_events=(), resolution_s=0.001, waiting=lambda t: 0.0, series=None, hz=None,
-              length_s=6.0):
+              length_s=6.0, finished=None):
     """A 6 s run (or `length_s`) at 20 Hz (or `hz`): `count(t)`, `kv(t)`, `gen(t)` give running(+0 waiting), KV
     usage and tokens;
-    no scrape answered in the stretch `missing` (from, to) in s; `series`: more metrics, name -> f(t). `engine_log`: the engine log was read,
+    no scrape answered in the stretch `missing` (from, to) in s; `series`: more metrics, name -> f(t); `finished(t)`:
+    vllm:request_success_total{finished_reason="stop"} (None: the engine does not say why its requests ended).
+    `engine_log`: the engine log was read,
     and these (kind, request id, instant) lines are in it; None: a run without an engine log, whose
     driver stamped app_received and engine_abort on the client (as runs before engine logs did)."""
     times = np.arange(0, length_s, 1 / (hz or HZ))
@@ -36,6 +38,10 @@ def build_run(count, kv, gen, *, stop_s=2.0, abort_s=2.002, probe_first_s=None, 
                               ("kv_cache_usage_ratio", kv(t)), ("generation_tokens_total", gen(t)), *more):
             rows.append({"source": "vllm", "target": "t0", "metric": metric, "labels": "{}", "value": value,
                          "wall_ns": 0, "mono_ns": T0 + int(t * 1e9), "duration_ns": 1, "scrape_id": i, "t_s": t})
+        if finished is not None:
+            rows.append({"source": "vllm", "target": "t0", "metric": "requests_finished_total",
+                         "labels": '{"finished_reason": "stop"}', "value": finished(t), "wall_ns": 0,
+                         "mono_ns": T0 + int(t * 1e9), "duration_ns": 1, "scrape_id": i, "t_s": t})
     samples = pd.DataFrame(rows)
     ns = lambda s: T0 + int(s * 1e9)  # noqa: E731
     ledger = [
@@ -86,13 +92,26 @@ def steady_gen(t):
 
 
 def test_released_when_count_and_kv_drop_right_after_the_abort():
+    # no request log: the engine's counter of its own ends (none) says the fall was no natural end
     run = build_run(lambda t: 2.0 if t < 2.05 else 1.0, lambda t: 0.4 if t < 2.05 else 0.1, steady_gen,
-                    probe_first_s=2.3)
+                    probe_first_s=2.3, finished=lambda t: 0.0)
     (v,) = judge_run(run)
     assert v.verdict == "released"
     assert 2.05 <= v.timepoints["left_scheduler"] <= 2.1
     assert v.timepoints["reusable"] == 2.3
     assert v.evidence.kv_before == 0.4 and v.evidence.kv_after == 0.1
+
+
+@pytest.mark.parametrize("finished", [None, lambda t: 0.0 if t < 2.04 else 1.0], ids=["not_said", "an_end_of_its_own"])
+def test_without_an_abort_a_fall_the_engine_may_have_made_on_its_own_is_no_release(finished):
+    # no request log and no abort: the count falling after the stop is a release only where no end of the engine's
+    # own can be it. The engine does not say why its requests ended, or it ended one by itself as the count fell
+    # (vllm:request_success_total{finished_reason="stop"} rose) and no other request's end reached its client
+    run = build_run(lambda t: 2.0 if t < 2.05 else 1.0, lambda t: 0.4 if t < 2.05 else 0.1, steady_gen,
+                    probe_first_s=2.3, finished=finished)
+    (v,) = judge_run(run)
+    assert (v.verdict, v.rule) == ("inconclusive", "gone_may_have_run_out"), v
+    assert v.evidence.count_reading is None or v.evidence.count_reading["count"] == 1.0
 
 
 def test_leaked_when_the_server_keeps_counting_and_generating():
@@ -196,7 +215,7 @@ def test_with_the_engine_log_the_abort_is_the_engines_own_and_no_app_is_said_so(
 
 def test_without_an_engine_log_engine_abort_is_null_with_its_reason_not_a_client_stamp():
     run = build_run(lambda t: 2.0 if t < 2.05 else 1.0, lambda t: 0.4 if t < 2.05 else 0.1, steady_gen,
-                    probe_first_s=2.3)
+                    probe_first_s=2.3, finished=lambda t: 0.0)
     (v,) = judge_run(run)
     assert v.verdict == "released"
     assert v.timepoints["engine_abort"] is None and v.timepoints["app_received"] is None

@@ -148,7 +148,8 @@ def test_a_cancel_whose_request_the_log_does_not_name_yet_is_judged_again_on_a_l
     def judge_cancels(window, ids, grace_s, seen_leaving=None):
         rule = next(rules)
         verdict = "inconclusive" if rule == "never_added" else "leaked"
-        ev = types.SimpleNamespace(why="", tokens_after_client_left=None, kept_running_ms=None)
+        ev = types.SimpleNamespace(why="", tokens_after_client_left=None, kept_running_ms=None,
+                                   engine_log="read")
         return [types.SimpleNamespace(request_id=rid, rule=rule, verdict=verdict, evidence=ev, timepoints={})
                 for rid in ids]
 

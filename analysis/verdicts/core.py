@@ -272,6 +272,10 @@ RULES: dict[str, Rule] = {
     "already_finished_no_log": Rule(INCONCLUSIVE, "the engine had already finished the request before the stop "
                                     "(the server counted fewer requests than the client) and no engine log shows "
                                     "an abort: nothing was left to cancel"),
+    "gone_may_have_run_out": Rule(INCONCLUSIVE, "with no abort known (no engine log), the count shows the request "
+                                  "gone {after_s:.2f} s after the stop, and it may have run out {tokens} by then "
+                                  "on its own: a release and a cancel lost on the way look the same (pass "
+                                  "--engine-log with a vLLM started with --enable-log-requests to tell them apart)"),
     "no_baseline": Rule(INCONCLUSIVE, "no samples from the engine in the second before the stop: nothing shows what "
                         "the request held, so its release cannot be shown"),
     "released": Rule(RELEASED, "the server's count fell to the ledger's, and KV usage below its level at the stop "
@@ -293,6 +297,11 @@ RULES: dict[str, Rule] = {
                                       "were generated: stale until the next step"),
     "still_counted_generating": Rule(LEAKED, "the server still counts the request after the grace while it keeps "
                                      "generating"),
+    "still_counted_oldest_first": Rule(LEAKED, "the server still counts a request in this one's place after the "
+                                       "grace while it keeps generating, and no abort is known; {others} other "
+                                       "request(s) whose cancels were lost left at falls of the count that cannot "
+                                       "say which left: taking the oldest to go first (as requests of one length "
+                                       "do), it is this one"),
     "gauges_stale": Rule(STALE_GAUGE, "gauges stayed up but no tokens were generated: stale until the next step"),
     # Triton (triton.py): the models' log lines, their gauges, the core's counters
     "model_cancelled_before_stop": Rule(INCONCLUSIVE, "the model logged a cancel of this request {before_ms:.0f} ms "
@@ -344,7 +353,8 @@ RULES: dict[str, Rule] = {
 # other traffic did)
 COUNT_READING_RULES = frozenset({"released", "released_beside_traffic", "gauges_not_refreshed", "kv_did_not_fall",
                                  "finished_unseen", "abort_logged_still_generating", "abort_logged_gauges_stale",
-                                 "still_counted_generating", "gauges_stale", "app_lost_cancel"})
+                                 "still_counted_generating", "gauges_stale", "app_lost_cancel",
+                                 "still_counted_oldest_first"})
 # the rules whose evidence concluded a race the completion won (the acceptance counts them apart)
 RACE_RULES = frozenset(code for code, r in RULES.items() if r.race)
 # run.info key: request id -> when an earlier verdict saw a request, stopped with no abort, leave the engine. A
@@ -360,8 +370,13 @@ ASSUMED_LEFT_RULES = frozenset({"no_abort_left_oldest_first"})
 
 def left_seen_at(v: CancelVerdict) -> float | None:
     """When `v` saw its request leave the engine, as evidence for the cancels judged after it: None where it did
-    not, or where that time rests on the oldest-first reading (ASSUMED_LEFT_RULES)."""
-    return None if v.rule in ASSUMED_LEFT_RULES else v.timepoints.get("left_scheduler")
+    not, where that time rests on the oldest-first reading (ASSUMED_LEFT_RULES), or where no engine log was read:
+    that instant is then the count's own, read against the lost requests the count's surplus already holds
+    (vllm.py, _gone_by_surplus), and told back it would take a request out where the count only shows that one
+    of several left."""
+    if v.rule in ASSUMED_LEFT_RULES or v.evidence.engine_log != "read":
+        return None
+    return v.timepoints.get("left_scheduler")
 # the rules of a cancel that never reached the engine: its log names no abort of a request it ran on
 LOST_CANCEL_RULES = frozenset({"no_abort_ran_to_end", "no_abort_still_there", "no_abort_left_among_others",
                                "no_abort_left_oldest_first"})

@@ -389,13 +389,13 @@ def _gone_at(run: Run, stops: pd.DataFrame, englog: _EngineLog, trace: dict,
             gone_at[row.request_id] = max(float(row.t_s), min(t for t in (t_log, t_relay) if t is not None))
             continue
         unaborted.add(row.request_id)
-        if engine_log_state(run, target) == "read":
+        if engine_log_state(run, target) == "read" or ("client_closed", cid) in trace:
             # no abort: it may still be there, at most until its scenario ended (the driver waits for
-            # the engine to go idle first); past that, the server counting it is the next one's excess
+            # the engine to go idle first); past that, the server counting it is the next one's excess. Without
+            # the engine's log, its client's close says nothing of the engine either (a hop may keep reading):
+            # where it left is the count's to say (_RunFrames.frame: the idle engine, the surplus)
             k = int(np.searchsorted(ends, float(row.t_s)))
             gone_at[row.request_id] = float(ends[k]) if k < len(ends) else math.inf
-        elif ("client_closed", cid) in trace:
-            gone_at[row.request_id] = trace[("client_closed", cid)][0]
     return gone_at, frozenset(unaborted)
 
 
@@ -432,6 +432,23 @@ class _RunFrames:
     def added(self, target: str | None) -> dict[str, float]:
         return {rid: min(ts) for (tgt, rid), ts in self.englog.added.items() if tgt == target}
 
+    def entered(self, target: str | None, added: dict[str, float], within: float) -> dict[str, float]:
+        """Request id -> from when the engine may hold each stopped request, `within` before the gauges surely
+        count it: its Added line where the log names this target's requests; else (vLLM's default, no request
+        log) its send, or where its first token reached its client, `within` before that (the gauges counted it
+        before they sent that token on)."""
+        if self.englog.names_requests(target):
+            return added
+        rows = self.run.ledger.set_index("request_id")
+        out = {}
+        for rid, (_, tgt) in self.stopped.items():
+            if tgt != target or rid not in rows.index or pd.isna(rows.at[rid, "sent_mono_ns"]):
+                continue
+            first = rows.at[rid, "first_token_mono_ns"]
+            out[rid] = (float(rows.at[rid, "sent_mono_ns"]) - self.t0) / 1e9 if pd.isna(first) \
+                else (float(first) - self.t0) / 1e9 - within
+        return out
+
     def seen_leaving(self, target: str | None, rid: str, t: float, n: int) -> None:
         """A stopped request with no abort, that its verdict saw leave the engine at `t`: the ledger no longer
         counts it from then, for the cancels judged after it (in stop order: a leak's end is seen first)."""
@@ -453,16 +470,17 @@ class _RunFrames:
             cols = {c: sched[c].to_numpy(dtype=float) for c in ("t_s", "count", "waiting", "kv", "gen_tokens",
                                                                   "prefix_hits", "preemptions", "finished")}
             within = LOG_SLACK_S + englog.entry_doubt_s(target) + ENTER_S
-            gone = _gone_by_idle(self.gone_at, self.stopped, target, cols, added, within)
+            entered = self.entered(target, added, within)
+            gone = _gone_by_idle(self.gone_at, self.stopped, target, cols, entered, within)
             ends = {**gone, **englog.done_with(run, ledger, target, cols, gone, added)} if len(times) else gone
             not_entered = englog.not_entered(run, ledger, target)
             assumed: dict[str, float] = {}
             lost = {rid: self.stopped[rid] for rid in self.unaborted
-                    if rid in gone and rid in added and rid in self.stopped and self.stopped[rid][1] == target}
+                    if rid in gone and rid in entered and rid in self.stopped and self.stopped[rid][1] == target}
             if lost and len(times):
                 # the ledger's requests with each lost one counted until it joins the lost (_lost_from): what the
                 # count holds beyond them, the lost ones can be
-                joins = {rid: _lost_from(t_stop, added[rid], within) for rid, (t_stop, _) in lost.items()}
+                joins = {rid: _lost_from(t_stop, entered[rid], within) for rid, (t_stop, _) in lost.items()}
                 others = ledger_inflight(ledger, self.t0, times, {**ends, **joins}, added, not_entered)
                 capped, assumed = _gone_by_surplus(gone, lost, joins, cols, others,
                                                    max(SURPLUS_HOLD_S, within + LAG_S))
@@ -650,7 +668,10 @@ class VllmCase(Case):
             # and none of those is in the count in place of this one ended by itself (it ran ahead): the engine
             # ended none by itself unread
             ends = self.own_ends_unread
-            kv_held = not ahead or (unsure and not maybe_uncounted and ends is not None and ends[b] < 0.5)
+            only_unseen = unsure and ends is not None and ends[b] < 0.5
+            kv_held = not ahead or (only_unseen and not maybe_uncounted)
+            # below the ledger only by requests the engine may not count yet, none ended by itself: none ran ahead
+            ahead = ahead and not only_unseen
         return _Baseline(before, count_before, ledger_before, kv_before, ahead, kv_held)
 
     def verdict(self, rule: str, **fields) -> CancelVerdict:
@@ -860,8 +881,8 @@ class VllmCase(Case):
         counted = (times >= np.maximum(sent, added)[:, None]) & (times < end[:, None])
         return _LedgerRows(ids, seqs, counted, first, added)
 
-    def _count_surely(self, unseen: np.ndarray) -> np.ndarray:
-        exact = (np.abs(self.sched["count"] - (self.inflight - unseen)) < 1e-9) & (self.finished_unseen < 0.5)
+    def _count_surely(self, unseen: np.ndarray, ledger: np.ndarray) -> np.ndarray:
+        exact = (np.abs(self.sched["count"] - (ledger - unseen)) < 1e-9) & (self.finished_unseen < 0.5)
         ends = self.own_ends_unread
         if ends is None:
             # a sure one the engine had ended (a slow reader) may leave room in the count for another: with none
@@ -884,11 +905,32 @@ class VllmCase(Case):
         ledger ended after the engine's last step may be counted still (ended_unseen). A count of exactly the
         sure ones, with no request ended by itself that the ledger still counts (finished_unseen), holds none
         else: not this one, nor those the engine may not count yet or may count still."""
+        return self._count_surely(self.others_unseen, self.without)
+
+    @cached_property
+    def others_entering(self) -> np.ndarray:
+        """Per sample of the stretch: sequences of the other requests the ledger counts that the gauges may not
+        count yet: no first token at their client, and sent (where the log names it, Added) less than ENTER_S
+        before, LAG_S more for a hop. Past that the engine surely counts one, waiting or running: a non-streaming
+        request, or one queued behind max_num_seqs, shows no token for long and is counted all the same."""
+        ids, seqs, counted, first, added = self.ledger_rows
+        t0 = self.run.info["started_mono_ns"]
+        sent = self.run.ledger.set_index("request_id")["sent_mono_ns"].reindex(ids).to_numpy(dtype=float)
+        since = np.maximum((sent - t0) / 1e9, added)
+        times = self.sched["t_s"]
+        others = ids != self.rid
+        recent = times < since[:, None] + ENTER_S + LAG_S
+        return seqs[others] @ (counted[others] & (times < first[others, None]) & recent[others])
+
+    @cached_property
+    def others_unseen(self) -> np.ndarray:
+        """Per sample of the stretch: sequences of the other requests the ledger counts whose first token had not
+        reached their client: the engine may not count them yet (count_surely)."""
         ids, seqs, counted, first, _ = self.ledger_rows
         others = ids != self.rid
-        return self._count_surely(seqs[others] @ (counted[others] & (self.sched["t_s"] < first[others, None])))
+        return seqs[others] @ (counted[others] & (self.sched["t_s"] < first[others, None]))
 
-    def confirmed_past_ended_unseen(self, count_ok: np.ndarray) -> np.ndarray:
+    def confirmed_past_ended_unseen(self, count_ok: np.ndarray, bound: np.ndarray) -> np.ndarray:
         """Per sample of the stretch: a count reconciled there (`count_ok`) only by other requests the ledger
         ended after the engine's last step (ended_unseen: the gauges may count them still) is borne out where the
         gauges first hold those ends (the first sample whose gauges hold every end before this one: settled),
@@ -897,18 +939,13 @@ class VllmCase(Case):
         ended 43 ms before a sample left room in a count of 1 for this request, running on for 13 s, and the
         neighbour's blocks going back read as this one's; at half the sampling rate, the probe's end then left
         the same room at the sample that was to bear it out). True where the count needs no such allowance."""
-        allowed = self.needs_ended_unseen & count_ok
+        # over the bound less that allowance: reconciled, if at all, only by those ends
+        allowed = (self.ended_unseen > 0.5) & (self.sched["count"] > bound - self.ended_unseen + 1e-9) & count_ok
         out = np.ones(len(allowed), dtype=bool)
         for i in np.nonzero(allowed)[0]:
             k = self.past_unseen_ends(int(i), allowed)
             out[i] = k is not None and bool(count_ok[k])
         return out
-
-    @cached_property
-    def needs_ended_unseen(self) -> np.ndarray:
-        """Per sample of the stretch: the count is over the ledger's without the requests it ended after the
-        engine's last step (finished_unseen allowed for): reconciled, if at all, only by those."""
-        return (self.ended_unseen > 0.5) & (self.sched["count"] > self.inflight - self.finished_unseen + 1e-9)
 
     def past_unseen_ends(self, i: int, allowed: np.ndarray) -> int | None:
         """From sample `i` on, each reading that rests on ends after the engine's last step (`allowed`) followed to
@@ -970,7 +1007,7 @@ class VllmCase(Case):
     @cached_property
     def count_surely_with_this(self) -> np.ndarray:
         """count_surely with this request among those the engine may not count yet (before its stop)."""
-        return self._count_surely(self.unseen_with_this)
+        return self._count_surely(self.unseen_with_this, self.inflight)
 
     @cached_property
     def finished_unseen(self) -> np.ndarray:
@@ -1005,9 +1042,7 @@ class VllmCase(Case):
         from_s = np.where(np.isfinite(t_abort), t_abort, -math.inf)
         # the fastest one sequence went within the window (a watch's window holds it too: the whole run's may
         # be faster, and judge otherwise)
-        w = times <= self.t_end
-        solo = solo_tokens_per_s(times[w], (sched["count"] - np.nan_to_num(sched["waiting"]))[w], sched["waiting"][w],
-                                 sched["gen_tokens"][w])
+        solo = self.stretch_solo_rate
         rate = None if solo is None else 1.25 * solo
         if "max_tokens" in ledger:
             max_tokens = ledger["max_tokens"].to_numpy(dtype=float)
@@ -1135,6 +1170,47 @@ class VllmCase(Case):
         return int(lrow["max_tokens"]) * self.n - int(self.tokens_at_cancel)
 
     @cached_property
+    def stretch_solo_rate(self) -> float | None:
+        """The fastest one sequence went within the window (tokens/s; None where none ran alone there): a watch's
+        window holds it too, where the whole run's may be faster and judge otherwise."""
+        sched = self.sched
+        w = sched["t_s"] <= self.t_end
+        return solo_tokens_per_s(sched["t_s"][w], (sched["count"] - np.nan_to_num(sched["waiting"]))[w],
+                                 sched["waiting"][w], sched["gen_tokens"][w])
+
+    def may_have_run_out_by(self, t: float) -> str | None:
+        """With no abort known (no request log, no relay), whether the request could have ended on its own by `t`
+        (what it could have run out, in words), else None. The driver's requests (ignore_eos) cannot before their
+        max_tokens at the fastest one sequence went in the window (stretch_solo_rate), a quarter added, from their
+        send (a hop that buffers, or a non-streaming answer, holds back tokens the engine had made). Any other can
+        end at any token, but an end of its own is one of the engine's (vllm:request_success_total, by finish
+        reason, counts no abort): where the counter rose from the stop to `t` by no more than the other requests
+        whose end reached their client by then, none was this one's."""
+        if self.t_abort is not None:
+            return None
+        lrow, rate, t0 = self.lrow, self.stretch_solo_rate, self.run.info["started_mono_ns"]
+        if lrow is not None and lrow.get("scenario") != WATCHED_SCENARIO and not pd.isna(lrow.get("max_tokens")) \
+                and not pd.isna(lrow.get("sent_mono_ns")) and rate:
+            tokens, fastest = int(lrow["max_tokens"]), 1.25 * rate
+            if t < (lrow["sent_mono_ns"] - t0) / 1e9 + tokens / fastest:
+                return None
+            return f"its {tokens} token(s) (at {fastest:.0f} tokens/s from its send)"
+        times, fin = self.sched["t_s"], self.sched["finished"]
+        before = np.nonzero(self.baseline.before)[0]
+        at = int(np.searchsorted(times, t, side="right")) - 1
+        if not len(before) or at < 0 or np.isnan(fin[before[-1]]) or np.isnan(fin[at]):
+            return "its last tokens (the engine does not say why its requests ended)"
+        t_b, ends = float(times[before[-1]]), float(fin[at] - fin[before[-1]])
+        ledger = self.run.ledger
+        closed = (ledger["closed_mono_ns"].to_numpy(dtype=float) - t0) / 1e9
+        read = ((ledger["request_id"] != self.rid) & (ledger["terminal_state"] == "completed")).to_numpy() \
+            & (closed > t_b) & (closed <= t + LAG_S)
+        seqs = ledger["n"].fillna(1).to_numpy(dtype=float) if "n" in ledger else np.ones(len(ledger))
+        if ends <= float(seqs[read].sum()) + 1e-9:
+            return None
+        return "its last tokens (the engine ended requests of its own then that no other's end accounts for)"
+
+    @cached_property
     def moved(self) -> np.ndarray:
         return _moved_since(self.sched, self.t_ref if self.t_abort is not None else self.t_stop)
 
@@ -1191,7 +1267,9 @@ class VllmCase(Case):
         if mates["cancel_mono_ns"].notna().any():
             return "another request of the scenario was cancelled beside it", None
         times = self.sched["t_s"]
-        count, gen, inflight = self.sched["count"], self.sched["gen_tokens"], self.inflight
+        # the ledger's open requests with this one among them, whatever the frame made of its stay (its client's
+        # close, the count's surplus): that is what the count must hold
+        count, gen, inflight = self.sched["count"], self.sched["gen_tokens"], self.without + self.n
         grace = (times >= self.t_stop) & (times <= self.t_stop + self.grace_s) & ~np.isnan(count) & ~np.isnan(gen)
         if self.ahead:
             grace &= times > self.ahead_read_until()
@@ -1520,7 +1598,11 @@ def released(c: VllmCase) -> CancelVerdict | None:
     ev.kv_drop_s = float(times[drop[0]]) if len(drop) else None
     # another request's end after the engine's last step is not in its gauges yet (VllmCase.ended_unseen); a
     # request the engine ended that the ledger still counts is not in them either (finished_unseen)
-    bound = c.inflight + c.ended_unseen - c.finished_unseen
+    # with no abort known (no request log, no relay), the count is all there is: the other stopped requests with
+    # no abort are the ledger's only as the count's surplus holds them, oldest first (the frame's reading), and
+    # which of them a fall took out is not this one's evidence
+    lost_beside = c.stopped_beside if c.t_abort is None else 0.0
+    bound = c.without - lost_beside + c.ended_unseen - c.finished_unseen
     count_ok_all = sched["count"] <= bound + 1e-9
     grace_end = int(np.searchsorted(times, t_ref + c.grace_s, side="right"))
     # the count must stay reconciled to the end of the grace: a probe sent right after the abort
@@ -1528,7 +1610,13 @@ def released(c: VllmCase) -> CancelVerdict | None:
     count_ok = count_ok_all.copy()
     if grace_end:
         count_ok[:grace_end] = np.logical_and.accumulate(count_ok_all[:grace_end][::-1])[::-1]
-    count_ok &= c.confirmed_past_ended_unseen(count_ok_all)
+    if c.t_abort is None:
+        # and where it leaves: within the requests the engine surely counts there, one sent a moment before not
+        # counted yet, and the room it leaves not this one's (seen through a proxy that passed no cancel on, no
+        # request log: lost requests queued and new ones not yet counted, a count at the ledger's read as a
+        # release)
+        count_ok &= sched["count"] <= bound - c.others_entering + 1e-9
+    count_ok &= c.confirmed_past_ended_unseen(count_ok_all, bound)
     # a request that held KV must give it back: the probe taking blocks does not excuse a KV usage
     # that never fell, only what shows its blocks went back all the same
     waivers = {"taken_in_its_place": c.taken_in_its_place(kv_before),
@@ -1544,13 +1632,16 @@ def released(c: VllmCase) -> CancelVerdict | None:
     if not below[left] and needs_kv_drop:
         ev.kv_drop_waived = next(name for name, shown in waivers.items() if shown[left])
     ev.count_after = float(sched["count"][left])
-    ev.ledger_after = float(c.inflight[left])
+    ev.ledger_after = float(c.without[left])
     ev.count_reading = c.count_reading(left, bound[left])
     ev.kv_after = float(sched["kv"][left])
     ev.release_ms = round((times[left] - t_ref) * 1000, 1)
     ev.samples_to_release = int(left - after[0]) + 1
     if c.tp["reusable"] is None:
         ev.probe = "not admitted"
+    ran_out = c.may_have_run_out_by(float(times[left]))
+    if ran_out:
+        return c.verdict("gone_may_have_run_out", after_s=float(times[left]) - c.t_stop, tokens=ran_out)
     return c.verdict("released")
 
 
@@ -1568,7 +1659,7 @@ def held(c: VllmCase) -> CancelVerdict:
     gen = gen[~np.isnan(gen)]
     stepping = len(gen) >= 2 and gen[-1] > gen[0]
     # another request's end after the engine's last step is not in its gauges yet (VllmCase.ended_unseen)
-    all_excess = sched["count"] - c.inflight - c.ended_unseen
+    all_excess = sched["count"] - c.without - c.ended_unseen
     excess = all_excess[in_grace]
     ev.excess_max = float(excess.max()) if len(excess) else None
     # still counted after the grace is read where the grace ends: at its last refreshed sample (one taken
@@ -1578,13 +1669,14 @@ def held(c: VllmCase) -> CancelVerdict:
     ev.excess_at_grace_end = float(excess[at_end]) if len(excess) else None
     if len(excess):
         i = int(np.nonzero(in_grace)[0][at_end])
-        ev.count_reading = c.count_reading(i, c.inflight[i] + c.ended_unseen[i])
+        ev.count_reading = c.count_reading(i, c.without[i] + c.ended_unseen[i])
         # within the ledger's there only by requests it ended after the engine's last step: the excess where the
         # gauges hold those ends, at the first sample that needs no such allowance (or is over the ledger's)
-        allowed = (all_excess <= 0) & (c.ended_unseen > 0.5) & (sched["count"] > c.inflight + 1e-9)
+        allowed = (all_excess <= 0) & (c.ended_unseen > 0.5) & (sched["count"] > c.without + 1e-9)
         k = c.past_unseen_ends(i, allowed)
         if k is not None:
             ev.excess_at_grace_end = float(all_excess[k])
+            i = k
     ev.engine_stepping = bool(stepping)
     ev.generation_tokens_delta = float(gen[-1] - gen[0]) if len(gen) >= 2 else None
     if not len(excess) or ev.excess_at_grace_end <= 0:
@@ -1600,6 +1692,16 @@ def held(c: VllmCase) -> CancelVerdict:
         # the log names every request (no foreign id in the window) and this one's abort: an excess
         # that stays is the engine keeping a request it was told to drop
         return c.verdict("abort_logged_still_generating" if stepping else "abort_logged_gauges_stale")
+    # other stopped requests with no abort that the frame took out of the ledger at a fall of the count, oldest
+    # first (_gone_by_surplus), may be the ones still counted in this one's place: a leak read past them rests on
+    # that reading, and says so
+    t_i = float(sched["t_s"][i])
+    assumed = sorted(rid for rid, t in c.assumed_gone.items() if rid != c.rid and t <= t_i)
+    if stepping and c.t_abort is None and assumed and ev.excess_at_grace_end <= len(assumed):
+        reading = ev.count_reading
+        reading["others_most"] += len(assumed)
+        reading["open"] += [{"request_id": str(r), "reason": "assumed_left_oldest_first"} for r in assumed]
+        return c.verdict("still_counted_oldest_first", others=len(assumed))
     return c.verdict("still_counted_generating" if stepping else "gauges_stale")
 
 
@@ -1633,13 +1735,13 @@ def beside_traffic(c: VllmCase) -> CancelVerdict | None:
         return c.verdict("other_traffic_logged", requests=c.foreign_logged)
     times, sched = c.sched["t_s"], c.sched
     window = (times >= c.t_abort) & (times <= c.t_abort + c.grace_s) & c.moved
-    hits = np.nonzero(window & ~c.entering & ~_may_stand_in(c) & (sched["count"] <= c.inflight + 1e-9))[0]
+    hits = np.nonzero(window & ~c.entering & ~_may_stand_in(c) & (sched["count"] <= c.without + 1e-9))[0]
     if not len(hits):
         return c.verdict("other_traffic_logged", requests=c.foreign_logged)
     left = int(hits[0])
     c.tp["left_scheduler"] = float(times[left])
-    c.ev.count_after, c.ev.ledger_after = float(sched["count"][left]), float(c.inflight[left])
-    c.ev.count_reading = c.count_reading(left, c.inflight[left])
+    c.ev.count_after, c.ev.ledger_after = float(sched["count"][left]), float(c.without[left])
+    c.ev.count_reading = c.count_reading(left, c.without[left])
     c.ev.release_ms = round((times[left] - c.t_abort) * 1000, 1)
     return c.verdict("released_beside_traffic", requests=c.foreign_logged, after_ms=c.ev.release_ms)
 
