@@ -884,3 +884,26 @@ def test_the_ledger_takes_the_oldest_lost_request_out_where_the_count_cannot_hol
     samples.loc[dip, "value"] += 1.0  # l3 still counted to 4.2 s: its fall at 4.2 s is within a second of tg's
     gone = _RunFrames(run).frame("t0").gone
     assert gone["l3"] == pytest.approx(4.2, abs=0.06) and gone["tg"] == pytest.approx(4.5), gone
+
+
+def test_a_fall_no_end_of_the_engines_own_accounts_for_leaves_which_lost_request_stays_open():
+    # no request log. O's cancel was lost (stopped at 1.5 s, kept to the end); tg's went through: the engine dropped
+    # it at 2.05 s (count 3 -> 2, KV usage falls). The counter of the engine's own ends never rose: the fall was an
+    # abort, and the count cannot say whose. Oldest first (O gone, tg kept) is how requests of one length end by
+    # themselves, not how aborts come: tg is no leak on that reading
+    ns = lambda s: T0 + int(s * 1e9)  # noqa: E731
+    closed = {"request_id": "O", "kind": "client_closed", "mono_ns": ns(1.501),
+              "data": json.dumps({"cancel_id": "cO", "source": "client"})}
+    run = build_run(lambda t: 3.0 if t < 2.05 else 2.0, lambda t: 0.6 if t < 2.05 else 0.4, steady_gen,
+                    extra_ledger=[stopped_row("O", 0.2, 1.5)], extra_events=[stop_event("O", 1.5, "cO"), closed],
+                    finished=lambda t: 0.0, length_s=8.0)
+    v = {v.request_id: v for v in judge_run(run)}["tg"]
+    assert (v.verdict, v.rule) == ("inconclusive", "counted_beside_lost"), (v.verdict, v.rule, v.evidence.why)
+    assert [(o["request_id"], o["reason"]) for o in v.evidence.count_reading["open"]] == \
+        [("O", "assumed_left_oldest_first")], v.evidence.count_reading
+    # the same falls made by the engine's own ends (the counter rose by one): the oldest first, and tg leaked
+    run = build_run(lambda t: 3.0 if t < 2.05 else 2.0, lambda t: 0.6 if t < 2.05 else 0.4, steady_gen,
+                    extra_ledger=[stopped_row("O", 0.2, 1.5)], extra_events=[stop_event("O", 1.5, "cO"), closed],
+                    finished=lambda t: float(t >= 2.05), length_s=8.0)
+    v = {v.request_id: v for v in judge_run(run)}["tg"]
+    assert (v.verdict, v.rule) == ("leaked", "still_counted_oldest_first"), (v.verdict, v.rule, v.evidence.why)

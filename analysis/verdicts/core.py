@@ -302,6 +302,11 @@ RULES: dict[str, Rule] = {
                                        "request(s) whose cancels were lost left at falls of the count that cannot "
                                        "say which left: taking the oldest to go first (as requests of one length "
                                        "do), it is this one"),
+    "counted_beside_lost": Rule(INCONCLUSIVE, "the server still counts a request in this one's place after the "
+                                "grace, and no abort is known; {others} other request(s) whose cancels were lost "
+                                "left at falls of the count that the engine's own ends (vllm:request_success_total) "
+                                "do not account for: those were aborts, and which request each took the count cannot "
+                                "say (this one's cancel may have gone through while an older one stays)"),
     "gauges_stale": Rule(STALE_GAUGE, "gauges stayed up but no tokens were generated: stale until the next step"),
     # Triton (triton.py): the models' log lines, their gauges, the core's counters
     "model_cancelled_before_stop": Rule(INCONCLUSIVE, "the model logged a cancel of this request {before_ms:.0f} ms "
@@ -354,7 +359,7 @@ RULES: dict[str, Rule] = {
 COUNT_READING_RULES = frozenset({"released", "released_beside_traffic", "gauges_not_refreshed", "kv_did_not_fall",
                                  "finished_unseen", "abort_logged_still_generating", "abort_logged_gauges_stale",
                                  "still_counted_generating", "gauges_stale", "app_lost_cancel",
-                                 "still_counted_oldest_first"})
+                                 "still_counted_oldest_first", "counted_beside_lost"})
 # the rules whose evidence concluded a race the completion won (the acceptance counts them apart)
 RACE_RULES = frozenset(code for code, r in RULES.items() if r.race)
 # run.info key: request id -> when an earlier verdict saw a request, stopped with no abort, leave the engine. A
