@@ -12,7 +12,8 @@ when its value is unknown (None); an unreached one has no key, so a reader of th
   past the traffic guard foreign_requests, where an engine log is read
   past foreign traffic   kv_drop_s, with release_ms (released) or engine_stepping (not released)
   not released           excess_max, excess_at_grace_end, generation_tokens_delta, with engine_stepping
-  every judged cancel    rule (the code of the rule that gave the verdict), with why where it says one
+  every judged cancel    rule (the code of the rule that gave the verdict), with why where it says one and
+                         rule_fields where its sentence has figures
   any other field        when it is not None
 """
 
@@ -117,6 +118,8 @@ class Evidence:
     stopped_at: the component of the path where the cancel stopped (the taps of `record --hop` saw its
         client side close, and its upstream stay open past the grace); None where it did not stop at a hop
     path: the cancel's way through the taps in one sentence (analysis/hops.py); None without taps
+    rule_fields: the values the rule's sentence is filled with, by name (docs/rules.md lists them per rule:
+        after_s, late_s, how, samples, ...): the figures of `why` as data; None for a rule with none
     rule: the code of the rule that gave the verdict (a key of analysis.verdicts.RULES, with its sentence)
     why: one sentence, why the verdict is not released (the rule's sentence, filled in)
     """
@@ -158,6 +161,7 @@ class Evidence:
     buffer_kept_bytes: float | None = None
     stopped_at: str | None = None
     path: str | None = None
+    rule_fields: dict | None = None
     rule: str | None = None
     why: str | None = None
 

@@ -450,6 +450,7 @@ class Case:
         """The verdict of `rule` (a key of RULES), its sentence filled with `fields`."""
         r = RULES[rule]
         self.ev.rule = rule
+        self.ev.rule_fields = {k: _plain(v) for k, v in fields.items()} or None
         if not r.quiet:
             self.ev.why = r.sentence.format(**fields)
         if self.tp["left_scheduler"] is not None:
@@ -457,6 +458,11 @@ class Case:
         v = CancelVerdict(self.rid, self.scenario, self.phase, self.tp, r.verdict, self.ev, self.terminal)
         v.sources = {p: {"source": src, "reason": reason} for p, (src, reason) in self.sources.items()}
         return v
+
+
+def _plain(value):
+    """A rule's field as JSON holds it: numpy's numbers as Python's."""
+    return value.item() if isinstance(value, np.generic) else value
 
 
 Step = Callable[[Case], CancelVerdict | None]

@@ -24,7 +24,8 @@ def reference_markdown() -> str:
              "Every verdict carries a `rule`: the code of the rung of the ladder that gave it (`cancelwatch report "
              "--json`, `evidence.rule`). This page is made from the table of rules (`analysis/verdicts/core.py`, "
              "`RULES`) by `python -m analysis.verdicts.reference`; a test keeps it current.", "",
-             "- **fields**: what the rule fills its sentence with (the evidence's `why`).",
+             "- **fields**: what the rule fills its sentence with (the evidence's `why`); the same values, by "
+             "name, are the evidence's `rule_fields`.",
              "- **count_reading**: the rule read the scheduler's count at a deciding sample; `evidence.count_reading` "
              "holds that count, the fewest and the most other requests the engine could hold there, the bound the "
              "count was held to, and the requests that keep the two apart, each with its reason "
