@@ -1166,17 +1166,11 @@ class VllmCase(Case):
             return None
         return int(lrow["max_tokens"]) * self.n - int(self.tokens_at_cancel)
 
-    def stopped_at(self, rid: str) -> float:
-        """When the run's stop of request `rid` came (s since the run started); -inf where it has none."""
-        stops = _events(self.run, "user_stop")
-        hit = stops["t_s"][stops["request_id"] == rid]
-        return float(hit.min()) if len(hit) else -math.inf
-
     def own_ends_between(self, t_from: float, t_to: float) -> float | None:
-        """Requests the engine ended by themselves from `t_from` to `t_to` (its frame's vllm:request_success_total,
-        by finish reason); None where it does not say or the frame holds neither end."""
+        """Requests the engine ended by themselves from `t_from` to `t_to`, both included (its frame's
+        vllm:request_success_total, by finish reason); None where it does not say or the frame holds neither end."""
         times, fin = self.frame_cols["t_s"], self.frame_cols["finished"]
-        lo = int(np.searchsorted(times, t_from, side="right")) - 1
+        lo = int(np.searchsorted(times, t_from, side="left")) - 1  # the sample before: an end at t_from counts
         hi = int(np.searchsorted(times, t_to, side="right")) - 1
         if lo < 0 or hi < lo or np.isnan(fin[lo]) or np.isnan(fin[hi]):
             return None
@@ -1711,8 +1705,10 @@ def held(c: VllmCase) -> CancelVerdict:
     # other stopped requests with no abort that the frame took out of the ledger at a fall of the count, oldest
     # first (_gone_by_surplus), may be the ones still counted in this one's place: a leak read past them rests on
     # that reading, and says so
-    t_i = float(sched["t_s"][i])
-    assumed = sorted(rid for rid, t in c.assumed_gone.items() if rid != c.rid and t <= t_i)
+    # (those the frame let go inside this cancel's stretch: an older one it let go before is no more this one's
+    # evidence than the requests its window does not hold)
+    t_i, t_0 = float(sched["t_s"][i]), float(sched["t_s"][0])
+    assumed = sorted(rid for rid, t in c.assumed_gone.items() if rid != c.rid and t_0 <= t <= t_i)
     if stepping and c.t_abort is None and assumed and ev.excess_at_grace_end <= len(assumed):
         reading = ev.count_reading
         reading["others_most"] += len(assumed)
@@ -1720,8 +1716,9 @@ def held(c: VllmCase) -> CancelVerdict:
         # oldest first is how requests of one length end by themselves: only where the engine's own ends
         # (vllm:request_success_total, which counts no abort) number those falls. A fall the counter does not show
         # was an abort, and whose nothing says (the older one lost and kept, this one's cancel through)
-        t_first = min(c.stopped_at(r) for r in assumed)
-        ends = c.own_ends_between(t_first, t_i)
+        # from a hold before the first of them went: the frame lets one go from the start of the hold that showed
+        # it gone, which can come a sample after the fall that took it
+        ends = c.own_ends_between(min(c.assumed_gone[r] for r in assumed) - SURPLUS_HOLD_S, t_i)
         if ends is None or ends < len(assumed) - 1e-9:
             return c.verdict("counted_beside_lost", others=len(assumed))
         return c.verdict("still_counted_oldest_first", others=len(assumed))
