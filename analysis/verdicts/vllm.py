@@ -1202,9 +1202,9 @@ class VllmCase(Case):
             if t < (lrow["sent_mono_ns"] - t0) / 1e9 + tokens / fastest:
                 return None
             return f"its {tokens} token(s) (at {fastest:.0f} tokens/s from its send)"
-        # read at `t`: read later, other requests' ends the counter shows a moment after their clients have them
-        # outnumber the reads (seen: a burst's releases read as ends of their own). An end of its own the counter
-        # shows only after `t` goes unread (tests/corpus/held_back.json: case_lost_inside_grace)
+        # the counter and the clients' reads both to `t`: read later, other requests' ends outnumber the reads
+        # (seen: a burst's releases read as ends of their own); a read counted later than the counter excuses an end
+        # of this one's own by a neighbour's end read a moment after (a watched request that ran out in the grace)
         times, fin = self.sched["t_s"], self.sched["finished"]
         before = np.nonzero(self.baseline.before)[0]
         at = int(np.searchsorted(times, t, side="right")) - 1
