@@ -61,6 +61,7 @@ from analysis.verdicts.core import (
 )
 from analysis.verdicts.engine_done import engine_done_at, solo_tokens_per_s
 from analysis.verdicts.paid_tokens import tokens_after_left
+from analysis.verdicts.requests import Requests, in_between, requests_of, weighted_between
 from analysis.verdicts.log_clock import LogClock, log_evidence
 from analysis.verdicts.log_ids import LogIds
 from runstore.reader import Run
@@ -72,20 +73,24 @@ NAMES_NO_REQUESTS = "the engine log names no requests"
 
 
 def ledger_inflight(ledger: pd.DataFrame, t0_ns: int, times: np.ndarray, aborted_at: dict[str, float],
-                    added_at: dict[str, float] | None = None, not_entered: frozenset[str] = frozenset()) -> np.ndarray:
+                    added_at: dict[str, float] | None = None, not_entered: frozenset[str] = frozenset(),
+                    reqs: Requests | None = None) -> np.ndarray:
     """Sequences the client believes are in the server at each of `times` (instants, s since the run
     started): sent and not yet closed, or not yet aborted (`aborted_at`: request id -> instant). Where
     the engine's log says when a request entered the engine (`added_at`), it counts from then: a request
     still on its way (a proxy, the API server) is not yet the engine's; one the log shows never entered
-    (`not_entered`: _EngineLog.not_entered) is never counted."""
-    counts = np.zeros(len(times))
-    added_at = added_at or {}
-    for row in ledger.itertuples(index=False):
-        if pd.isna(row.sent_mono_ns) or row.request_id in not_entered:
-            continue
-        t_sent = max((row.sent_mono_ns - t0_ns) / 1e9, added_at.get(row.request_id, -math.inf))
-        counts += _seqs(row) * ((times >= t_sent) & (times < _ledger_end_s(row, aborted_at, t0_ns)))
-    return counts
+    (`not_entered`: _EngineLog.not_entered) is never counted. `reqs`: the ledger as arrays, where built."""
+    reqs = requests_of(ledger, t0_ns) if reqs is None else reqs
+    start = reqs.sent.copy()
+    for rid, t in (added_at or {}).items():
+        i = reqs.row.get(rid)
+        if i is not None:
+            start[i] = max(start[i], t)  # NaN stays NaN: a request never sent is never counted
+    for rid in not_entered:
+        i = reqs.row.get(rid)
+        if i is not None:
+            start[i] = math.nan
+    return weighted_between(times, start, reqs.ends(aborted_at), reqs.seqs)
 
 
 def _ledger_end_s(row, ends: dict[str, float], t0_ns: int) -> float:
@@ -178,9 +183,16 @@ class _EngineLog:
         self.resolution: dict[tuple[str, str], float] = {}
         # each target's log against the run's clock: its lines are moved by the offset the run allows
         self.clocks, self.ids = log_evidence(run)
+        # (target, from, to, why) of each stretch where the log's reader may have lost lines
+        self.losses: list[tuple[str | None, float, float, str | None]] = []
         ev = run.events
         if ev.empty:
             return
+        t0 = run.info["started_mono_ns"]
+        for row in ev[ev["kind"] == "engine_log_gap"].itertuples(index=False):
+            data = json.loads(row.data)
+            self.losses.append((data.get("target"), (float(data.get("from_mono_ns") or t0) - t0) / 1e9,
+                                float(row.t_s), data.get("why")))
         logged = ev[ev["kind"].isin(["engine_added", "engine_aborted"])]
         for row in logged.itertuples(index=False):
             data = json.loads(row.data)
@@ -235,7 +247,7 @@ class _EngineLog:
         if not self.names_requests(target) or self.foreign.get(target) or engine_log_state(run, target) != "read":
             return frozenset()
         lo, hi = run.events_span or (-math.inf, math.inf)
-        if _log_holes(run, target, lo, hi):
+        if _log_holes(_target_gaps(run, target), self, target, lo, hi):
             return frozenset()
         offset = self.clock(target).offset_s
         # the events were read by their stamps, and a line is placed at its stamp moved by the clock's offset:
@@ -411,6 +423,7 @@ class _RunFrames:
         self.stops = _events(run, "user_stop")
         self.trace = _trace_events(run)
         self.englog = _EngineLog(run, set(run.ledger["request_id"]) if not run.ledger.empty else set())
+        self.reqs = requests_of(run.ledger, self.t0)
         self.evidence_gone, self.unaborted = _gone_at(run, self.stops, self.englog, self.trace, self.target_of)
         self.stopped = {s.request_id: (float(s.t_s), self.target_of(json.loads(s.data)))
                         for s in self.stops.itertuples(index=False)}
@@ -469,6 +482,7 @@ class _RunFrames:
             added = self.added(target)
             cols = {c: sched[c].to_numpy(dtype=float) for c in ("t_s", "count", "waiting", "kv", "gen_tokens",
                                                                   "prefix_hits", "preemptions", "finished")}
+            cols["scrape_s"] = _scrape_spans(run, target, cols["t_s"])
             within = LOG_SLACK_S + englog.entry_doubt_s(target) + ENTER_S
             entered = self.entered(target, added, within)
             gone = _gone_by_idle(self.gone_at, self.stopped, target, cols, entered, within)
@@ -481,17 +495,19 @@ class _RunFrames:
                 # the ledger's requests with each lost one counted until it joins the lost (_lost_from): what the
                 # count holds beyond them, the lost ones can be
                 joins = {rid: _lost_from(t_stop, entered[rid], within) for rid, (t_stop, _) in lost.items()}
-                others = ledger_inflight(ledger, self.t0, times, {**ends, **joins}, added, not_entered)
+                others = ledger_inflight(ledger, self.t0, times, {**ends, **joins}, added, not_entered, self.reqs)
                 capped, assumed = _gone_by_surplus(gone, lost, joins, cols, others,
                                                    max(SURPLUS_HOLD_S, within + LAG_S))
                 if capped != gone:
                     gone = capped
                     ends = {**gone, **englog.done_with(run, ledger, target, cols, gone, added)}
-            inflight = ledger_inflight(ledger, self.t0, times, ends, added, not_entered) if len(times) \
+            inflight = ledger_inflight(ledger, self.t0, times, ends, added, not_entered, self.reqs) if len(times) \
                 else np.array([])
             solo = solo_tokens_per_s(cols["t_s"], cols["count"] - np.nan_to_num(cols["waiting"]), cols["waiting"],
                                      cols["gen_tokens"]) if len(times) else None
-            self.frames[target] = _Frame(cols, inflight, solo, ends, not_entered, gone, assumed)
+            self.frames[target] = _Frame(cols, inflight, solo, ends, not_entered, gone, assumed, self.reqs,
+                                         self.reqs.per_row(englog.added, target, math.nan),
+                                         self.reqs.per_row(englog.aborted, target, math.inf), _target_gaps(run, target))
         return self.frames[target]
 
 
@@ -508,7 +524,7 @@ def vllm_in_engine(run: Run, target: str | None) -> EngineReading | None:
         return None
     ends = {rid: t for rid, t in frame.ends.items() if rid not in frames.unaborted}
     added = frames.added(target)
-    inflight = ledger_inflight(run.ledger, frames.t0, frame.cols["t_s"], ends, added, frame.not_entered)
+    inflight = ledger_inflight(run.ledger, frames.t0, frame.cols["t_s"], ends, added, frame.not_entered, frames.reqs)
     late = LOG_SLACK_S + frames.englog.entry_doubt_s(target) + ENTER_S
     return EngineReading(frame.cols["t_s"], frame.cols["count"], inflight, {rid: t + late for rid, t in added.items()})
 
@@ -606,6 +622,7 @@ class _LedgerRows(NamedTuple):
     counted: np.ndarray  # rows x samples: where the ledger counts it in the engine (as ledger_inflight does)
     first: np.ndarray  # when its first token reached its client (inf: never)
     added: np.ndarray  # its first Added line (-inf: none)
+    sent: np.ndarray  # when its client sent it
 
 
 LAG_S = 0.25  # an end the engine made reaches its client this much later through a hop, at the most assumed
@@ -644,6 +661,10 @@ class VllmCase(Case):
     assumed_gone: dict[str, float] = field(default_factory=dict)  # _Frame.assumed_gone
     not_entered: frozenset[str] = frozenset()  # the ledger's requests the log shows never entered
     app_answer: str | None = None  # what the app answered an explicit cancel (None: no explicit cancel)
+    reqs: Requests | None = None  # the ledger as arrays (_Frame.reqs), and per row the log's word on this target:
+    added_s: np.ndarray | None = None  # its first Added line (NaN: none)
+    aborted_s: np.ndarray | None = None  # its first abort line (inf: none)
+    gaps: pd.DataFrame | None = None  # the run's gaps of this target
 
     @cached_property
     def baseline(self) -> _Baseline:
@@ -697,17 +718,14 @@ class VllmCase(Case):
         t_b, w = float(self.sched["t_s"][before[-1]]), float(self.sched["waiting"][before[-1]])
         if math.isnan(w) or w < 0.5:
             return False
-        t0, entered = self.run.info["started_mono_ns"], []
-        named = self.englog.names_requests(self.target)
-        for row in self.run.ledger.itertuples(index=False):
-            logged = self.englog.added.get((self.target, row.request_id))
-            if pd.isna(row.sent_mono_ns) or (named and not logged):
-                continue  # not sent, or (the log names this target's requests) another target's
-            t_in = min(logged) if logged else (row.sent_mono_ns - t0) / 1e9
-            gone = self.englog.aborted.get((self.target, row.request_id))
-            t_out = min(gone) if gone else (math.inf if pd.isna(row.closed_mono_ns) else (row.closed_mono_ns - t0) / 1e9)
-            if t_in <= t_b < t_out:  # in the engine at that sample
-                entered.append((t_in, row.request_id, 1 if pd.isna(row.n) else int(row.n)))
+        r, logged = self.reqs, ~np.isnan(self.added_s)
+        # not sent, or (the log names this target's requests) another target's, is in none
+        keep = ~np.isnan(r.sent) & (logged | (not self.englog.names_requests(self.target)))
+        t_in = np.where(logged, self.added_s, r.sent)
+        t_out = np.where(np.isfinite(self.aborted_s), self.aborted_s, np.nan_to_num(r.closed, nan=math.inf))
+        with np.errstate(invalid="ignore"):
+            inside = np.nonzero(keep & (t_in <= t_b) & (t_b < t_out))[0]  # in the engine at that sample
+        entered = [(float(t_in[i]), r.ids[i], int(r.seqs[i])) for i in inside]
         newest, seqs = set(), 0.0
         for _, rid, n in sorted(entered, reverse=True):
             if seqs >= w - 0.5:
@@ -746,13 +764,12 @@ class VllmCase(Case):
         return self.foreign_logged, int((over & self.baseline.before).sum())
 
     def restart(self) -> str | None:
-        return _restart_in(self.run, self.target, self.sched, self.t_stop - 1.0, self.t_end,
-                           self._scrape_spans(self.sched["t_s"]))
+        return _restart_in(self.gaps, self.sched, self.t_stop - 1.0, self.t_end, self.sched["scrape_s"])
 
     def log_gap(self) -> str | None:
         if not self.has_log:
             return None
-        holes = _log_holes(self.run, self.target, self.t_stop - 1.0, self.t_end)
+        holes = _log_holes(self.gaps, self.englog, self.target, self.t_stop - 1.0, self.t_end)
         return holes[0] if holes else None
 
     def log_clock_off(self) -> dict | None:
@@ -778,17 +795,11 @@ class VllmCase(Case):
         gone_until; they may run on for nobody too). Any of them may be the one a drop in the count lost: with
         two leaked requests in the engine, a count one lower shows one of them gone, not which (seen: three
         leaked through a proxy, each read as gone at the first end)."""
-        times = self.sched["t_s"]
-        out = np.zeros(len(times))
-        t0 = self.run.info["started_mono_ns"]
-        for row in self.run.ledger.itertuples(index=False):
-            if row.request_id == self.rid or row.request_id in self.not_entered or pd.isna(row.cancel_mono_ns) \
-                    or pd.isna(row.sent_mono_ns) or self.englog.aborted.get((self.target, row.request_id)):
-                continue
-            added = self.englog.added.get((self.target, row.request_id))
-            t_in = max((row.sent_mono_ns - t0) / 1e9, (row.cancel_mono_ns - t0) / 1e9, min(added or [-math.inf]))
-            out += _seqs(row) * ((times >= t_in) & (times < _ledger_end_s(row, self.ledger_ends, t0)))
-        return out
+        r = self.reqs
+        keep = (r.ids != self.rid) & ~self.not_entered_rows & ~np.isnan(r.cancel) & ~np.isnan(r.sent) \
+            & ~np.isfinite(self.aborted_s)
+        t_in = np.maximum(np.maximum(r.sent, r.cancel), np.nan_to_num(self.added_s, nan=-math.inf))
+        return weighted_between(self.sched["t_s"], t_in[keep], self.ends_s[keep], r.seqs[keep])
 
     @cached_property
     def settled(self) -> np.ndarray:
@@ -822,18 +833,12 @@ class VllmCase(Case):
         after the engine's last step before that sample), for ended_unseen and count_reading."""
         times, settled = self.sched["t_s"], self.settled
         last_step = np.where(settled >= 0, times[np.maximum(settled, 0)], -math.inf)
-        t0 = self.run.info["started_mono_ns"]
-        ids, seqs, gone = [], [], []
-        for row in self.run.ledger.itertuples(index=False):
-            if row.request_id == self.rid or pd.isna(row.sent_mono_ns):
-                continue
-            t_gone = _ledger_end_s(row, self.ledger_ends, t0)
-            if math.isfinite(t_gone):
-                ids.append(row.request_id)
-                seqs.append(_seqs(row))
-                gone.append(t_gone)
-        g = np.array(gone, dtype=float)[:, None]
-        return np.array(ids, dtype=object), np.array(seqs, dtype=float), (times >= g) & (last_step < g)
+        r, gone = self.reqs, self.ends_s
+        keep = (r.ids != self.rid) & ~np.isnan(r.sent) & np.isfinite(gone)
+        if len(times):  # the steps only go on: a row ended after the stretch, or before its first step, is in none
+            keep &= (gone <= times[-1]) & (gone > last_step[0])
+        g = gone[keep][:, None]
+        return r.ids[keep], r.seqs[keep], (times >= g) & (last_step < g)
 
     def taken_in_its_place(self, kv_before: float) -> np.ndarray:
         """Per sample of the stretch: the count holds the ledger's requests surely counted there and no other
@@ -850,7 +855,7 @@ class VllmCase(Case):
         from the step after it, in the freed block, another Added as the abort came not counted yet: the count,
         3, below the ledger's, 4, was exactly the surely counted requests)."""
         times, sched = self.sched["t_s"], self.sched
-        ids, _, counted, first, added = self.ledger_rows
+        ids, _, counted, first, added, _ = self.ledger_rows
         doubt = self.englog.entry_doubt_s(self.target)
         new = (ids != self.rid) & (added >= self.t_ref - LOG_SLACK_S - doubt)
         before = np.nonzero(self.baseline.before)[0]
@@ -862,21 +867,29 @@ class VllmCase(Case):
 
     @cached_property
     def ledger_rows(self) -> _LedgerRows:
-        """The ledger's requests whose first token had not reached their client at the stretch's start."""
-        times, t0, ledger = self.sched["t_s"], self.run.info["started_mono_ns"], self.run.ledger
-        sent = (ledger["sent_mono_ns"].to_numpy(dtype=float) - t0) / 1e9
-        first = np.nan_to_num((ledger["first_token_mono_ns"].to_numpy(dtype=float) - t0) / 1e9, nan=math.inf)
-        with np.errstate(invalid="ignore"):  # sent before the stretch's end, no first token by its start
-            keep = (sent <= (times[-1] if len(times) else -math.inf)) & (first > (times[0] if len(times) else math.inf))
-        keep &= ~ledger["request_id"].isin(self.not_entered).to_numpy()
-        rows = ledger[keep]
-        ids, sent, first = rows["request_id"].to_numpy(), sent[keep], first[keep]
-        seqs = rows["n"].fillna(1).to_numpy(dtype=float) if "n" in rows else np.ones(len(rows))
-        added = np.array([min(self.englog.added.get((self.target, rid)) or [-math.inf]) for rid in ids], dtype=float)
-        end = np.array([_ledger_end_s(row, self.ledger_ends, t0) for row in rows.itertuples(index=False)],
-                       dtype=float)
-        counted = (times >= np.maximum(sent, added)[:, None]) & (times < end[:, None])
-        return _LedgerRows(ids, seqs, counted, first, added)
+        """The ledger's requests whose first token had not reached their client at the stretch's start, less those
+        it stopped counting by then (they count nowhere in it)."""
+        times, r = self.sched["t_s"], self.reqs
+        if not len(times):
+            keep = np.zeros(len(r.ids), dtype=bool)
+        else:
+            with np.errstate(invalid="ignore"):  # sent before the stretch's end, no first token by its start
+                keep = (r.sent <= times[-1]) & (r.first > times[0]) & (self.ends_s > times[0])
+        keep &= ~self.not_entered_rows
+        added = np.nan_to_num(self.added_s[keep], nan=-math.inf)
+        sent, end = r.sent[keep], self.ends_s[keep]
+        counted = in_between(times, np.maximum(sent, added), end)
+        return _LedgerRows(r.ids[keep], r.seqs[keep], counted, r.first[keep], added, sent)
+
+    @cached_property
+    def ends_s(self) -> np.ndarray:
+        """Per row of the ledger: where it stops counting the request (ledger_ends, else its client's close; inf
+        while open)."""
+        return self.reqs.ends(self.ledger_ends)
+
+    @cached_property
+    def not_entered_rows(self) -> np.ndarray:
+        return np.isin(self.reqs.ids, list(self.not_entered)) if self.not_entered else np.zeros(len(self.reqs.ids), bool)
 
     def _count_surely(self, unseen: np.ndarray, ledger: np.ndarray) -> np.ndarray:
         exact = (np.abs(self.sched["count"] - (ledger - unseen)) < 1e-9) & (self.finished_unseen < 0.5)
@@ -910,10 +923,8 @@ class VllmCase(Case):
         count yet: no first token at their client, and sent (where the log names it, Added) less than ENTER_S
         before, LAG_S more for a hop. Past that the engine surely counts one, waiting or running: a non-streaming
         request, or one queued behind max_num_seqs, shows no token for long and is counted all the same."""
-        ids, seqs, counted, first, added = self.ledger_rows
-        t0 = self.run.info["started_mono_ns"]
-        sent = self.run.ledger.set_index("request_id")["sent_mono_ns"].reindex(ids).to_numpy(dtype=float)
-        since = np.maximum((sent - t0) / 1e9, added)
+        ids, seqs, counted, first, added, _ = self.ledger_rows
+        since = np.maximum(self.ledger_rows.sent, added)
         times = self.sched["t_s"]
         others = ids != self.rid
         recent = times < since[:, None] + ENTER_S + LAG_S
@@ -923,7 +934,7 @@ class VllmCase(Case):
     def others_unseen(self) -> np.ndarray:
         """Per sample of the stretch: sequences of the other requests the ledger counts whose first token had not
         reached their client: the engine may not count them yet (count_surely)."""
-        ids, seqs, counted, first, _ = self.ledger_rows
+        ids, seqs, counted, first, _, _ = self.ledger_rows
         others = ids != self.rid
         return seqs[others] @ (counted[others] & (self.sched["t_s"] < first[others, None]))
 
@@ -973,7 +984,7 @@ class VllmCase(Case):
         rule allowed for); and the bound the rule compared the count with, where it compared one."""
         times = self.sched["t_s"]
         t = float(times[i])
-        ids, seqs, counted, first, _ = self.ledger_rows
+        ids, seqs, counted, first, _, _ = self.ledger_rows
         others = ids != self.rid
         no_token = others & counted[:, i] & (t < first)
         open_ = [{"request_id": str(r), "reason": "first_token_not_at_client"} for r in ids[no_token]]
@@ -993,7 +1004,7 @@ class VllmCase(Case):
     def unseen_with_this(self) -> np.ndarray:
         """Per sample of the stretch: sequences the ledger counts whose first token had not reached their client,
         this request's among them (before its stop)."""
-        _, seqs, counted, first, _ = self.ledger_rows
+        _, seqs, counted, first, _, _ = self.ledger_rows
         unseen = seqs @ (counted & (self.sched["t_s"] < first[:, None]))
         if self.rid in self.not_entered and self.lrow is not None:
             # the log shows it never entered, yet it is the ledger's until its stop (judge_vllm's case)
@@ -1026,14 +1037,9 @@ class VllmCase(Case):
         times, fin = sched["t_s"], sched["finished"]
         if not len(times) or np.isnan(fin[0]):
             return np.zeros(len(times))  # the engine does not say why its requests ended
-        t_w, t0, ledger = float(times[0]), self.run.info["started_mono_ns"], self.run.ledger
-        sent = (ledger["sent_mono_ns"].to_numpy(dtype=float) - t0) / 1e9
-        closed = np.nan_to_num((ledger["closed_mono_ns"].to_numpy(dtype=float) - t0) / 1e9, nan=math.inf)
-        rids = ledger["request_id"].to_numpy()
-        ends = np.array([self.ledger_ends.get(rid, c) for rid, c in zip(rids, closed)], dtype=float)
-        t_abort = np.array([min(self.englog.aborted.get((self.target, rid)) or [math.inf]) for rid in rids])
-        seqs = ledger["n"].fillna(1).to_numpy(dtype=float) if "n" in ledger else np.ones(len(ledger))
-        completed = (ledger["terminal_state"] == "completed").to_numpy() & np.isfinite(closed)
+        t_w, r = float(times[0]), self.reqs
+        sent, ends, t_abort, seqs = r.sent, self.ends_s, self.aborted_s, r.seqs
+        completed = r.completed & np.isfinite(r.closed)
         # the earliest each could have ended by itself: one that may end at any token (not the driver's) before
         # its abort line only as its last output crossed its client's leaving, a race the log cannot show
         from_s = np.where(np.isfinite(t_abort), t_abort, -math.inf)
@@ -1041,10 +1047,8 @@ class VllmCase(Case):
         # be faster, and judge otherwise)
         solo = self.stretch_solo_rate
         rate = None if solo is None else 1.25 * solo
-        if "max_tokens" in ledger:
-            max_tokens = ledger["max_tokens"].to_numpy(dtype=float)
-            bounded = (ledger["scenario"] != WATCHED_SCENARIO).to_numpy() & (max_tokens > 0)
-            from_s[bounded] = sent[bounded] + max_tokens[bounded] / rate if rate else -math.inf
+        bounded = r.bounded
+        from_s[bounded] = sent[bounded] + r.max_tokens[bounded] / rate if rate else -math.inf
         # each request the ledger no longer counts that may have ended by itself in the stretch, from when
         with np.errstate(invalid="ignore"):
             could = ~np.isnan(sent) & np.where(completed, ends > t_w,
@@ -1073,12 +1077,10 @@ class VllmCase(Case):
         times, fin = self.sched["t_s"], self.sched["finished"]
         if not len(times) or np.isnan(fin[0]):
             return None
-        ledger = self.run.ledger
-        closed = (ledger["closed_mono_ns"].to_numpy(dtype=float) - self.run.info["started_mono_ns"]) / 1e9
+        closed = self.reqs.closed
         with np.errstate(invalid="ignore"):
             # a close past the stretch's last sample reads nothing in it
-            completed = (ledger["terminal_state"] == "completed").to_numpy() & (closed > times[0]) \
-                & (closed <= times[-1])
+            completed = self.reqs.completed & (closed > times[0]) & (closed <= times[-1])
         read = np.nonzero(~np.isnan(fin))[0]
         # each end counted in the stretch: after the read sample before the one that shows it, by that one
         rises = [(times[p], times[q]) for p, q in zip(read[:-1], read[1:])
@@ -1111,13 +1113,10 @@ class VllmCase(Case):
         if pool is None or not len(times):
             return out
         # the earliest entry of a ledger request in the engine from the stop on: no hit may come after it
-        t0 = self.run.info["started_mono_ns"]
-        first_in = math.inf
-        for row in self.run.ledger.itertuples(index=False):
-            if pd.isna(row.sent_mono_ns) or _ledger_end_s(row, self.ledger_ends, t0) < self.t_stop:
-                continue
-            added = self.englog.added.get((self.target, row.request_id))
-            first_in = min(first_in, min(added) - LOG_SLACK_S if added else (row.sent_mono_ns - t0) / 1e9)
+        r = self.reqs
+        live = ~np.isnan(r.sent) & ~(self.ends_s < self.t_stop)
+        first_in = float(np.min(np.where(np.isnan(self.added_s), r.sent, self.added_s - LOG_SLACK_S)[live],
+                                initial=math.inf))
         all_t, all_hits = self.frame_cols["t_s"], self.frame_cols["prefix_hits"]
         i0 = int(np.searchsorted(all_t, first_in, side="right")) - 1
         if i0 < 0 or np.isnan(all_hits[i0]):
@@ -1141,17 +1140,13 @@ class VllmCase(Case):
         line to its first token, and at most ENTER_S (a non-streamed answer's first byte is its end). The
         ledger counts it from its Added line, the gauges only from the engine's next step (on a starved host,
         several samples later): a count at the ledger's there could hold this one in its place."""
-        times = self.sched["t_s"]
-        out = np.zeros(len(times), dtype=bool)
-        t0 = self.run.info["started_mono_ns"]
+        times, added = self.sched["t_s"], self.added_s
         doubt = self.englog.entry_doubt_s(self.target)
-        for row in self.run.ledger.itertuples(index=False):
-            added = self.englog.added.get((self.target, row.request_id))
-            if row.request_id == self.rid or not added:
-                continue
-            first = math.inf if pd.isna(row.first_token_mono_ns) else (row.first_token_mono_ns - t0) / 1e9
-            out |= (times >= min(added) - LOG_SLACK_S) & (times < min(first, min(added) + doubt + ENTER_S))
-        return out
+        lo, hi = added - LOG_SLACK_S, np.minimum(self.reqs.first, added + doubt + ENTER_S)
+        keep = (self.reqs.ids != self.rid) & ~np.isnan(added)
+        if len(times):
+            keep &= (lo <= times[-1]) & (hi > times[0])
+        return in_between(times, lo[keep], hi[keep]).any(axis=0)
 
     @cached_property
     def entries(self) -> list[float]:
@@ -1211,12 +1206,10 @@ class VllmCase(Case):
         if not len(before) or at < 0 or np.isnan(fin[before[-1]]) or np.isnan(fin[at]):
             return "its last tokens (the engine does not say why its requests ended)"
         t_b, ends = float(times[before[-1]]), float(fin[at] - fin[before[-1]])
-        ledger = self.run.ledger
-        closed = (ledger["closed_mono_ns"].to_numpy(dtype=float) - t0) / 1e9
-        read = ((ledger["request_id"] != self.rid) & (ledger["terminal_state"] == "completed")).to_numpy() \
-            & (closed > t_b) & (closed <= t)
-        seqs = ledger["n"].fillna(1).to_numpy(dtype=float) if "n" in ledger else np.ones(len(ledger))
-        if ends <= float(seqs[read].sum()) + 1e-9:
+        r = self.reqs
+        with np.errstate(invalid="ignore"):
+            read = (r.ids != self.rid) & r.completed & (r.closed > t_b) & (r.closed <= t)
+        if ends <= float(r.seqs[read].sum()) + 1e-9:
             return None
         return "its last tokens (the engine ended requests of its own then that no other's end accounts for)"
 
@@ -1272,9 +1265,9 @@ class VllmCase(Case):
         logged, counted = self.foreign_traffic()
         if logged or counted >= 2:
             return "requests the run did not send reached the engine in the window", None
-        ledger, t0 = self.run.ledger, self.run.info["started_mono_ns"]
-        mates = ledger[(ledger["scenario"] == self.scenario) & (ledger["request_id"] != self.rid)]
-        if mates["cancel_mono_ns"].notna().any():
+        r = self.reqs
+        mates = (r.ids != self.rid) & ((r.scenario == self.scenario) if self.scenario is not None else False)
+        if (mates & ~np.isnan(r.cancel)).any():
             return "another request of the scenario was cancelled beside it", None
         times = self.sched["t_s"]
         # the ledger's open requests with this one among them, whatever the frame made of its stay (its client's
@@ -1283,19 +1276,18 @@ class VllmCase(Case):
         grace = (times >= self.t_stop) & (times <= self.t_stop + self.grace_s) & ~np.isnan(count) & ~np.isnan(gen)
         if self.ahead:
             grace &= times > self.ahead_read_until()
-        others = ledger[ledger["request_id"] != self.rid]
-        ids = others["request_id"].astype(str).to_numpy()
-        closes = (others["closed_mono_ns"].to_numpy(float) - t0) / 1e9  # NaN: never closed, never in a span
-        sends = (others["sent_mono_ns"].to_numpy(float) - t0) / 1e9
+        others = r.ids != self.rid
+        ids = r.ids[others].astype(str)
+        closes, sends = r.closed[others], r.sent[others]  # NaN: never closed (never sent), never in a span
         # the server read its gauges somewhere in the scrape's span (CI: an app busy generating answered its
         # /metrics ~1 s after the tick): a request whose client read its end by then may be gone, and one sent
         # by then may be counted though the ledger's tick does not hold it yet; one sent within LAG_S before
         # the tick may not be the engine's yet
         at = np.flatnonzero(grace)
-        spans = self._scrape_spans(times[at])
-        ending = np.array([((closes > t) & (closes <= t + sp + LAG_S)).sum() for t, sp in zip(times[at], spans)])
-        starting = np.array([((sends <= t) & (sends > t - LAG_S)).sum() for t in times[at]])
-        arriving = np.array([((sends > t) & (sends <= t + sp)).sum() for t, sp in zip(times[at], spans)])
+        spans = self.sched["scrape_s"][at]
+        ending = _within(closes, times[at], times[at] + spans + LAG_S)
+        starting = _within(sends, times[at] - LAG_S, times[at])
+        arriving = _within(sends, times[at], times[at] + spans)
         if self.ahead:
             # no slack where any request might stand in for the target
             keep = (ending == 0) & (starting == 0) & (arriving == 0)
@@ -1325,28 +1317,16 @@ class VllmCase(Case):
         """When the last of the other requests the ledger had open at the sample before the stop was read to
         its end (plus LAG_S), the engine having run ahead of the client there: from then on no request the
         engine finished early is still on its way. inf where one of them never ended."""
-        times, ledger, t0 = self.sched["t_s"], self.run.ledger, self.run.info["started_mono_ns"]
+        times, r = self.sched["t_s"], self.reqs
         t_b = float(times[self.baseline.before][-1])
-        sent = (ledger["sent_mono_ns"].to_numpy(float) - t0) / 1e9
-        gone = np.array([self.ledger_ends.get(rid, (c - t0) / 1e9) for rid, c
-                         in zip(ledger["request_id"], ledger["closed_mono_ns"].to_numpy(float))])
-        open_then = (ledger["request_id"] != self.rid).to_numpy() & (sent <= t_b) & ~(gone <= t_b)
+        sent, gone = r.sent, r.ends(self.ledger_ends, fallback=r.closed)  # NaN: never closed
+        open_then = (r.ids != self.rid) & (sent <= t_b) & ~(gone <= t_b)
         return float(np.max(gone[open_then], initial=t_b)) + LAG_S if not np.isnan(gone[open_then]).any() else math.inf
-
-    def _scrape_spans(self, times: np.ndarray) -> np.ndarray:
-        """Per sample instant of this target's scheduler: how long its scrape took to answer (s; 0 where
-        the run did not record it)."""
-        sc = self.run.scrapes
-        if sc is None or sc.empty or not len(times):
-            return np.zeros(len(times))
-        sc = sc[(sc["target"] == self.target) & (sc["ok"] == 1)] if self.target is not None else sc[sc["ok"] == 1]
-        by_t = dict(zip(sc["t_s"].to_numpy(float).round(6), sc["duration_ns"].to_numpy(float) / 1e9))
-        return np.array([by_t.get(round(float(t), 6), 0.0) for t in times])
 
     def samples_in_grace(self) -> int | None:
         # only where the run recorded a hole in the scheduler's scrapes across the grace (failed or missed
         # ticks): a rate chosen slow (--hz) leaves few samples and no hole, and is not an outage
-        hole = _gaps_over(self.run, self.target, self.t_ref, self.t_ref + self.grace_s)
+        hole = _gaps_over(self.gaps, self.t_ref, self.t_ref + self.grace_s)
         if not len(hole) or not (hole["source"] == "vllm").any():
             return None
         return int(self.in_grace.sum())
@@ -1369,6 +1349,10 @@ class _Frame(NamedTuple):
     # lost request id -> where _gone_by_surplus took it out: which of the lost ones a fall of the count took is
     # the oldest only by assumption (left_on_its_own_or_stayed never reads a fall there as another's certain end)
     assumed_gone: dict[str, float]
+    reqs: Requests  # the ledger as arrays
+    added_s: np.ndarray  # per row of reqs: its first Added line on this target (NaN: none)
+    aborted_s: np.ndarray  # per row of reqs: its first abort line on this target (inf: none)
+    gaps: pd.DataFrame  # the run's gaps of this target
 
 
 def _case(run: Run, frame: _Frame, englog: _EngineLog, trace: dict, same: dict, *, data: dict, rid: str,
@@ -1417,7 +1401,7 @@ def _case(run: Run, frame: _Frame, englog: _EngineLog, trace: dict, same: dict, 
     t_end = max(t_ref, t_stop) + grace_s
     # past the horizon only where a scrape outage covers the window: the first sample after it is what
     # shows an engine restart (a slow engine takes longer than the horizon to come back)
-    horizon = max(max(t_ref, t_stop) + HORIZON_S, _outage_end(run, target, t_stop - 1.0, t_end) + 1.0)
+    horizon = max(max(t_ref, t_stop) + HORIZON_S, _outage_end(frame.gaps, t_stop - 1.0, t_end) + 1.0)
     hi = int(np.searchsorted(cols_all["t_s"], horizon, side="right"))
     sched = {c: a[lo:hi] for c, a in cols_all.items()}
     inflight = inflight_all[lo:hi]
@@ -1440,8 +1424,8 @@ def _case(run: Run, frame: _Frame, englog: _EngineLog, trace: dict, same: dict, 
                     t_end=t_end, sched=sched, inflight=inflight, lrow=lrow,
                     tokens_at_cancel=data.get("tokens_at_cancel"), gone_until=gone_until,
                     hits_at_admission=hits_at_admission, frame_cols=cols_all, solo_rate=solo_rate,
-                    ledger_ends=ledger_ends,
-                    assumed_gone=frame.assumed_gone, not_entered=not_entered)
+                    ledger_ends=ledger_ends, assumed_gone=frame.assumed_gone, not_entered=not_entered,
+                    reqs=frame.reqs, added_s=frame.added_s, aborted_s=frame.aborted_s, gaps=frame.gaps)
 
 
 def _admission_hits(cols: dict[str, np.ndarray], added: list[float] | None, lrow: dict | None, t0: int,
@@ -1771,28 +1755,24 @@ def _may_stand_in(c: VllmCase) -> np.ndarray:
     already, and a count at the ledger's could then hold this one in its place: a cancelled one with no
     abort line, or one its client completed that, at the fastest a sequence runs (alone, a quarter
     added), could have ended by then (a lagging client). Everywhere, where that rate is unknown."""
-    times = c.sched["t_s"]
-    out = np.zeros(len(times), dtype=bool)
+    times, r = c.sched["t_s"], c.reqs
     rate = None if c.solo_rate is None else 1.25 * c.solo_rate
-    t0 = c.run.info["started_mono_ns"]
-    for row in c.run.ledger.itertuples(index=False):
-        if row.request_id == c.rid or pd.isna(row.sent_mono_ns):
-            continue
-        added = c.englog.added.get((c.target, row.request_id))
-        t_in = min(added) if added else (row.sent_mono_ns - t0) / 1e9
-        held = (times >= t_in) & (times < c.ledger_ends.get(row.request_id, math.inf))
-        if not pd.isna(row.cancel_mono_ns):
-            aborted = c.englog.aborted.get((c.target, row.request_id))
-            if not aborted:
-                out |= held & (times >= (row.cancel_mono_ns - t0) / 1e9)
-            continue
-        closed = math.inf if pd.isna(row.closed_mono_ns) else (row.closed_mono_ns - t0) / 1e9
-        tokens = getattr(row, "max_tokens", None)
-        if rate is None or tokens is None or pd.isna(tokens) or not tokens:
-            out |= (times >= t_in) & (times < closed)
-        else:
-            out |= (times >= t_in + float(tokens) / rate) & (times < closed)
-    return out
+    sent = ~np.isnan(r.sent) & (r.ids != c.rid)
+    t_in = np.where(np.isnan(c.added_s), r.sent, c.added_s)
+    # a cancelled one with no abort line: from its cancel, while the ledger holds it
+    lost = sent & ~np.isnan(r.cancel) & ~np.isfinite(c.aborted_s)
+    lo, hi = np.maximum(t_in, r.cancel), r.ends(c.ledger_ends, fallback=np.full(len(r.ids), math.inf))
+    # any other not cancelled: from where it could have run out, to its client's close
+    read = sent & np.isnan(r.cancel)
+    with np.errstate(invalid="ignore"):
+        runs = t_in + r.max_tokens / rate if rate else t_in
+        timed = read & (r.max_tokens > 0)
+    lo = np.where(read, np.where(timed, runs, t_in), lo)
+    hi = np.where(read, np.nan_to_num(r.closed, nan=math.inf), hi)
+    keep = lost | read
+    if len(times):
+        keep &= (lo <= times[-1]) & (hi > times[0])
+    return in_between(times, lo[keep], hi[keep]).any(axis=0)
 
 
 def _lost_beside_traffic(c: VllmCase) -> CancelVerdict:
@@ -1814,6 +1794,12 @@ def _lost_beside_traffic(c: VllmCase) -> CancelVerdict:
 # after the shared guards, in order; the last always gives a verdict
 EVIDENCE_RULES = (resubmitted, beside_traffic, without_abort, ran_ahead_without_log, no_baseline, released, no_samples_in_grace,
                   held)
+
+
+def _within(at: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Per (lo, hi]: how many of the instants `at` fall in it (NaN: in none)."""
+    srt = np.sort(at[~np.isnan(at)])
+    return np.searchsorted(srt, hi, side="right") - np.searchsorted(srt, lo, side="right")
 
 
 def _moved_since(sched: dict[str, np.ndarray], t: float) -> np.ndarray:
@@ -1842,48 +1828,64 @@ def _three_without(still: np.ndarray) -> np.ndarray:
     return out
 
 
-def _log_holes(run: Run, target: str | None, lo: float, hi: float) -> list[str]:
+def _log_holes(gaps: pd.DataFrame, englog: _EngineLog, target: str | None, lo: float, hi: float) -> list[str]:
     """Where the engine log of `target` could not be read, or may have lost lines, within [lo, hi]: what
-    each hole was, in words."""
+    each hole was, in words (`gaps`: the run's gaps of `target`)."""
     out = []
-    mine = _gaps_over(run, target, lo, hi)
+    mine = _gaps_over(gaps, lo, hi)
     mine = mine[(mine["source"] == ENGINE_LOG) & (mine["kind"] == "error")] if len(mine) else mine
     if len(mine):
         out.append(f"it could not be read from {mine['t_s'].min():.1f} to {mine['end_t_s'].max():.1f} s")
-    t0 = run.info["started_mono_ns"]
-    for row in _events(run, "engine_log_gap").itertuples(index=False):
-        data = json.loads(row.data)
-        start = (float(data.get("from_mono_ns") or t0) - t0) / 1e9
-        if data.get("target") == target and start <= hi and float(row.t_s) >= lo:
-            out.append(f"{data.get('why') or 'a possible loss'}, between {start:.1f} and {float(row.t_s):.1f} s")
+    for tgt, start, t, why in englog.losses:
+        if tgt == target and start <= hi and t >= lo:
+            out.append(f"{why or 'a possible loss'}, between {start:.1f} and {t:.1f} s")
     return out
 
 
-def _gaps_over(run: Run, target: str | None, t_from: float, t_to: float) -> pd.DataFrame:
-    """The run's gaps of `target` (any of its sources) that overlap [t_from, t_to]."""
+def _target_gaps(run: Run, target: str | None) -> pd.DataFrame:
+    """The run's gaps of `target` (any of its sources)."""
     gaps = run.gaps
     if gaps.empty or "end_t_s" not in gaps:
         return gaps.iloc[0:0]
-    return gaps[(gaps["target"] == target) & (gaps["t_s"] <= t_to) & (gaps["end_t_s"] >= t_from)]
+    return gaps[gaps["target"] == target]
 
 
-def _outage_end(run: Run, target: str | None, t_from: float, t_to: float) -> float:
-    """The end of the last scrape outage of `target` that overlaps [t_from, t_to]; -inf without one."""
-    outages = _gaps_over(run, target, t_from, t_to)
+def _gaps_over(gaps: pd.DataFrame, t_from: float, t_to: float) -> pd.DataFrame:
+    """Those of a target's `gaps` that overlap [t_from, t_to]."""
+    if not len(gaps):
+        return gaps
+    return gaps[(gaps["t_s"] <= t_to) & (gaps["end_t_s"] >= t_from)]
+
+
+def _scrape_spans(run: Run, target: str | None, times: np.ndarray) -> np.ndarray:
+    """Per sample instant of `target`'s scheduler: how long its scrape took to answer (s; 0 where the run did not
+    record it)."""
+    sc = run.scrapes
+    if sc is None or sc.empty or not len(times):
+        return np.zeros(len(times))
+    sc = sc[(sc["target"] == target) & (sc["ok"] == 1)] if target is not None else sc[sc["ok"] == 1]
+    at = pd.Series(sc["duration_ns"].to_numpy(float) / 1e9, index=sc["t_s"].to_numpy(float).round(6))
+    at = at[~at.index.duplicated(keep="last")]  # as a dict built in row order keeps the last
+    return at.reindex(np.round(times.astype(float), 6)).fillna(0.0).to_numpy(float)
+
+
+def _outage_end(gaps: pd.DataFrame, t_from: float, t_to: float) -> float:
+    """The end of the last scrape outage of a target's `gaps` that overlaps [t_from, t_to]; -inf without one."""
+    outages = _gaps_over(gaps, t_from, t_to)
     outages = outages[outages["kind"] == "error"] if len(outages) else outages
     return float(outages["end_t_s"].max()) if len(outages) else -math.inf
 
 
-def _restart_in(run: Run, target: str | None, sched: dict[str, np.ndarray], t_from: float,
-                t_to: float, spans: np.ndarray) -> str | None:
+def _restart_in(gaps: pd.DataFrame, sched: dict[str, np.ndarray], t_from: float, t_to: float,
+                spans: np.ndarray) -> str | None:
     """How an engine restart shows between the instants `t_from` and `t_to`, else None: the target
     lost in between, or the engine's token counter going back (a new process counts from 0) and
     staying back. A scrape outage that covers part of the window stretches it to the first sample
     after the outage: a restart takes longer than any grace, and only that sample shows it."""
-    mine = _gaps_over(run, target, t_from, t_to)
+    mine = _gaps_over(gaps, t_from, t_to)
     if len(mine) and (mine["kind"] == "lost").any():
         return "the target was lost"
-    t_to = max(t_to, _outage_end(run, target, t_from, t_to) + 0.5)
+    t_to = max(t_to, _outage_end(gaps, t_from, t_to) + 0.5)
     times, gen = sched["t_s"], sched["gen_tokens"]
     # the dips are looked for up to t_to, and each is checked on the samples after it, past t_to too
     sel = (times >= t_from) & ~np.isnan(gen)

@@ -1,0 +1,86 @@
+"""The run's requests as the vLLM model reads them: one row per ledger request, its instants in seconds since the
+run started, as arrays. Built once per run (and the log's word once per target), so that judging a cancel reads
+only the rows whose stay in the engine can touch its stretch: an hour's run holds thousands of requests and
+hundreds of cancels, and reading every row for every cancel made judging it whole quadratic."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import pandas as pd
+
+from runstore.records import WATCHED_SCENARIO
+
+
+class Requests(NamedTuple):
+    ids: np.ndarray  # the client's request ids (object)
+    row: dict[str, int]  # request id -> its row
+    seqs: np.ndarray  # sequences the server runs for each (the n of a completion)
+    sent: np.ndarray  # NaN: never sent
+    first: np.ndarray  # its first token at its client; inf: none
+    closed: np.ndarray  # its client done with it; NaN: still open
+    cancel: np.ndarray  # its client's cancel; NaN: none
+    completed: np.ndarray  # its client read it to its end
+    bounded: np.ndarray  # the driver's (ignore_eos): it runs to max_tokens unless stopped
+    scenario: np.ndarray  # object
+    max_tokens: np.ndarray  # NaN: not known
+
+    def ends(self, ends: dict[str, float], fallback: np.ndarray | None = None) -> np.ndarray:
+        """Per row: where the ledger stops counting it: its end in `ends` (an abort, where the evidence puts a lost
+        request's leaving), else `fallback` (default: its client's close; inf while open)."""
+        out = np.nan_to_num(self.closed, nan=math.inf) if fallback is None else fallback.copy()
+        for rid, t in ends.items():
+            i = self.row.get(rid)
+            if i is not None:
+                out[i] = t
+        return out
+
+    def per_row(self, by_id: dict[str, list[float]], target: str | None, default: float) -> np.ndarray:
+        """Per row: the first instant `by_id` holds for (target, its id) (the log's Added or abort lines);
+        `default` where none."""
+        out = np.full(len(self.ids), default)
+        for (tgt, rid), ts in by_id.items():
+            i = self.row.get(rid)
+            if tgt == target and i is not None and ts:
+                out[i] = min(ts)
+        return out
+
+
+def requests_of(ledger: pd.DataFrame, t0_ns: int) -> Requests:
+    def secs(col: str) -> np.ndarray:
+        return (ledger[col].to_numpy(dtype=float) - t0_ns) / 1e9 if col in ledger else np.full(len(ledger), math.nan)
+
+    ids = ledger["request_id"].to_numpy(dtype=object) if "request_id" in ledger else np.array([], dtype=object)
+    seqs = ledger["n"].to_numpy(dtype=float) if "n" in ledger else np.ones(len(ledger))
+    seqs = np.where(np.isnan(seqs), 1.0, np.floor(seqs))
+    max_tokens = ledger["max_tokens"].to_numpy(dtype=float) if "max_tokens" in ledger else np.full(len(ledger), math.nan)
+    scenario = ledger["scenario"].to_numpy(dtype=object) if "scenario" in ledger else np.full(len(ledger), None)
+    completed = (ledger["terminal_state"] == "completed").to_numpy(dtype=bool) if "terminal_state" in ledger \
+        else np.zeros(len(ledger), dtype=bool)
+    with np.errstate(invalid="ignore"):
+        bounded = (scenario != WATCHED_SCENARIO) & (max_tokens > 0)
+    return Requests(ids=ids, row={rid: i for i, rid in enumerate(ids)}, seqs=seqs, sent=secs("sent_mono_ns"),
+                    first=np.nan_to_num(secs("first_token_mono_ns"), nan=math.inf), closed=secs("closed_mono_ns"),
+                    cancel=secs("cancel_mono_ns"), completed=completed, bounded=bounded, scenario=scenario,
+                    max_tokens=max_tokens)
+
+
+def in_between(times: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Rows x samples: start <= t < end."""
+    return (times >= start[:, None]) & (times < end[:, None])
+
+
+def weighted_between(times: np.ndarray, start: np.ndarray, end: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Per instant t of `times` (sorted): the weights of the rows with start <= t < end, without a rows x samples
+    matrix (a whole run's frame is tens of thousands of samples)."""
+    keep = start < end  # NaN compares False: a row never sent counts nowhere
+    start, end, weights = start[keep], end[keep], weights[keep]
+    return _sum_to(times, start, weights) - _sum_to(times, end, weights)
+
+
+def _sum_to(times: np.ndarray, at: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    order = np.argsort(at, kind="stable")
+    cum = np.concatenate(([0.0], np.cumsum(weights[order])))
+    return cum[np.searchsorted(at[order], times, side="right")]
