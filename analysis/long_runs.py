@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import pandas as pd
 
+from analysis.rows import frame_rows
 from analysis.verdicts import CancelVerdict, run_grace_s
 from analysis.verdicts.stored import usable
 from analysis.watching import ENTRY_WAIT_S, NOT_YET_ENTERED, judge_cancels, left_seen, scenario_end_after, window_of
@@ -50,7 +51,7 @@ def long_run_verdicts(run: Run, stored_rows: pd.DataFrame, window: Callable[[flo
     out, seen = [], {}
     ev = run.events
     ends = sorted(ev[ev["kind"] == "scenario_end"]["t_s"]) if not ev.empty else []
-    for rid, t_stop in stops(run).itertuples(index=False):
+    for rid, t_stop in frame_rows(stops(run)):
         v = kept.get(rid)
         if v is None:
             v = _judged(rid, t_stop, grace_s, window, seen, now_s, scenario_end_after(t_stop, ends))

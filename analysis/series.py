@@ -32,41 +32,64 @@ def series_frame(run: Run, metric: str, target: str | None = None) -> pd.DataFra
     return df[SERIES_COLUMNS].sort_values("t_s", kind="stable").reset_index(drop=True)
 
 
-def own_ends(run: Run, target: str | None = None) -> pd.Series:
-    """Per scrape (indexed by t_s): the requests the engine ended by themselves (requests_finished_total over
-    the finished_reason labels of OWN_ENDS), a counter; empty where no series says its reason."""
-    df = run.series("requests_finished_total", target=target)
-    if df.empty:
-        return pd.Series(dtype=float)
-    reasons = {lab: (json.loads(lab) if lab else {}).get("finished_reason") for lab in df["labels"].unique()}
-    df = df[df["labels"].map(reasons).isin(OWN_ENDS)]
-    if df.empty:
-        return pd.Series(dtype=float)
-    return df.groupby("scrape_id", observed=True).agg(t_s=("t_s", "first"), value=("value", "sum")) \
-        .sort_values("t_s", kind="stable").set_index("t_s")["value"]
+def own_ends(run: Run, target: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(instants, values) per scrape, in time order: the requests the engine ended by themselves
+    (requests_finished_total over the finished_reason labels of OWN_ENDS), a counter; empty where no series says
+    its reason."""
+    labels, scrape, t, v = run.series_arrays("requests_finished_total", ("labels", "scrape_id", "t_s", "value"), target)
+    reasons = {lab: (json.loads(lab) if lab else {}).get("finished_reason") for lab in set(labels)}
+    own = np.array([reasons[lab] in OWN_ENDS for lab in labels], dtype=bool)
+    if not own.any():
+        return np.array([]), np.array([])
+    scrape, t, v = scrape[own].astype(float), t[own].astype(float), v[own].astype(float)
+    # one value a scrape: its label sets summed, at its first instant
+    order = np.argsort(scrape, kind="stable")
+    scrape, t, v = scrape[order], t[order], v[order]
+    starts = np.flatnonzero(np.r_[True, scrape[1:] != scrape[:-1]])
+    t, v = t[starts], np.add.reduceat(v, starts)
+    by_t = np.argsort(t, kind="stable")
+    return t[by_t], v[by_t]
 
 
 def scheduler_frame(run: Run, target: str | None = None) -> pd.DataFrame:
     """Per scrape: t_s, running, waiting, count (= running + waiting), kv (KV-cache usage ratio,
     0..1), gen_tokens (generation_tokens_total, a counter), prefix_hits and preemptions (counters: prompt
     tokens found in the prefix cache, requests preempted), finished (a counter: own_ends); a series the
-    engine does not serve is NaN."""
-    parts = {}
-    for col, metric in (("running", "requests_running"), ("waiting", "requests_waiting"),
-                        ("kv", "kv_cache_usage_ratio"), ("gen_tokens", "generation_tokens_total"),
-                        ("prefix_hits", "prefix_cache_hits_tokens_total"), ("preemptions", "preemptions_total")):
-        df = series_frame(run, metric, target)
-        parts[col] = df.set_index("t_s")["value"] if not df.empty else pd.Series(dtype=float)
+    engine does not serve is NaN. In arrays, not frames aligned on their index: every cancel a watch judges
+    builds one for its window."""
+    parts = {col: _per_scrape(run, metric, target) for col, metric in _SCHEDULER_METRICS}
     parts["finished"] = own_ends(run, target)
-    frame = pd.DataFrame(parts).sort_index()
+    times = np.unique(np.concatenate([t for t, _ in parts.values()])) if parts else np.array([])
+    cols = {"t_s": times}
+    for col, (t, v) in parts.items():
+        out = np.full(len(times), np.nan)
+        out[np.searchsorted(times, t)] = v
+        cols[col] = out
     # counters the scheduler's scrape carries beside its gauges: a stray instant of theirs alone adds no row
-    frame = frame[frame[["running", "waiting", "kv", "gen_tokens"]].notna().any(axis=1)]
-    frame.index.name = "t_s"
-    frame = frame.reset_index()
-    if frame.empty:
+    keep = ~np.isnan(np.vstack([cols[c] for c in ("running", "waiting", "kv", "gen_tokens")])).all(axis=0)
+    if not keep.any():
         return pd.DataFrame(columns=SCHEDULER_COLUMNS)
+    frame = pd.DataFrame({c: a[keep] for c, a in cols.items()})
     frame["count"] = frame["running"] + frame["waiting"]
     return frame
+
+
+_SCHEDULER_METRICS = (("running", "requests_running"), ("waiting", "requests_waiting"),
+                      ("kv", "kv_cache_usage_ratio"), ("gen_tokens", "generation_tokens_total"),
+                      ("prefix_hits", "prefix_cache_hits_tokens_total"), ("preemptions", "preemptions_total"))
+
+
+def _per_scrape(run: Run, metric: str, target: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """(instants, values) of one metric of `target`, summed over its label sets per scrape (series_frame), in
+    time order."""
+    scrape, t, v = (a.astype(float) for a in run.series_arrays(metric, ("scrape_id", "t_s", "value"), target))
+    if not len(t):
+        return np.array([]), np.array([])
+    if len(np.unique(scrape)) < len(scrape):  # several label sets a scrape: one value a scrape
+        df = series_frame(run, metric, target)
+        return df["t_s"].to_numpy(dtype=float), df["value"].to_numpy(dtype=float)
+    order = np.argsort(t, kind="stable")
+    return t[order], v[order]
 
 
 def sample_period(run: Run, t: np.ndarray | None = None) -> float:

@@ -150,6 +150,7 @@ class Run:
     # (the samples frame it was built from, metric -> row positions in it): a mask over millions of
     # samples per call cost more than the figures built from them
     _rows_by_metric: tuple[pd.DataFrame, dict] | None = field(default=None, init=False, repr=False, compare=False)
+    _columns: tuple[pd.DataFrame, dict] | None = field(default=None, init=False, repr=False, compare=False)
 
     def _metric_rows(self, metric: str) -> np.ndarray:
         cached = self._rows_by_metric
@@ -157,6 +158,23 @@ class Run:
             index = self.samples.groupby("metric", observed=True, sort=False).indices if not self.samples.empty else {}
             cached = self._rows_by_metric = (self.samples, index)
         return cached[1].get(metric, np.array([], dtype=np.intp))
+
+    def series_arrays(self, metric: str, columns: tuple[str, ...], target: str | None = None) -> list[np.ndarray]:
+        """Those columns of one metric's samples as arrays, in the samples' order, of one target when given: what
+        series() holds, without a frame's cost (every cancel a watch judges reads its window's series)."""
+        rows = self._metric_rows(metric)
+        if target is not None and len(rows):
+            rows = rows[self._column("target")[rows] == target]
+        return [self._column(c)[rows] for c in columns]
+
+    def _column(self, name: str) -> np.ndarray:
+        cached = self._columns
+        if cached is None or cached[0] is not self.samples:  # as _metric_rows: again only if samples is replaced
+            cached = self._columns = (self.samples, {})
+        if name not in cached[1]:
+            cached[1][name] = self.samples[name].to_numpy(dtype=object if name in ("source", "target", "metric",
+                                                                                   "labels") else None)
+        return cached[1][name]
 
     def series(self, metric: str, source: str | None = None, target: str | None = None) -> pd.DataFrame:
         """One metric's samples in the samples' order, with their index, of one source and target when given."""
@@ -366,16 +384,17 @@ def _load_run(path: str | Path, rid: int, only: list[str] | None,
 
 def load_window(path: str | Path, run: str | int, t_from_s: float, t_to_s: float,
                 extra_ledger: pd.DataFrame | None = None, lookback_s: float = 0.0,
-                held_through_s: float | None = None) -> Run:
+                held_through_s: float | None = None, metrics: Iterable[str] | None = None) -> Run:
     """One stretch of a run, [t_from_s, t_to_s] seconds since it started: the scrapes and samples in it; the
     gaps, the events and the ledger rows of requests open in it from `lookback_s` earlier (a request cancelled
     before the stretch may still be in the engine, and its log lines say whether), plus `extra_ledger` (rows
     a live recorder holds that the store has not got yet). `held_through_s`: how far the store held every
     source's reads when it was read (Run.events_span ends there). What a watch judges one cancel by, as its
-    grace ends: the read is bounded by the stretch, not the run."""
+    grace ends: the read is bounded by the stretch, not the run. `metrics`: only these series (as load_run)."""
     rid = resolve_run_id(path, run)
     with _reading(path):
-        window = _load_run(path, rid, None, (t_from_s, t_to_s, lookback_s), extra_ledger)
+        only = sorted(set(metrics)) if metrics is not None else None
+        window = _load_run(path, rid, only, (t_from_s, t_to_s, lookback_s), extra_ledger)
     if held_through_s is not None and window.events_span is not None:
         # the store held every source's reads only this far (a live judge reading a store behind): what the
         # events do not say past it, they may say a commit later

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import pandas as pd
 
 from analysis.evidence import Evidence
 from runstore.reader import Run
@@ -136,11 +137,17 @@ NO_REQUESTS = {key: np.array([], dtype=dtype) for key, (_, dtype) in LEDGER_ARRA
 
 def ledger_by_scenario(ledger) -> dict[str, dict[str, np.ndarray]]:
     """Per scenario, the ledger as numpy arrays sorted by send time: hundreds of cancels look here."""
+    if not len(ledger) or "scenario" not in ledger:
+        return {}
+    # a column a ledger lacks reads as unknown
+    cols = {key: ledger[col].to_numpy(dtype=dtype) if col in ledger else np.full(len(ledger), np.nan, dtype=dtype)
+            for key, (col, dtype) in LEDGER_ARRAYS.items()}
+    codes, names = pd.factorize(ledger["scenario"], use_na_sentinel=False)
     out = {}
-    columns = [col for col, _ in LEDGER_ARRAYS.values()]
-    for name, g in ledger.groupby("scenario", dropna=False):
-        g = g.sort_values("sent_mono_ns").reindex(columns=columns)  # a column a ledger lacks reads as unknown
-        out[name] = {key: g[col].to_numpy(dtype=dtype) for key, (col, dtype) in LEDGER_ARRAYS.items()}
+    for k, name in enumerate(names):
+        idx = np.nonzero(codes == k)[0]
+        idx = idx[np.argsort(cols["sent"][idx], kind="stable")]
+        out[name] = {key: a[idx] for key, a in cols.items()}
     return out
 
 

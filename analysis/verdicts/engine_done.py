@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from analysis.rows import frame_rows
+
 # the server counting fewer than the ledger for this long after a fall is no lag of a scrape or a close
 PERSIST_S = 1.0
 PERSIST_PERIODS = 4
@@ -49,7 +51,7 @@ class _Row:
 
 def _rows(ledger: pd.DataFrame, t0_ns: int, gone_at: dict[str, float], added_at: dict[str, float]) -> list[_Row]:
     rows = []
-    for r in ledger.itertuples(index=False):
+    for r in frame_rows(ledger):
         if pd.isna(r.sent_mono_ns):
             continue
         t_in = max((r.sent_mono_ns - t0_ns) / 1e9, added_at.get(r.request_id, -math.inf))

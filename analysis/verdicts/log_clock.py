@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from analysis.rows import frame_rows
 from analysis.verdicts.core import LOG_SLACK_S
 from analysis.verdicts.log_ids import AddedLine, LogIds
 from runstore.reader import Run
@@ -85,7 +86,7 @@ def log_evidence(run: Run) -> tuple[dict[str | None, LogClock], LogIds]:
     # where a line is looked for: a request stopped before its first token (queued) was added, if at all,
     # before its client closed it
     windows: dict[str, tuple[float, float]] = {}
-    for row in ledger.itertuples(index=False):
+    for row in frame_rows(ledger):
         if pd.isna(row.sent_mono_ns):
             continue
         end = row.first_token_mono_ns if not pd.isna(row.first_token_mono_ns) else row.closed_mono_ns
@@ -95,7 +96,7 @@ def log_evidence(run: Run) -> tuple[dict[str | None, LogClock], LogIds]:
             bounds[row.request_id] = windows[row.request_id]
     lines = [AddedLine(data.get("target"), row.request_id, data.get("engine_request_id"), float(row.t_s),
                        float(data.get("resolution_s") or 0.001))
-             for row, data in ((r, json.loads(r.data)) for r in added.itertuples(index=False))]
+             for row, data in ((r, json.loads(r.data)) for r in frame_rows(added))]
     targets = {line.target for line in lines}
 
     def clocks(ids: LogIds) -> dict[str | None, LogClock]:

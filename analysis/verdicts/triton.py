@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from analysis.rows import frame_rows
 from analysis.evidence import Evidence
 from analysis.verdicts.core import (
     LOG_SLACK_S,
@@ -93,7 +94,7 @@ class _ServerLog:
         ev = run.events
         if ev.empty:
             return
-        for row in ev[ev["kind"].isin(["engine_added", "engine_aborted", "engine_finished"])].itertuples(index=False):
+        for row in frame_rows(ev[ev["kind"].isin(["engine_added", "engine_aborted", "engine_finished"])]):
             key = (row.kind, row.request_id)
             data = json.loads(row.data)
             self.at.setdefault(key, []).append(float(row.t_s))
@@ -142,18 +143,18 @@ def judge_triton(run: Run, grace_s: float, metrics_target: str | None = None) ->
     by_scenario = ledger_by_scenario(ledger)
     scrape_times = np.sort(run.series("requests_waiting", target=target)["t_s"].to_numpy(dtype=float))
     stops = ev_all[ev_all["kind"] == "user_stop"]
-    missed = {r.request_id: json.loads(r.data) for r in ev_all[ev_all["kind"] == "trigger_missed"].itertuples(index=False)}
+    missed = {r.request_id: json.loads(r.data) for r in frame_rows(ev_all[ev_all["kind"] == "trigger_missed"])}
     # same-model targets stopped at one instant (one stop_stream): a release must show for each of them
     together: dict[tuple, int] = {}
     datas = [json.loads(d) for d in stops["data"]]
-    for stop, data in zip(stops.itertuples(index=False), datas):
+    for stop, data in zip(frame_rows(stops), datas):
         key = (data.get("model"), round(float(stop.t_s), 4))
         together[key] = together.get(key, 0) + 1
     models = {r.request_id: json.loads(r.data).get("model")
-              for r in ev_all[ev_all["kind"] == "request_sent"].itertuples(index=False)}
+              for r in frame_rows(ev_all[ev_all["kind"] == "request_sent"])}
     spans = {r: (row.get("sent_mono_ns"), row.get("closed_mono_ns")) for r, row in rows.items()}
     out = []
-    for stop, data in zip(stops.itertuples(index=False), datas):
+    for stop, data in zip(frame_rows(stops), datas):
         case = _case(run, slog, rows, by_scenario.get(data.get("scenario"), NO_REQUESTS), scrape_times, data=data,
                      rid=stop.request_id, t_stop=float(stop.t_s), t0=t0, target=target, grace_s=grace_s,
                      log_state=log_state, missed=missed.get(stop.request_id),
@@ -467,7 +468,7 @@ def server_request_counts(run: Run) -> list[dict]:
     if ev.empty:
         return []
     sent: dict[str, int] = {}
-    for row in ev[ev["kind"] == "request_sent"].itertuples(index=False):
+    for row in frame_rows(ev[ev["kind"] == "request_sent"]):
         model = json.loads(row.data).get("model")
         sent[model] = sent.get(model, 0) + 1
     targets = [t["label"] for t in run.info.get("targets", [])]

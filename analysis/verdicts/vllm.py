@@ -39,6 +39,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
+from analysis.rows import frame_rows
 from analysis.evidence import Evidence
 from analysis.ghosts import EngineReading, Ghosts
 from analysis.series import sample_period, scheduler_frame
@@ -189,12 +190,12 @@ class _EngineLog:
         if ev.empty:
             return
         t0 = run.info["started_mono_ns"]
-        for row in ev[ev["kind"] == "engine_log_gap"].itertuples(index=False):
+        for row in frame_rows(ev[ev["kind"] == "engine_log_gap"]):
             data = json.loads(row.data)
             self.losses.append((data.get("target"), (float(data.get("from_mono_ns") or t0) - t0) / 1e9,
                                 float(row.t_s), data.get("why")))
         logged = ev[ev["kind"].isin(["engine_added", "engine_aborted"])]
-        for row in logged.itertuples(index=False):
+        for row in frame_rows(logged):
             data = json.loads(row.data)
             target = data.get("target")
             rid = self.ids.of(target, row.request_id, data.get("engine_request_id"))
@@ -340,8 +341,20 @@ def _gone_by_surplus(gone_at: dict[str, float], lost: dict[str, tuple[float, str
     and the requests taken out at a fall that others still in the engine could have made (their end assumed)."""
     order = sorted((t, rid) for rid, t in joins.items())
     out, chosen, ghosts, k = dict(gone_at), {}, Ghosts(hold_s=hold_s), 0
-    for t, count, flying in zip(cols["t_s"], cols["count"], others):
-        t = float(t)
+    times, counts = cols["t_s"], cols["count"]
+    read = np.nonzero(~np.isnan(counts))[0]
+    read_t, i = times[read], 0
+    while i < len(times):
+        if not ghosts.left_at:
+            # none held: the samples before the next join's hold change nothing, and an hour's frame is 72,000
+            next_in = order[k][0] if k < len(order) else math.inf
+            r = int(np.searchsorted(read_t, next_in - hold_s, side="right")) - 1  # the last read at or before
+            if r >= 0 and read[r] > i:
+                i = int(read[r])
+            elif not math.isfinite(next_in):
+                break
+        t, count, flying = float(times[i]), counts[i], others[i]
+        i += 1
         while k < len(order) and order[k][0] <= t:
             t_in, rid = order[k]
             if out[rid] > t_in:
@@ -364,7 +377,7 @@ def _trace_events(run: Run) -> dict[tuple[str, str], tuple[float, str]]:
     """(kind, cancel id) -> (first instant, source) of the driver's trace events. Events of runs
     recorded before sources were written carry none: on HTTP paths those were the client's own stamps."""
     trace: dict[tuple[str, str], tuple[float, str]] = {}
-    for row in run.events.itertuples(index=False):
+    for row in frame_rows(run.events):
         if row.kind not in ("app_received", "engine_abort", "client_closed"):
             continue
         data = json.loads(row.data)
@@ -391,7 +404,7 @@ def _gone_at(run: Run, stops: pd.DataFrame, englog: _EngineLog, trace: dict,
     gone_at: dict[str, float] = {}
     unaborted = set()
     ends = np.sort(_events(run, "scenario_end")["t_s"].to_numpy(dtype=float)) if not run.events.empty else np.array([])
-    for row in stops.itertuples(index=False):
+    for row in frame_rows(stops):
         data = json.loads(row.data)
         target, cid = target_of(data), data.get("cancel_id")
         t_log = englog.abort_after(target, row.request_id, float(row.t_s))
@@ -426,7 +439,7 @@ class _RunFrames:
         self.reqs = requests_of(run.ledger, self.t0)
         self.evidence_gone, self.unaborted = _gone_at(run, self.stops, self.englog, self.trace, self.target_of)
         self.stopped = {s.request_id: (float(s.t_s), self.target_of(json.loads(s.data)))
-                        for s in self.stops.itertuples(index=False)}
+                        for s in frame_rows(self.stops)}
         self.told(seen_leaving or {})
 
     def told(self, seen_leaving: dict[str, float]) -> None:
@@ -472,6 +485,8 @@ class _RunFrames:
         times = frame.cols["t_s"]
         frame.inflight[(times >= t) & (times < end)] -= n
         frame.ends[rid] = frame.gone[rid] = t
+        if rid in frame.reqs.row:
+            frame.ends_s[frame.reqs.row[rid]] = t
         frame.assumed_gone.pop(rid, None)
 
     def frame(self, target: str | None) -> _Frame:
@@ -483,6 +498,8 @@ class _RunFrames:
             cols = {c: sched[c].to_numpy(dtype=float) for c in ("t_s", "count", "waiting", "kv", "gen_tokens",
                                                                   "prefix_hits", "preemptions", "finished")}
             cols["scrape_s"] = _scrape_spans(run, target, cols["t_s"])
+            settled = _settled(cols["gen_tokens"])
+            cols["step_s"] = np.where(settled >= 0, cols["t_s"][np.maximum(settled, 0)], -math.inf)
             within = LOG_SLACK_S + englog.entry_doubt_s(target) + ENTER_S
             entered = self.entered(target, added, within)
             gone = _gone_by_idle(self.gone_at, self.stopped, target, cols, entered, within)
@@ -507,7 +524,8 @@ class _RunFrames:
                                      cols["gen_tokens"]) if len(times) else None
             self.frames[target] = _Frame(cols, inflight, solo, ends, not_entered, gone, assumed, self.reqs,
                                          self.reqs.per_row(englog.added, target, math.nan),
-                                         self.reqs.per_row(englog.aborted, target, math.inf), _target_gaps(run, target))
+                                         self.reqs.per_row(englog.aborted, target, math.inf), _target_gaps(run, target),
+                                         self.reqs.ends(ends))
         return self.frames[target]
 
 
@@ -562,12 +580,12 @@ def _judge_all(run: Run, grace_s: float, frames: _RunFrames) -> list[CancelVerdi
     stops, trace, englog, target_of, frame_for = (frames.stops, frames.trace, frames.englog, frames.target_of,
                                                   frames.frame)
     answers = _app_answers(run)
-    missed = {r.request_id: json.loads(r.data) for r in _events(run, "trigger_missed").itertuples(index=False)}
+    missed = {r.request_id: json.loads(r.data) for r in frame_rows(_events(run, "trigger_missed"))}
 
     rows = {r["request_id"]: r for r in ledger.to_dict("records")}
     by_scenario = ledger_by_scenario(ledger)
     out = []
-    for stop in stops.itertuples(index=False):
+    for stop in frame_rows(stops):
         data = json.loads(stop.data)
         rid, scenario, target = stop.request_id, data.get("scenario"), target_of(data)
         case = _case(run, frame_for(target), englog, trace, by_scenario.get(scenario, NO_REQUESTS), data=data,
@@ -664,7 +682,8 @@ class VllmCase(Case):
     reqs: Requests | None = None  # the ledger as arrays (_Frame.reqs), and per row the log's word on this target:
     added_s: np.ndarray | None = None  # its first Added line (NaN: none)
     aborted_s: np.ndarray | None = None  # its first abort line (inf: none)
-    gaps: pd.DataFrame | None = None  # the run's gaps of this target
+    gaps: "_Gaps | None" = None  # the run's gaps of this target
+    frame_ends_s: np.ndarray | None = None  # ledger_ends by row (_Frame.ends_s), as at this cancel's turn
 
     @cached_property
     def baseline(self) -> _Baseline:
@@ -809,13 +828,7 @@ class VllmCase(Case):
         step of 2 tokens stretched over 50 ms with two aborts in it, its count still 4). The step after it was
         scheduled after that sample: the gauges hold every end before the sample ahead of the second-latest
         rise."""
-        gen = self.sched["gen_tokens"]
-        rises = np.nonzero(gen[1:] > gen[:-1])[0] + 1
-        k = np.searchsorted(rises, np.arange(len(gen)), side="right")
-        out = np.full(len(gen), -1)
-        two = k >= 2
-        out[two] = rises[k[two] - 2] - 1
-        return out
+        return _settled(self.sched["gen_tokens"])
 
     @cached_property
     def ended_unseen(self) -> np.ndarray:
@@ -831,8 +844,8 @@ class VllmCase(Case):
     def _ended_after_last_step(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The other requests the ledger ended: (ids, sequences, per request and sample of the stretch: ended
         after the engine's last step before that sample), for ended_unseen and count_reading."""
-        times, settled = self.sched["t_s"], self.settled
-        last_step = np.where(settled >= 0, times[np.maximum(settled, 0)], -math.inf)
+        # the last step as of each sample, read on the whole frame: at the stretch's first samples it is before them
+        times, last_step = self.sched["t_s"], self.sched["step_s"]
         r, gone = self.reqs, self.ends_s
         keep = (r.ids != self.rid) & ~np.isnan(r.sent) & np.isfinite(gone)
         if len(times):  # the steps only go on: a row ended after the stretch, or before its first step, is in none
@@ -885,7 +898,7 @@ class VllmCase(Case):
     def ends_s(self) -> np.ndarray:
         """Per row of the ledger: where it stops counting the request (ledger_ends, else its client's close; inf
         while open)."""
-        return self.reqs.ends(self.ledger_ends)
+        return self.reqs.ends(self.ledger_ends) if self.frame_ends_s is None else self.frame_ends_s
 
     @cached_property
     def not_entered_rows(self) -> np.ndarray:
@@ -1352,7 +1365,8 @@ class _Frame(NamedTuple):
     reqs: Requests  # the ledger as arrays
     added_s: np.ndarray  # per row of reqs: its first Added line on this target (NaN: none)
     aborted_s: np.ndarray  # per row of reqs: its first abort line on this target (inf: none)
-    gaps: pd.DataFrame  # the run's gaps of this target
+    gaps: _Gaps  # the run's gaps of this target
+    ends_s: np.ndarray  # per row of reqs: ends, else its client's close (inf: open); kept with ends
 
 
 def _case(run: Run, frame: _Frame, englog: _EngineLog, trace: dict, same: dict, *, data: dict, rid: str,
@@ -1425,7 +1439,8 @@ def _case(run: Run, frame: _Frame, englog: _EngineLog, trace: dict, same: dict, 
                     tokens_at_cancel=data.get("tokens_at_cancel"), gone_until=gone_until,
                     hits_at_admission=hits_at_admission, frame_cols=cols_all, solo_rate=solo_rate,
                     ledger_ends=ledger_ends, assumed_gone=frame.assumed_gone, not_entered=not_entered,
-                    reqs=frame.reqs, added_s=frame.added_s, aborted_s=frame.aborted_s, gaps=frame.gaps)
+                    reqs=frame.reqs, added_s=frame.added_s, aborted_s=frame.aborted_s, gaps=frame.gaps,
+                    frame_ends_s=frame.ends_s.copy())
 
 
 def _admission_hits(cols: dict[str, np.ndarray], added: list[float] | None, lrow: dict | None, t0: int,
@@ -1796,6 +1811,16 @@ EVIDENCE_RULES = (resubmitted, beside_traffic, without_abort, ran_ahead_without_
                   held)
 
 
+def _settled(gen: np.ndarray) -> np.ndarray:
+    """VllmCase.settled over the samples of `gen` (generation_tokens_total)."""
+    rises = np.nonzero(gen[1:] > gen[:-1])[0] + 1
+    k = np.searchsorted(rises, np.arange(len(gen)), side="right")
+    out = np.full(len(gen), -1)
+    two = k >= 2
+    out[two] = rises[k[two] - 2] - 1
+    return out
+
+
 def _within(at: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """Per (lo, hi]: how many of the instants `at` fall in it (NaN: in none)."""
     srt = np.sort(at[~np.isnan(at)])
@@ -1828,7 +1853,7 @@ def _three_without(still: np.ndarray) -> np.ndarray:
     return out
 
 
-def _log_holes(gaps: pd.DataFrame, englog: _EngineLog, target: str | None, lo: float, hi: float) -> list[str]:
+def _log_holes(gaps: _Gaps, englog: _EngineLog, target: str | None, lo: float, hi: float) -> list[str]:
     """Where the engine log of `target` could not be read, or may have lost lines, within [lo, hi]: what
     each hole was, in words (`gaps`: the run's gaps of `target`)."""
     out = []
@@ -1842,18 +1867,34 @@ def _log_holes(gaps: pd.DataFrame, englog: _EngineLog, target: str | None, lo: f
     return out
 
 
-def _target_gaps(run: Run, target: str | None) -> pd.DataFrame:
+class _Gaps:
+    """A target's gaps as arrays by column (t_s, end_t_s, kind, source): read for every cancel, a frame's
+    filter costs more than the cancel's rules."""
+
+    COLUMNS = ("t_s", "end_t_s", "kind", "source")
+
+    def __init__(self, cols: dict[str, np.ndarray]):
+        self.cols = cols
+
+    def __len__(self) -> int:
+        return len(self.cols["t_s"])
+
+    def __getitem__(self, key):
+        return self.cols[key] if isinstance(key, str) else _Gaps({c: a[key] for c, a in self.cols.items()})
+
+
+def _target_gaps(run: Run, target: str | None) -> _Gaps:
     """The run's gaps of `target` (any of its sources)."""
     gaps = run.gaps
     if gaps.empty or "end_t_s" not in gaps:
-        return gaps.iloc[0:0]
-    return gaps[gaps["target"] == target]
+        return _Gaps({c: np.array([], dtype=float if c.endswith("t_s") else object) for c in _Gaps.COLUMNS})
+    # (as pandas compares: a gap of no target is no target's)
+    mine = gaps["target"].to_numpy(dtype=object) == target if target is not None else np.zeros(len(gaps), bool)
+    return _Gaps({c: gaps[c].to_numpy(dtype=float if c.endswith("t_s") else object)[mine] for c in _Gaps.COLUMNS})
 
 
-def _gaps_over(gaps: pd.DataFrame, t_from: float, t_to: float) -> pd.DataFrame:
+def _gaps_over(gaps: _Gaps, t_from: float, t_to: float) -> _Gaps:
     """Those of a target's `gaps` that overlap [t_from, t_to]."""
-    if not len(gaps):
-        return gaps
     return gaps[(gaps["t_s"] <= t_to) & (gaps["end_t_s"] >= t_from)]
 
 
@@ -1869,14 +1910,14 @@ def _scrape_spans(run: Run, target: str | None, times: np.ndarray) -> np.ndarray
     return at.reindex(np.round(times.astype(float), 6)).fillna(0.0).to_numpy(float)
 
 
-def _outage_end(gaps: pd.DataFrame, t_from: float, t_to: float) -> float:
+def _outage_end(gaps: _Gaps, t_from: float, t_to: float) -> float:
     """The end of the last scrape outage of a target's `gaps` that overlaps [t_from, t_to]; -inf without one."""
     outages = _gaps_over(gaps, t_from, t_to)
     outages = outages[outages["kind"] == "error"] if len(outages) else outages
     return float(outages["end_t_s"].max()) if len(outages) else -math.inf
 
 
-def _restart_in(gaps: pd.DataFrame, sched: dict[str, np.ndarray], t_from: float, t_to: float,
+def _restart_in(gaps: _Gaps, sched: dict[str, np.ndarray], t_from: float, t_to: float,
                 spans: np.ndarray) -> str | None:
     """How an engine restart shows between the instants `t_from` and `t_to`, else None: the target
     lost in between, or the engine's token counter going back (a new process counts from 0) and
