@@ -15,8 +15,9 @@ from analysis.capacity import capacity, capacity_figure, capacity_frame, fleet_f
 from analysis.compare import compare_runs
 from analysis.explain import memory_story, pick_story_cancel
 from analysis.facts import VIEW_METRICS
-from analysis.verdicts import CancelVerdict, judge_run
-from runstore.reader import Run, StoreError, load_run
+from analysis.judged import judged_run
+from analysis.verdicts import CancelVerdict
+from runstore.reader import Run, StoreError
 
 
 @dataclass
@@ -46,9 +47,10 @@ def open_runs(store: str, run_ids) -> list[ReviewRun]:
     """Load and judge each run; StoreError (one readable line) for an unknown run or a missing store."""
     out = []
     for rid in parse_run_ids(run_ids):
-        run = load_run(store, rid, metrics=VIEW_METRICS)
+        # a day's run from its overview and the verdicts kept with it (analysis/judged.py), never read whole
+        run, verdicts, *_ = judged_run(store, rid, metrics=VIEW_METRICS)
         label = f"run {run.id}" + (f" ({run.info['name']})" if run.info.get("name") else "")
-        out.append(ReviewRun(label, run, judge_run(run)))
+        out.append(ReviewRun(label, run, verdicts))
     if len({r.label for r in out}) != len(out):
         raise StoreError(f"the same run was given twice: {[r.label for r in out]}")
     return out

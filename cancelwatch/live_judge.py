@@ -154,6 +154,7 @@ class LiveJudge:
     async def _judge(self, ready: dict[str, float], last_try: bool) -> None:
         import pandas as pd
 
+        from analysis.facts import VIEW_METRICS
         from analysis.watching import ENTRY_WAIT_S, LOOKBACK_S, NOT_YET_ENTERED, window_of
         from runstore.reader import load_window
 
@@ -171,7 +172,7 @@ class LiveJudge:
             from analysis.watching import judge_cancels
 
             window = load_window(self.store, self.run_id, lo, hi, extra_ledger=open_rows, lookback_s=LOOKBACK_S,
-                                 held_through_s=held)
+                                 held_through_s=held, metrics=VIEW_METRICS)
             return judge_cancels(window, set(ready), self.grace_s, self.left_seen)
 
         try:

@@ -139,25 +139,18 @@ def judged_run(store: Path, run: str | int, grace: float | None, keep: bool = Fa
     rules, the rest judged each on its own window: never the whole run, which a day of samples would not fit.
     `keep`: store those judged here with the run (the recorder's own tail does; a report only reads). Any other
     run is read whole and judged."""
-    from analysis.long_runs import is_long, long_run_verdicts
-    from analysis.verdicts import judge_run, run_grace_s
-    from analysis.watching import LOOKBACK_S
-    from runstore.reader import load_overview, load_run, load_verdicts, load_window, overview_span_s, resolve_run_id
+    from analysis.judged import judged_run as judged
+    from analysis.verdicts import run_grace_s
 
-    rid = resolve_run_id(store, run)
-    if not is_long(overview_span_s(store, rid), long_run_s):
-        r = load_run(store, rid)
-        return r, judge_run(r, grace)
-    r = load_overview(store, rid)
-    rows = load_verdicts(store, rid)
-    verdicts = long_run_verdicts(r, rows, lambda lo, hi: load_window(store, rid, lo, hi, lookback_s=LOOKBACK_S), grace)
-    if keep and (grace is None or grace == run_grace_s(r)):  # kept as judged with the run's own grace
+    got = judged(store, run, grace, long_run_s=long_run_s)
+    r, verdicts = got.run, got.verdicts
+    if got.long and keep and (grace is None or grace == run_grace_s(r)):  # kept as judged with the run's own grace
         from analysis.verdicts.stored import judged_by, stored, usable
 
-        have = set(usable(rows))
+        have = set(usable(got.stored_rows))
         new = [v for v in verdicts if v.request_id not in have]
         if new:
-            _keep(store, rid, judged_by(), [(v.request_id, stored(v)) for v in new])
+            _keep(store, r.id, judged_by(), [(v.request_id, stored(v)) for v in new])
     return r, verdicts
 
 

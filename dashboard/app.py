@@ -17,15 +17,15 @@ from analysis.explain import memory_story, pick_story_cancel
 from analysis.facts import VIEW_METRICS, run_facts
 from analysis.ghosts import GHOST_CAPTION, ghost_headline, ghost_view
 from analysis.html_report import facts_frame, report_html
-from analysis.long_runs import OVERVIEW_NOTE, is_long, long_run_verdicts
+from analysis.judged import judged_run
+from analysis.long_runs import OVERVIEW_NOTE
 from analysis.timeline import timeline_figure
-from analysis.verdicts import ghosts_of, judge_run
+from analysis.verdicts import ghosts_of
 from dashboard import recording
 from dashboard.params import read_url_params
 from runstore.paths import DEFAULT_STORE, store_dir, store_in_dir, stores_in_dir
 from analysis.watching import LOOKBACK_S
-from runstore.reader import (StoreError, list_runs, load_overview, load_run, load_verdicts, load_window,
-                             overview_span_s, resolve_run_id)
+from runstore.reader import StoreError, list_runs, load_window, resolve_run_id
 
 SAMPLE_STORE = Path(__file__).resolve().parent / "sample" / "sample.db"
 LIVE_EVERY_S = 2.0
@@ -51,22 +51,17 @@ def load_view(path: str, run_id: int, version: tuple):
     """(run, verdicts), shared read-only between sessions; a new `version` means the store grew. A long run
     (a day's watch) is its overview and its stored verdicts (analysis/long_runs.py): its millions of samples
     are not read, and a zoom reads its own stretch (detail)."""
-    span = overview_span_s(path, run_id)
-    if is_long(span):
-        run = load_overview(path, run_id, metrics=VIEW_METRICS)
-        running = run.info["status"] == "running"
-        return run, long_run_verdicts(run, load_verdicts(path, run_id),
-                                      lambda lo, hi: window(path, run_id, lo, hi, version if running else None),
-                                      now_s=span if running else None)
-    run = load_run(path, run_id, metrics=VIEW_METRICS)
-    return run, judge_run(run)
+    running = is_running(Path(path), run_id)
+    got = judged_run(path, run_id, metrics=VIEW_METRICS, wait_for_windows=True,
+                     window=lambda lo, hi: window(path, run_id, lo, hi, version if running else None))
+    return got.run, got.verdicts
 
 
 @st.cache_resource(max_entries=24, show_spinner=False)
 def window(path: str, run_id: int, lo: float, hi: float, version: tuple | None):
     """A stretch of a run at full resolution, with the ledger and log lines it is judged by; `version`: the
     store's, for a run still recorded (its stretch may fill in), else None (it will not change)."""
-    return load_window(path, run_id, lo, hi, lookback_s=LOOKBACK_S)
+    return load_window(path, run_id, lo, hi, lookback_s=LOOKBACK_S, metrics=VIEW_METRICS)
 
 
 def detail(path: Path, run, x_range: tuple[float, float] | None):

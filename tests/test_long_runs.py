@@ -423,3 +423,34 @@ def test_a_ghost_its_verdict_did_not_see_leave_is_aged_from_the_overview_to_with
     assert list(over.index) == list(full.index) == [v.request_id for v in leaked]
     assert (full["in_engine"] == "left").all() and (over["in_engine"] == "left").all()
     assert np.allclose(over["left_engine_s"], full["left_engine_s"], atol=OVERVIEW_S)
+
+
+def test_the_notebooks_read_a_long_run_as_the_report_and_the_page_do(day, tmp_path, monkeypatch):
+    """Issue 37 point 5: a run of any length is judged in one place (analysis/judged.py), which the report, the
+    page and the notebooks' review read it through. The review of a long run reads its overview and judges each
+    cancel on its own window (the series the verdicts read, no other), never the run whole, and gives the
+    verdicts the whole run gives."""
+    import runstore.reader as reader
+    from analysis import review
+
+    src, rid = day
+    path = tmp_path / "day.db"
+    shutil.copy(src, path)
+    whole = [json.dumps(v.as_json(), sort_keys=True) for v in judge_run(load_run(path, rid))]
+    monkeypatch.setattr(long_runs, "LONG_RUN_S", 300.0)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a long run is never read whole")
+
+    read, real = [], reader.load_window
+
+    def window(*args, **kwargs):
+        read.append(kwargs.get("metrics"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(reader, "load_run", refused)
+    monkeypatch.setattr(reader, "load_window", window)
+    (got,) = review.open_runs(str(path), rid)
+    assert "overview" in got.run.info
+    assert [json.dumps(v.as_json(), sort_keys=True) for v in got.verdicts] == whole
+    assert len(read) >= 30 and set(read) == {VIEW_METRICS}

@@ -94,20 +94,6 @@ def ledger_inflight(ledger: pd.DataFrame, t0_ns: int, times: np.ndarray, aborted
     return weighted_between(times, start, reqs.ends(aborted_at), reqs.seqs)
 
 
-def _ledger_end_s(row, ends: dict[str, float], t0_ns: int) -> float:
-    """Where the ledger stops counting a row (s since the run started): its end in `ends` (an abort, where the
-    evidence puts a lost request's leaving), else its client's close; inf while open."""
-    t_gone = ends.get(row.request_id)
-    if t_gone is None:
-        t_gone = math.inf if pd.isna(row.closed_mono_ns) else (row.closed_mono_ns - t0_ns) / 1e9
-    return t_gone
-
-
-def _seqs(row) -> int:
-    """Sequences the server runs for a ledger row (the n of a completion)."""
-    return 1 if pd.isna(row.n) else int(row.n)
-
-
 def vllm_report_fields(run: Run) -> dict:
     """What a vLLM run's report adds: each engine log's clock against the run's (log_clock.py), and what a
     reader must know of the logs before reading the verdicts."""
