@@ -619,6 +619,17 @@ class _Baseline(NamedTuple):
     kv_held: bool
 
 
+class _Kept(NamedTuple):
+    """VllmCase.kept_at_grace_end."""
+    excess: np.ndarray  # per sample of the grace: the count beyond the ledger's others and their unseen ends
+    at_end: int  # the grace's last refreshed sample, in `excess` (-1: none refreshed)
+    i: int | None  # that sample in the stretch (None: no sample in the grace)
+    read_at: int | None  # where the excess is read: i, or the first sample past it whose gauges hold those ends
+    value: float | None  # the excess there
+    stepping: bool  # generation_tokens_total rose across the grace
+    generated: float | None  # by how much
+
+
 class _LedgerRows(NamedTuple):
     """VllmCase.ledger_rows: the ledger's requests with no first token at the stretch's start."""
     ids: np.ndarray
@@ -1183,19 +1194,22 @@ class VllmCase(Case):
         """With no abort known (no request log, no relay), whether the request could have ended on its own by `t`
         (what it could have run out, in words), else None. The driver's requests (ignore_eos) cannot before their
         max_tokens at the fastest one sequence went in the window (stretch_solo_rate), a quarter added, from their
-        send (a hop that buffers, or a non-streaming answer, holds back tokens the engine had made). Any other can
-        end at any token, but an end of its own is one of the engine's (vllm:request_success_total, by finish
-        reason, counts no abort): where the counter rose from the stop to `t` by no more than the other requests
-        whose end reached their client then, none was this one's."""
+        send (a hop that buffers, or a non-streaming answer, holds back tokens the engine had made). Any of them
+        can have run out by then, but an end of its own is one of the engine's (vllm:request_success_total, by
+        finish reason, counts no abort; vLLM counts it in the step that drops the request, or before): where the
+        counter rose from the stop to `t` by no more than the other requests whose end reached their client then,
+        none was this one's (seen straight to the engine: a race's cancel two tokens before the end, the count one
+        lower at the first sample after the stop and the counter not moved, the abort having won)."""
         if self.t_abort is not None:
             return None
         lrow, rate, t0 = self.lrow, self.stretch_solo_rate, self.run.info["started_mono_ns"]
+        tokens_out = None  # what it could have run out by then, by its tokens
         if lrow is not None and lrow.get("scenario") != WATCHED_SCENARIO and not pd.isna(lrow.get("max_tokens")) \
                 and not pd.isna(lrow.get("sent_mono_ns")) and rate:
             tokens, fastest = int(lrow["max_tokens"]), 1.25 * rate
             if t < (lrow["sent_mono_ns"] - t0) / 1e9 + tokens / fastest:
                 return None
-            return f"its {tokens} token(s) (at {fastest:.0f} tokens/s from its send)"
+            tokens_out = f"its {tokens} token(s) (at {fastest:.0f} tokens/s from its send)"
         # the counter and the clients' reads both to `t`: read later, other requests' ends outnumber the reads
         # (seen: a burst's releases read as ends of their own); a read counted later than the counter excuses an end
         # of this one's own by a neighbour's end read a moment after (a watched request that ran out in the grace)
@@ -1203,14 +1217,14 @@ class VllmCase(Case):
         before = np.nonzero(self.baseline.before)[0]
         at = int(np.searchsorted(times, t, side="right")) - 1
         if not len(before) or at < 0 or np.isnan(fin[before[-1]]) or np.isnan(fin[at]):
-            return "its last tokens (the engine does not say why its requests ended)"
+            return tokens_out or "its last tokens (the engine does not say why its requests ended)"
         t_b, ends = float(times[before[-1]]), float(fin[at] - fin[before[-1]])
         r = self.reqs
         with np.errstate(invalid="ignore"):
             read = (r.ids != self.rid) & r.completed & (r.closed > t_b) & (r.closed <= t)
         if ends <= float(r.seqs[read].sum()) + 1e-9:
             return None
-        return "its last tokens (the engine ended requests of its own then that no other's end accounts for)"
+        return tokens_out or "its last tokens (the engine ended requests of its own then that no other's end accounts for)"
 
     @cached_property
     def moved(self) -> np.ndarray:
@@ -1220,6 +1234,31 @@ class VllmCase(Case):
     def in_grace(self) -> np.ndarray:
         times = self.sched["t_s"]
         return (times >= self.t_ref) & (times <= self.t_ref + self.grace_s)
+
+    @cached_property
+    def kept_at_grace_end(self) -> _Kept:
+        """How many requests the count holds beyond the ledger's others (`without`) where the grace ends: at its
+        last refreshed sample (one taken between the abort and the engine's next step still shows the count from
+        before it), less the other requests' ends after the engine's last step (ended_unseen: not in its gauges
+        yet); where the count is within the ledger's only by those ends, at the first sample whose gauges hold
+        them. What `held` reads a leak by, and what shows a request the engine ran ahead of before the stop still
+        there after it."""
+        sched, in_grace = self.sched, self.in_grace
+        gen = sched["gen_tokens"][in_grace]
+        gen = gen[~np.isnan(gen)]
+        all_excess = sched["count"] - self.without - self.ended_unseen
+        excess = all_excess[in_grace]
+        refreshed = np.nonzero(self.moved[in_grace])[0]
+        at_end = int(refreshed[-1]) if len(refreshed) else -1
+        value, i, k = (float(excess[at_end]) if len(excess) else None), None, None
+        if len(excess):
+            i = int(np.nonzero(in_grace)[0][at_end])
+            allowed = (all_excess <= 0) & (self.ended_unseen > 0.5) & (sched["count"] > self.without + 1e-9)
+            k = self.past_unseen_ends(i, allowed)
+            if k is not None:
+                value = float(all_excess[k])
+        return _Kept(excess, at_end, i, i if k is None else k, value, len(gen) >= 2 and gen[-1] > gen[0],
+                     float(gen[-1] - gen[0]) if len(gen) >= 2 else None)
 
     def lost_in_app(self) -> dict | None:
         # the client reads on until the app ends the stream: many tokens after the stop and an end past the
@@ -1566,7 +1605,16 @@ def left_on_its_own_or_stayed(c: VllmCase) -> CancelVerdict:
 
 
 def ran_ahead_without_log(c: VllmCase) -> CancelVerdict | None:
+    """No abort known, and the engine counted fewer requests than the ledger before the stop: one of them had
+    finished in the engine while its tokens were still on their way, maybe this one. Where the count holds more
+    than the ledger's others where the grace ends, with the engine stepping (what `held` reads a leak by), this
+    one was there after the stop whatever ran ahead before it: the later rules judge it (seen behind a proxy
+    that passed no cancel on, no request log: a slow reader's request finished ahead of its client, and every
+    leaked request stopped beside it read as already finished)."""
     if not c.ahead or c.t_abort is not None:
+        return None
+    kept = c.kept_at_grace_end
+    if kept.stepping and kept.value is not None and kept.value > 0:
         return None
     c.note_race()
     return c.verdict("already_finished_no_log")
@@ -1650,30 +1698,14 @@ def held(c: VllmCase) -> CancelVerdict:
     """Not released, with samples across the grace: the server's excess over the ledger, and whether the
     engine kept stepping, tell a leak from gauges no step refreshed."""
     sched, ev, in_grace = c.sched, c.ev, c.in_grace
-    gen = sched["gen_tokens"][in_grace]
-    gen = gen[~np.isnan(gen)]
-    stepping = len(gen) >= 2 and gen[-1] > gen[0]
-    # another request's end after the engine's last step is not in its gauges yet (VllmCase.ended_unseen)
-    all_excess = sched["count"] - c.without - c.ended_unseen
-    excess = all_excess[in_grace]
+    kept = c.kept_at_grace_end
+    excess, at_end, i, stepping = kept.excess, kept.at_end, kept.read_at, kept.stepping
     ev.excess_max = float(excess.max()) if len(excess) else None
-    # still counted after the grace is read where the grace ends: at its last refreshed sample (one taken
-    # between the abort and the engine's next step still shows the count from before the abort)
-    refreshed = np.nonzero(c.moved[in_grace])[0]
-    at_end = refreshed[-1] if len(refreshed) else -1
-    ev.excess_at_grace_end = float(excess[at_end]) if len(excess) else None
+    ev.excess_at_grace_end = kept.value
     if len(excess):
-        i = int(np.nonzero(in_grace)[0][at_end])
-        ev.count_reading = c.count_reading(i, c.without[i] + c.ended_unseen[i])
-        # within the ledger's there only by requests it ended after the engine's last step: the excess where the
-        # gauges hold those ends, at the first sample that needs no such allowance (or is over the ledger's)
-        allowed = (all_excess <= 0) & (c.ended_unseen > 0.5) & (sched["count"] > c.without + 1e-9)
-        k = c.past_unseen_ends(i, allowed)
-        if k is not None:
-            ev.excess_at_grace_end = float(all_excess[k])
-            i = k
+        ev.count_reading = c.count_reading(kept.i, c.without[kept.i] + c.ended_unseen[kept.i])
     ev.engine_stepping = bool(stepping)
-    ev.generation_tokens_delta = float(gen[-1] - gen[0]) if len(gen) >= 2 else None
+    ev.generation_tokens_delta = kept.generated
     if not len(excess) or ev.excess_at_grace_end <= 0:
         ev.gauges_refreshed = bool(c.moved[in_grace].any())
         if not ev.gauges_refreshed:
