@@ -22,13 +22,11 @@ import numpy as np
 
 import pandas as pd
 
+from analysis.bounds import GHOST_HOLD_S
 
 
-# how long the engine's count must hold fewer than the ghosts before the oldest are taken to have left: a
-# request on its way is in the watch's flight before the engine counts it (its next step; seconds behind a
-# hop), and a finished one leaves the count before its client closes it (a lagging reader, a buffering proxy).
-# Either makes the surplus dip for a moment, and a ghost once dropped is never taken back
-HOLD_S = 1.0
+
+HOLD_S = GHOST_HOLD_S
 
 
 class EngineReading(NamedTuple):

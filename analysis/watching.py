@@ -7,21 +7,13 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 
+from analysis.bounds import BEFORE_S, ENTRY_WAIT_S, SETTLE_S
 from analysis.verdicts import HORIZON_S, SEEN_LEAVING, CancelVerdict, judge_run, left_seen_at
 from runstore.reader import Run
 
-# the window starts this long before the stop: the baseline the rules read (1 s), and before it the hold over which
-# the count's surplus says which lost requests (stopped, no abort known) the engine still holds (vllm.py,
-# SURPLUS_HOLD_S): a window that starts later keeps them all at the baseline, where the whole run has let them go
-BEFORE_S = 4.0
-SETTLE_S = 2.0  # a cancel is judged this long after its grace ends: the store's commit, the log's last lines
 # the ledger rows and engine-log events a cancel's window also reads from before it: a request cancelled
 # earlier with no abort may still be in the engine (the rules' own horizon)
 LOOKBACK_S = HORIZON_S
-# a cancel whose request the engine log does not name by its window's end (never_added) is judged again on a
-# window this much longer: a hop holding the request, or a starved API server (CI: over 5 s after the watch saw
-# it sent), gets it to the engine after its stop, and its Added line then makes it a leak (entered_after_stop)
-ENTRY_WAIT_S = 10.0
 NOT_YET_ENTERED = ("never_added",)  # the rules that a later Added line can overturn
 
 

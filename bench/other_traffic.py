@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from analysis.verdicts import judge_run  # noqa: E402
-from analysis.verdicts.vllm import VllmCase  # noqa: E402
+from analysis.verdicts.vllm_case import VllmCase  # noqa: E402
 from collectors.cancels.load import make_prompt  # noqa: E402
 from collectors.engines import lifecycle  # noqa: E402
 from collectors.engines import vllm_server as engine_mod  # noqa: E402

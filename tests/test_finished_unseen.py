@@ -1,6 +1,6 @@
 """A request the engine ended by itself while its client still read it (a slow reader, a hop that buffers)
 stands in, in a count at the ledger's, for a cancelled request the engine kept: vllm:request_success_total
-says the engine ended it (analysis/verdicts/vllm.py, VllmCase.finished_unseen). Small runs of
+says the engine ended it (analysis/verdicts/vllm_case.py, VllmCase.finished_unseen). Small runs of
 tests/test_verdicts.py: the neighbour nb reads its stream to 5.5 s; the engine ends it at 2.3 s."""
 
 from __future__ import annotations

@@ -396,10 +396,11 @@ def test_breaks_a_late_abort_read_as_a_release(monkeypatch):
 def test_breaks_the_logs_slack(monkeypatch):
     """Broken: the abort compared with the stop as if its stamp were exact (no slack for its rounding): an
     abort stamped within a millisecond of the stop changes its verdict as the log moves inside its doubt."""
-    from analysis.verdicts import vllm
+    from analysis.verdicts import vllm, vllm_case, vllm_frames, vllm_log
 
-    monkeypatch.setattr(vllm, "LOG_SLACK_S", 0.0)
-    monkeypatch.setattr(vllm._EngineLog, "resolution_of", lambda self, target, rid: 0.0)
+    for module in (vllm, vllm_case, vllm_frames, vllm_log):  # each reads it
+        monkeypatch.setattr(module, "LOG_SLACK_S", 0.0)
+    monkeypatch.setattr(vllm_log._EngineLog, "resolution_of", lambda self, target, rid: 0.0)
     assert found(a_shifted_log, *[(n, f) for n in LOGGED for f in (0.5, 0.999)])
 
 

@@ -868,7 +868,7 @@ def test_lost_requests_that_overlap_under_steady_load_are_each_leaked_never_alre
 
 
 def test_the_ledger_takes_the_oldest_lost_request_out_where_the_count_cannot_hold_it_for_the_hold():
-    from analysis.verdicts.vllm import _RunFrames
+    from analysis.verdicts.vllm_frames import _RunFrames
 
     frames = _RunFrames(lost_ones_overlapping())
     frame = frames.frame("t0")

@@ -46,7 +46,8 @@ from analysis.verdicts.log_clock import LogClock, log_clocks
 from analysis.verdicts.families import (FAMILIES, UnknownFamily, family_of, ghosts_of, judge_run, engine_reading,
                                         neighbours_ok, report_document)
 from analysis.verdicts.triton import TRITON
-from analysis.verdicts.vllm import VLLM, ledger_inflight
+from analysis.verdicts.vllm import VLLM
+from analysis.verdicts.vllm_frames import ledger_inflight
 
 __all__ = [
     "FAMILIES", "GRACE_S", "HORIZON_S", "LATENCIES", "LOG_SLACK_S", "LOST_CANCEL_RULES", "MIN_SAMPLES", "NO_APP", "NO_LOG", "POINT_LABELS",

@@ -12,14 +12,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from analysis.bounds import GRACE_S, HORIZON_S, LOG_SLACK_S, MIN_SAMPLES, RACE_TOKENS  # noqa: F401 - the rules read them from here too
 from analysis.evidence import Evidence
 from runstore.reader import Run
 from runstore.records import DriveSettings
 
-GRACE_S = 2.0
-MIN_SAMPLES = 5
-RACE_TOKENS = 8  # a stop this close to the end is a race the completion may win
-HORIZON_S = 60.0  # how far past the abort a request that did not leave in the grace is followed
 TIMEPOINTS = ("user_stop", "app_received", "engine_abort", "left_scheduler", "reusable")
 POINT_LABELS = {
     "user_stop": "user stop",
@@ -114,9 +111,6 @@ SOURCE_LABELS = {"engine_log": "engine log", "relay": "relay (in the app)", "cli
 TAP_RECEIVED = "the app's connection from its client closed"
 NO_APP = "no app on this path"
 NO_LOG = "no engine log"
-# an engine log line is stamped to the millisecond, then mapped onto the run's clock: an abort may
-# read a hair before the stop that caused it
-LOG_SLACK_S = 0.05
 
 
 def engine_log_state(run: Run, target: str | None) -> str:

@@ -29,14 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from analysis.bounds import AMBIGUOUS_S, PERSIST_PERIODS, PERSIST_S
 from analysis.rows import frame_rows
 
-# the server counting fewer than the ledger for this long after a fall is no lag of a scrape or a close
-PERSIST_S = 1.0
-PERSIST_PERIODS = 4
-# the next request the engine would finish this close (s) after the ones that left could be one of them:
-# nothing is moved
-AMBIGUOUS_S = 1.0
 
 
 @dataclass

@@ -18,7 +18,9 @@ from analysis.summary import sampling_stats
 from analysis.verdicts.core import TAP_RECEIVED, CancelVerdict, run_grace_s
 from analysis.verdicts.ghost_list import ghost_table
 from analysis.verdicts.triton import TRITON, judge_triton, report_fields
-from analysis.verdicts.vllm import VLLM, judge_vllm, vllm_in_engine, vllm_report_fields
+from analysis.verdicts.vllm import VLLM, judge_vllm
+from analysis.verdicts.vllm_frames import vllm_in_engine
+from analysis.verdicts.vllm_log import vllm_report_fields
 from runstore.errors import StoreError
 from runstore.reader import Run
 from runstore.records import DriveSettings

@@ -23,13 +23,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import NamedTuple
 
+from analysis.bounds import MATCH_SLACK_S
 from runstore.reader import Run
 
-# a line stamped to the millisecond on the recorder's host lands within a few ms of where it was written;
-# the windows are not widened by the 50 ms the abort checks allow: a request sent 5 ms after its
-# neighbour's first token would then share its window with the neighbour's line, and neither be matched.
-# A line that lands outside its window is left unknown (other traffic, inconclusive), never matched wrong.
-MATCH_SLACK_S = 0.005
 
 
 class AddedLine(NamedTuple):

@@ -20,8 +20,9 @@ WINDOW = "window"  # how a live judge judged: each cancel on its own stretch of 
 _ROOT = Path(__file__).resolve().parents[2]
 # the code a verdict is the product of: the rules, the evidence they fill, the hops, the window they are read
 # on, and what hands them the run (the reader, the records' settings)
-_RULE_FILES = ("analysis/verdicts/*.py", "analysis/evidence.py", "analysis/hops.py", "analysis/ghosts.py",
-               "analysis/series.py", "analysis/watching.py", "runstore/reader.py", "runstore/records.py")
+_RULE_FILES = ("analysis/verdicts/*.py", "analysis/bounds.py", "analysis/rows.py", "analysis/evidence.py",
+               "analysis/hops.py", "analysis/ghosts.py", "analysis/series.py", "analysis/watching.py",
+               "runstore/reader.py", "runstore/records.py")
 
 
 @functools.cache

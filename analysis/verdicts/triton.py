@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from analysis.bounds import LEDGER_LAG_S, RACE_S
 from analysis.rows import frame_rows
 from analysis.evidence import Evidence
 from analysis.verdicts.core import (
@@ -50,11 +51,6 @@ from analysis.verdicts.core import (
 from runstore.reader import Run
 
 TRITON = "triton"
-# a natural end this close after the stop is a race the end may have won, not a lost cancel
-RACE_S = 0.1
-# without a log, a ledger request is counted as the server's from this long after its send to this long
-# before its client's close (a recorded probe was taken up 12 ms after its send)
-LEDGER_LAG_S = 0.1
 
 
 def model_series(run: Run, metric: str, target: str | None, **labels: str) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,932 @@
+"""One vLLM cancel read against the model of who is in the engine (vllm_frames.py): its stretch of the scheduler,
+the ledger's requests beside it, and what the count can and cannot say at each sample."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import NamedTuple
+
+import numpy as np
+import pandas as pd
+
+from analysis.bounds import ENTER_S, LAG_S, PACE_MARGIN
+from analysis.evidence import Evidence
+from analysis.verdicts.core import (
+    CancelVerdict, Case, HORIZON_S, LOG_SLACK_S, NO_APP, NO_LOG, RACE_TOKENS, engine_log_state, first_probe_s
+)
+from analysis.verdicts.engine_done import solo_tokens_per_s
+from analysis.verdicts.requests import Requests, in_between, weighted_between
+from analysis.verdicts.vllm_frames import _Frame, _pool_blocks, _settled, _sum_from
+from analysis.verdicts.vllm_log import _EngineLog, _Gaps, _gaps_over, _log_holes, _outage_end
+from runstore.reader import Run
+from runstore.records import WATCHED_SCENARIO
+
+
+class _Baseline(NamedTuple):
+    before: np.ndarray  # per sample of the case's stretch: in the second before the stop
+    count_before: float | None  # the server's count at the last of them (Evidence.count_before); None when none
+    ledger_before: float | None  # the ledger's sequences in the server there (Evidence.ledger_before)
+    kv_before: float  # KV usage at the last of them; NaN when none
+    ahead: bool  # the server counted fewer requests than the ledger there: the engine ran ahead
+    # this request surely held KV there: the count was the ledger's, or below it only by other requests with no
+    # token yet, which the engine may not count yet (this one's had reached its client)
+    kv_held: bool
+
+
+class _Kept(NamedTuple):
+    """VllmCase.kept_at_grace_end."""
+    excess: np.ndarray  # per sample of the grace: the count beyond the ledger's others and their unseen ends
+    at_end: int  # the grace's last refreshed sample, in `excess` (-1: none refreshed)
+    i: int | None  # that sample in the stretch (None: no sample in the grace)
+    read_at: int | None  # where the excess is read: i, or the first sample past it whose gauges hold those ends
+    value: float | None  # the excess there
+    stepping: bool  # generation_tokens_total rose across the grace
+    generated: float | None  # by how much
+
+
+class _LedgerRows(NamedTuple):
+    """VllmCase.ledger_rows: the ledger's requests with no first token at the stretch's start."""
+    ids: np.ndarray
+    seqs: np.ndarray  # sequences the server runs for each
+    counted: np.ndarray  # rows x samples: where the ledger counts it in the engine (as ledger_inflight does)
+    first: np.ndarray  # when its first token reached its client (inf: never)
+    added: np.ndarray  # its first Added line (-inf: none)
+    sent: np.ndarray  # when its client sent it
+
+
+@dataclass(kw_only=True, eq=False)
+class VllmCase(Case):
+    """A vLLM cancel: its stretch of the scheduler frame against the ledger, and the engine log's word."""
+
+    run: Run
+    englog: _EngineLog
+    target: str | None
+    has_log: bool
+    t_log_abort: float | None  # the engine log's abort line (t_abort may be the relay's instead)
+    t_ref: float  # the instant the release is looked for from
+    t_end: float  # the end of the window: the grace after t_ref (or the stop)
+    sched: dict[str, np.ndarray]  # this cancel's stretch of the scheduler: t_s, count, kv, gen_tokens
+    inflight: np.ndarray  # the ledger's sequences in the server at each of sched's samples
+    lrow: dict | None
+    tokens_at_cancel: int | None
+    gone_until: float  # at the latest, the request left the engine then (inf: not known)
+    hits_at_admission: float | None = None  # prefix-cache hit tokens while it was admitted (None: unknown)
+    frame_cols: dict = field(default_factory=dict)  # the target's whole scheduler frame (sched is its stretch)
+    solo_rate: float | None = None  # tokens/s of one sequence running alone in the run: no sequence is faster
+    # request id -> where the ledger stops counting it, when not its client's close (ledger_inflight)
+    ledger_ends: dict[str, float] = field(default_factory=dict)
+    assumed_gone: dict[str, float] = field(default_factory=dict)  # _Frame.assumed_gone
+    not_entered: frozenset[str] = frozenset()  # the ledger's requests the log shows never entered
+    app_answer: str | None = None  # what the app answered an explicit cancel (None: no explicit cancel)
+    reqs: Requests | None = None  # the ledger as arrays (_Frame.reqs), and per row the log's word on this target:
+    added_s: np.ndarray | None = None  # its first Added line (NaN: none)
+    aborted_s: np.ndarray | None = None  # its first abort line (inf: none)
+    gaps: "_Gaps | None" = None  # the run's gaps of this target
+    frame_ends_s: np.ndarray | None = None  # ledger_ends by row (_Frame.ends_s), as at this cancel's turn
+
+    @cached_property
+    def baseline(self) -> _Baseline:
+        """The second before the stop, read once (every verdict reports it: `verdict`)."""
+        times = self.sched["t_s"]
+        before = (times >= self.t_stop - 1.0) & (times < self.t_stop)
+        count_before = float(self.sched["count"][before][-1]) if before.any() else None
+        ledger_before = float(self.inflight[before][-1]) if before.any() else None
+        kv_before = float(self.sched["kv"][before][-1]) if before.any() else math.nan
+        ahead, kv_held = False, True
+        if count_before is not None and ledger_before is not None:
+            b = np.nonzero(before)[0][-1]
+            rows = self.ledger_rows
+            ahead = count_before < ledger_before - 1e-9
+            # below the ledger's by the requests the engine may not count yet alone (with no token yet): none ran
+            # ahead, unless this one is one of them
+            this = rows.ids == self.rid
+            unseen = self.unseen_with_this[b]
+            unsure = unseen > 0.5 and count_before >= ledger_before - unseen - 1e-9
+            maybe_uncounted = bool((rows.counted[this, b] & (rows.first[this] > self.sched["t_s"][b])).any()) \
+                or self.rid in self.not_entered
+            # and none of those is in the count in place of this one ended by itself (it ran ahead): the engine
+            # ended none by itself unread
+            ends = self.own_ends_unread
+            kv_held = not ahead or (unsure and not maybe_uncounted and ends is not None and ends[b] < 0.5)
+        return _Baseline(before, count_before, ledger_before, kv_before, ahead, kv_held)
+
+    def verdict(self, rule: str, **fields) -> CancelVerdict:
+        """Case.verdict, with the second before the stop in the evidence of every verdict, whichever rule gave
+        it and whatever it read first."""
+        b, ev = self.baseline, self.ev
+        ev.count_before, ev.ledger_before, ev.kv_before = b.count_before, b.ledger_before, b.kv_before
+        if b.ahead and ev.note is None:  # a rule's own note says more
+            ev.note = ("the server counted fewer requests than the client before the stop: a request had already "
+                       "finished in the engine while its tokens were still on their way to the client")
+        return super().verdict(rule, **fields)
+
+    @property
+    def ahead(self) -> bool:
+        return self.baseline.ahead
+
+    @cached_property
+    def waiting_at_stop(self) -> bool:
+        """The request was still waiting at its stop (behind max_num_seqs), whatever its trigger's name: it
+        held no KV, and its release gives none back. vLLM admits first come, first served: with W sequences
+        waiting at the last sample before the stop, the last W sequences to enter the engine by then (an
+        n>1 request is n of them) were the waiting ones."""
+        before = np.nonzero(self.baseline.before)[0]
+        if not len(before):
+            return False
+        t_b, w = float(self.sched["t_s"][before[-1]]), float(self.sched["waiting"][before[-1]])
+        if math.isnan(w) or w < 0.5:
+            return False
+        r, logged = self.reqs, ~np.isnan(self.added_s)
+        # not sent, or (the log names this target's requests) another target's, is in none
+        keep = ~np.isnan(r.sent) & (logged | (not self.englog.names_requests(self.target)))
+        t_in = np.where(logged, self.added_s, r.sent)
+        t_out = np.where(np.isfinite(self.aborted_s), self.aborted_s, np.nan_to_num(r.closed, nan=math.inf))
+        with np.errstate(invalid="ignore"):
+            inside = np.nonzero(keep & (t_in <= t_b) & (t_b < t_out))[0]  # in the engine at that sample
+        entered = [(float(t_in[i]), r.ids[i], int(r.seqs[i])) for i in inside]
+        newest, seqs = set(), 0.0
+        for _, rid, n in sorted(entered, reverse=True):
+            if seqs >= w - 0.5:
+                break
+            newest.add(rid)
+            seqs += n
+        return self.rid in newest
+
+    def judged_beside_traffic(self) -> bool:
+        return self.has_log and self.englog.names_requests(self.target)
+
+    @cached_property
+    def kv_waived(self) -> str | None:
+        """Why no KV drop is asked of a request that held KV at its stop: the scheduler preempted a
+        request in the window (this one's blocks may have gone back before its stop), or the prefix
+        cache gave it part of its prompt while another request of the ledger ran beside it (the shared
+        blocks stay held by that one, and what this one gives back can be less than the others take)."""
+        times, pre = self.sched["t_s"], self.sched["preemptions"]
+        win = (times >= self.t_stop - 1.0) & (times <= self.t_end) & ~np.isnan(pre)
+        if win.sum() >= 2 and pre[win][-1] > pre[win][0]:
+            return "preempted"
+        before = self.baseline.before
+        others = float(self.inflight[before][-1]) - self.n if before.any() else 0.0
+        if self.hits_at_admission and self.hits_at_admission > 0 and others >= 1:
+            return "prefix_shared"
+        return None
+
+    @cached_property
+    def foreign_logged(self) -> int | None:
+        """Requests the engine's log names that the ledger does not know, entering in the window; None without
+        a log."""
+        return self.englog.foreign_between(self.target, self.t_stop - 1.0, self.t_end) if self.has_log else None
+
+    def foreign_traffic(self) -> tuple[int | None, int]:
+        over = self.sched["count"] > self.inflight + self.ended_unseen + 0.5
+        return self.foreign_logged, int((over & self.baseline.before).sum())
+
+    def restart(self) -> str | None:
+        return _restart_in(self.gaps, self.sched, self.t_stop - 1.0, self.t_end, self.sched["scrape_s"])
+
+    def log_gap(self) -> str | None:
+        if not self.has_log:
+            return None
+        holes = _log_holes(self.gaps, self.englog, self.target, self.t_stop - 1.0, self.t_end)
+        return holes[0] if holes else None
+
+    def log_clock_off(self) -> dict | None:
+        clock = self.englog.clock(self.target)
+        return None if not self.has_log or clock.agrees else {"lo_s": clock.lo_s, "hi_s": clock.hi_s}
+
+    @cached_property
+    def n(self) -> int:
+        lrow = self.lrow
+        return 1 if lrow is None or pd.isna(lrow.get("n")) else int(lrow["n"])
+
+    @cached_property
+    def without(self) -> np.ndarray:
+        """Per sample of the stretch: what the server should count without this request. The ledger keeps a
+        request with no abort in flight from its stop until gone_until; the other requests stay as they are."""
+        times = self.sched["t_s"]
+        return self.inflight - self.n * ((times >= self.t_stop) & (times < self.gone_until))
+
+    @cached_property
+    def stopped_beside(self) -> np.ndarray:
+        """Per sample of the stretch: sequences of other requests whose clients had stopped them, with no abort
+        line, that the ledger counts in the engine there (as `inflight` does: from their Added line, until
+        gone_until; they may run on for nobody too). Any of them may be the one a drop in the count lost: with
+        two leaked requests in the engine, a count one lower shows one of them gone, not which (seen: three
+        leaked through a proxy, each read as gone at the first end)."""
+        r = self.reqs
+        keep = (r.ids != self.rid) & ~self.not_entered_rows & ~np.isnan(r.cancel) & ~np.isnan(r.sent) \
+            & ~np.isfinite(self.aborted_s)
+        t_in = np.maximum(np.maximum(r.sent, r.cancel), np.nan_to_num(self.added_s, nan=-math.inf))
+        return weighted_between(self.sched["t_s"], t_in[keep], self.ends_s[keep], r.seqs[keep])
+
+    @cached_property
+    def settled(self) -> np.ndarray:
+        """Per sample of the stretch: the sample the gauges there hold every end before (-1: none known, fewer
+        than two steps seen). A rise of generation_tokens_total is a step's output; that step was scheduled
+        (its gauges made, the aborts before it taken) before it, maybe before the sample ahead of it (seen: a
+        step of 2 tokens stretched over 50 ms with two aborts in it, its count still 4). The step after it was
+        scheduled after that sample: the gauges hold every end before the sample ahead of the second-latest
+        rise."""
+        return _settled(self.sched["gen_tokens"])
+
+    @cached_property
+    def ended_unseen(self) -> np.ndarray:
+        """Per sample of the stretch: sequences of other requests the ledger ended (their abort, their close)
+        after the engine's last step before that sample. The gauges are the engine's as of its last step
+        (generation_tokens_total rose since the sample before): an end after it is not in them yet, and read
+        against a ledger that has it, the count reads one too high (seen under AIPerf on two cores: a step of
+        the engine stalled 0.3 s while two other cancels' aborts came, and the stretch's excess was theirs)."""
+        _, seqs, ended = self._ended_after_last_step
+        return seqs @ ended
+
+    @cached_property
+    def _ended_after_last_step(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The other requests the ledger ended: (ids, sequences, per request and sample of the stretch: ended
+        after the engine's last step before that sample), for ended_unseen and count_reading."""
+        # the last step as of each sample, read on the whole frame: at the stretch's first samples it is before them
+        times, last_step = self.sched["t_s"], self.sched["step_s"]
+        r, gone = self.reqs, self.ends_s
+        keep = (r.ids != self.rid) & ~np.isnan(r.sent) & np.isfinite(gone)
+        if len(times):  # the steps only go on: a row ended after the stretch, or before its first step, is in none
+            keep &= (gone <= times[-1]) & (gone > last_step[0])
+        g = gone[keep][:, None]
+        return r.ids[keep], r.seqs[keep], (times >= g) & (last_step < g)
+
+    def taken_in_its_place(self, kv_before: float) -> np.ndarray:
+        """Per sample of the stretch: the count holds the ledger's requests surely counted there and no other
+        (count_surely: not this one), one of them a newcomer the gauges did not count at the stop, and KV usage
+        is no higher than at the stop. Under steady load the step that drops an aborted request admits the next
+        in its place: the newcomer's prefill takes the freed blocks, and KV usage cannot fall (seen under AIPerf
+        at concurrency 4: two cancels' aborts and two new requests' Added lines in the same 5 ms, the count at 4
+        throughout). A newcomer holds blocks once counted: usage no higher with it counted and this one not
+        says this one's blocks went back. A newcomer is one that entered (its Added line) from the abort on, or
+        one the count at the stop did not hold: there too it held the surely counted requests and no other, and
+        that one's first token had not reached its client. Where the count is the ledger's only with a request
+        not surely counted in it, it can hold this one, leaked, in that one's place, with KV usage no higher for
+        the same reason: no release is read there (seen under AIPerf: a newcomer Added by the abort, counted
+        from the step after it, in the freed block, another Added as the abort came not counted yet: the count,
+        3, below the ledger's, 4, was exactly the surely counted requests)."""
+        times, sched = self.sched["t_s"], self.sched
+        ids, _, counted, first, added, _ = self.ledger_rows
+        doubt = self.englog.entry_doubt_s(self.target)
+        new = (ids != self.rid) & (added >= self.t_ref - LOG_SLACK_S - doubt)
+        before = np.nonzero(self.baseline.before)[0]
+        if len(before) and self.count_surely_with_this[before[-1]]:
+            b = before[-1]
+            new |= (ids != self.rid) & counted[:, b] & (first > times[b])
+        surely_new = (counted[new] & (times >= first[new, None])).any(axis=0)
+        return surely_new & self.count_surely & (sched["kv"] <= kv_before + 1e-12)
+
+    @cached_property
+    def ledger_rows(self) -> _LedgerRows:
+        """The ledger's requests whose first token had not reached their client at the stretch's start, less those
+        it stopped counting by then (they count nowhere in it)."""
+        times, r = self.sched["t_s"], self.reqs
+        if not len(times):
+            keep = np.zeros(len(r.ids), dtype=bool)
+        else:
+            with np.errstate(invalid="ignore"):  # sent before the stretch's end, no first token by its start
+                keep = (r.sent <= times[-1]) & (r.first > times[0]) & (self.ends_s > times[0])
+        keep &= ~self.not_entered_rows
+        added = np.nan_to_num(self.added_s[keep], nan=-math.inf)
+        sent, end = r.sent[keep], self.ends_s[keep]
+        counted = in_between(times, np.maximum(sent, added), end)
+        return _LedgerRows(r.ids[keep], r.seqs[keep], counted, r.first[keep], added, sent)
+
+    @cached_property
+    def ends_s(self) -> np.ndarray:
+        """Per row of the ledger: where it stops counting the request (ledger_ends, else its client's close; inf
+        while open)."""
+        return self.reqs.ends(self.ledger_ends) if self.frame_ends_s is None else self.frame_ends_s
+
+    @cached_property
+    def not_entered_rows(self) -> np.ndarray:
+        return np.isin(self.reqs.ids, list(self.not_entered)) if self.not_entered else np.zeros(len(self.reqs.ids), bool)
+
+    def _count_surely(self, unseen: np.ndarray, ledger: np.ndarray) -> np.ndarray:
+        exact = (np.abs(self.sched["count"] - (ledger - unseen)) < 1e-9) & (self.finished_unseen < 0.5)
+        ends = self.own_ends_unread
+        if ends is None:
+            # a sure one the engine had ended (a slow reader) may leave room in the count for another: with none
+            # unseen, the count is the ledger's whole (as before vLLM said why its requests ended); with some,
+            # that room is theirs or this one's, and nothing says which
+            return exact & (unseen < 0.5)
+        # the ends as of the sample, not of the gauges (an end counted before the engine drops its request only
+        # makes the count less sure), and none credited that only could have been
+        with np.errstate(invalid="ignore"):
+            return exact & ((unseen < 0.5) | (ends < 0.5))
+
+    @cached_property
+    def count_surely(self) -> np.ndarray:
+        """Per sample of the stretch: the count holds the other requests the ledger counts that are surely
+        counted by the engine, and no other. The ledger counts a request from its Added line, the gauges only
+        from the engine's next step (on a starved host, seconds later); vLLM sets them from a step before it
+        sends that step's tokens on, so one whose first token reached its client is surely counted (vLLM 0.32's
+        output handler yields before it sets them only in a step of over 128 outputs, or with a stop string's
+        abort to send, and for no longer than that: a scrape served in between is not ruled out). One the
+        ledger ended after the engine's last step may be counted still (ended_unseen). A count of exactly the
+        sure ones, with no request ended by itself that the ledger still counts (finished_unseen), holds none
+        else: not this one, nor those the engine may not count yet or may count still."""
+        return self._count_surely(self.others_unseen, self.without)
+
+    @cached_property
+    def others_entering(self) -> np.ndarray:
+        """Per sample of the stretch: sequences of the other requests the ledger counts that the gauges may not
+        count yet: no first token at their client, and sent (where the log names it, Added) less than ENTER_S
+        before, LAG_S more for a hop. Past that the engine surely counts one, waiting or running: a non-streaming
+        request, or one queued behind max_num_seqs, shows no token for long and is counted all the same."""
+        ids, seqs, counted, first, added, _ = self.ledger_rows
+        since = np.maximum(self.ledger_rows.sent, added)
+        times = self.sched["t_s"]
+        others = ids != self.rid
+        recent = times < since[:, None] + ENTER_S + LAG_S
+        return seqs[others] @ (counted[others] & (times < first[others, None]) & recent[others])
+
+    @cached_property
+    def others_unseen(self) -> np.ndarray:
+        """Per sample of the stretch: sequences of the other requests the ledger counts whose first token had not
+        reached their client: the engine may not count them yet (count_surely)."""
+        ids, seqs, counted, first, _, _ = self.ledger_rows
+        others = ids != self.rid
+        return seqs[others] @ (counted[others] & (self.sched["t_s"] < first[others, None]))
+
+    def confirmed_past_ended_unseen(self, count_ok: np.ndarray, bound: np.ndarray) -> np.ndarray:
+        """Per sample of the stretch: a count reconciled there (`count_ok`) only by other requests the ledger
+        ended after the engine's last step (ended_unseen: the gauges may count them still) is borne out where the
+        gauges first hold those ends (the first sample whose gauges hold every end before this one: settled),
+        and so on, until a sample reconciled with no such allowance. Until then the count may hold this request
+        in their place (seen through a proxy that never passed the cancel on, no request log: a neighbour that
+        ended 43 ms before a sample left room in a count of 1 for this request, running on for 13 s, and the
+        neighbour's blocks going back read as this one's; at half the sampling rate, the probe's end then left
+        the same room at the sample that was to bear it out). True where the count needs no such allowance."""
+        # over the bound less that allowance: reconciled, if at all, only by those ends
+        allowed = (self.ended_unseen > 0.5) & (self.sched["count"] > bound - self.ended_unseen + 1e-9) & count_ok
+        out = np.ones(len(allowed), dtype=bool)
+        for i in np.nonzero(allowed)[0]:
+            k = self.past_unseen_ends(int(i), allowed)
+            out[i] = k is not None and bool(count_ok[k])
+        return out
+
+    def past_unseen_ends(self, i: int, allowed: np.ndarray) -> int | None:
+        """From sample `i` on, each reading that rests on ends after the engine's last step (`allowed`) followed to
+        where the gauges hold those ends: the first sample whose reading does not; None where the stretch ends
+        first."""
+        while allowed[i]:
+            j = self.where_ends_settle(i)
+            if j is None or j <= i:
+                return None
+            i = j
+        return i
+
+    def where_ends_settle(self, i: int) -> int | None:
+        """The first sample, from `i` on, whose gauges hold every end before sample `i` (settled); None where the
+        stretch holds none."""
+        settled = self._settled_ever
+        j = max(int(np.searchsorted(settled, i, side="left")), i)
+        return j if j < len(settled) else None
+
+    @cached_property
+    def _settled_ever(self) -> np.ndarray:
+        return np.maximum.accumulate(self.settled)  # the gauges never un-hold an end
+
+    def count_reading(self, i: int, compared_with: float | None = None, also_open: list[dict] = ()) -> dict:
+        """What the count at sample `i` of the stretch was read against, as data (Evidence.count_reading): the
+        engine's count; the fewest and the most of the other requests the engine could hold there, by the ledger
+        and what it cannot see; the requests that keep those two apart, each with why (`also_open`: more the
+        rule allowed for); and the bound the rule compared the count with, where it compared one."""
+        times = self.sched["t_s"]
+        t = float(times[i])
+        ids, seqs, counted, first, _, _ = self.ledger_rows
+        others = ids != self.rid
+        no_token = others & counted[:, i] & (t < first)
+        open_ = [{"request_id": str(r), "reason": "first_token_not_at_client"} for r in ids[no_token]]
+        ended_ids, _, ended = self._ended_after_last_step
+        open_ += [{"request_id": str(r), "reason": "ended_after_engines_last_step"} for r in ended_ids[ended[:, i]]]
+        unread = int(round(float(self.finished_unseen[i])))
+        if unread:
+            open_.append({"request_id": None, "reason": "ended_by_itself_unread", "count": unread})
+        others_now = float(self.without[i])
+        return {"at_s": round(t, 3), "count": float(self.sched["count"][i]),
+                "others_fewest": max(0.0, others_now - float(seqs[no_token].sum()) - unread),
+                "others_most": others_now + float(self.ended_unseen[i]),
+                "compared_with": None if compared_with is None else float(compared_with),
+                "open": open_ + list(also_open)}
+
+    @cached_property
+    def unseen_with_this(self) -> np.ndarray:
+        """Per sample of the stretch: sequences the ledger counts whose first token had not reached their client,
+        this request's among them (before its stop)."""
+        _, seqs, counted, first, _, _ = self.ledger_rows
+        unseen = seqs @ (counted & (self.sched["t_s"] < first[:, None]))
+        if self.rid in self.not_entered and self.lrow is not None:
+            # the log shows it never entered, yet it is the ledger's until its stop (judge_vllm's case)
+            times, t0 = self.sched["t_s"], self.run.info["started_mono_ns"]
+            unseen = unseen + self.n * ((times >= (self.lrow["sent_mono_ns"] - t0) / 1e9) & (times < self.t_stop))
+        return unseen
+
+    @cached_property
+    def count_surely_with_this(self) -> np.ndarray:
+        """count_surely with this request among those the engine may not count yet (before its stop)."""
+        return self._count_surely(self.unseen_with_this, self.inflight)
+
+    @cached_property
+    def finished_unseen(self) -> np.ndarray:
+        """Per sample of the stretch: requests the engine had ended by themselves that the ledger still counts,
+        at the least. From the stretch's first sample (a second before the stop: a watch's window holds it
+        too), every end of the engine's own (vllm:request_success_total: series.own_ends) is one of the
+        requests the ledger counts, or one it no longer counts there: one whose end reached its client; one
+        it stopped counting in the stretch (a cancel, an error) that could have ended before its abort line
+        (the driver's requests, with ignore_eos, only once 1.25 times the fastest one sequence went in the
+        window could have made their max_tokens; another only with no abort line: the API server logs none
+        for a request that ended before its client left); one it stopped counting before, as many as the
+        engine counted beyond the ledger at the stretch's first sample. More ends than those, up to the
+        requests the ledger counts: the ledger counts requests the engine had ended. A client reading slowly,
+        or a hop buffering, ends a request in the ledger long after the engine ended it: counted by the
+        ledger and not by the engine, it stands in, in a count at the ledger's, for this one kept
+        (engine_done.py cannot tell: the kept one fills the count; an end longer before the stop is its,
+        where the log names every request)."""
+        sched = self.sched
+        times, fin = sched["t_s"], sched["finished"]
+        if not len(times) or np.isnan(fin[0]):
+            return np.zeros(len(times))  # the engine does not say why its requests ended
+        t_w, r = float(times[0]), self.reqs
+        sent, ends, t_abort, seqs = r.sent, self.ends_s, self.aborted_s, r.seqs
+        completed = r.completed & np.isfinite(r.closed)
+        # the earliest each could have ended by itself: one that may end at any token (not the driver's) before
+        # its abort line only as its last output crossed its client's leaving, a race the log cannot show
+        from_s = np.where(np.isfinite(t_abort), t_abort, -math.inf)
+        # the fastest one sequence went within the window (a watch's window holds it too: the whole run's may
+        # be faster, and judge otherwise)
+        solo = self.stretch_solo_rate
+        rate = None if solo is None else PACE_MARGIN * solo
+        bounded = r.bounded
+        from_s[bounded] = sent[bounded] + r.max_tokens[bounded] / rate if rate else -math.inf
+        # each request the ledger no longer counts that may have ended by itself in the stretch, from when
+        with np.errstate(invalid="ignore"):
+            could = ~np.isnan(sent) & np.where(completed, ends > t_w,
+                                               np.isfinite(ends) & (t_abort > t_w) & (from_s < t_abort))
+        start = np.maximum(ends, from_s)
+        early = could & ~completed & (ends < t_w)
+        late = could & ~early
+        surplus = np.nan_to_num(sched["count"][0] - self.inflight[0] - self.ended_unseen[0])
+        explained = _sum_from(times, start[late], seqs[late]) \
+            + np.minimum(max(surplus, 0.0), _sum_from(times, start[early], seqs[early]))
+        # the counter as of the gauges: an end the API server made (a stop string) is counted a step or two
+        # before the engine drops the request
+        rose = np.nan_to_num(fin[np.maximum(self.settled, 0)] - fin[0])
+        return np.clip(rose - explained, 0.0, np.maximum(self.inflight, 0.0))
+
+    @cached_property
+    def own_ends_unread(self) -> np.ndarray | None:
+        """Per sample of the stretch: the engine's own ends (vllm:request_success_total: stop, length, repetition)
+        since the stretch's first sample that no completion the ledger saw by then reads: a completed request's
+        close reads one end counted in the stretch before it, within LAG_S (an end reaches its client within
+        LAG_S, at the most assumed; vLLM counts it before it sends the last token). Unlike finished_unseen, no
+        end that only could have been (a cancel's) is read, and no close reads an end it cannot be (one counted
+        after it, or long before: a slow reader's close, its end before the stretch, reads none): above zero, a
+        request the ledger counts as surely in the engine may have ended there unread (a slow reader). NaN where
+        the counter was not read; None where the engine does not say why its requests ended."""
+        times, fin = self.sched["t_s"], self.sched["finished"]
+        if not len(times) or np.isnan(fin[0]):
+            return None
+        closed = self.reqs.closed
+        with np.errstate(invalid="ignore"):
+            # a close past the stretch's last sample reads nothing in it
+            completed = self.reqs.completed & (closed > times[0]) & (closed <= times[-1])
+        read = np.nonzero(~np.isnan(fin))[0]
+        # each end counted in the stretch: after the read sample before the one that shows it, by that one
+        rises = [(times[p], times[q]) for p, q in zip(read[:-1], read[1:])
+                 for _ in range(int(round(max(fin[q] - fin[p], 0.0))))]
+        taken = [False] * len(rises)
+        reads = []
+        for c in np.sort(closed[completed]):
+            for k, (after, by) in enumerate(rises):
+                if not taken[k] and after < c and by >= c - LAG_S:
+                    taken[k] = True
+                    reads.append(c)
+                    break
+        return fin - fin[0] - _sum_from(times, np.array(reads, dtype=float), np.ones(len(reads)))
+
+    @cached_property
+    def blocks_of_the_running(self) -> np.ndarray:
+        """Per sample of the stretch: every KV block in use is one the running requests hold, at one each (KV
+        usage is blocks in use over num_gpu_blocks - 1, from vllm:cache_config_info), and no running request
+        shares a block with another: the prefix cache gave no prompt a hit, and the scheduler preempted none,
+        since the first of them entered (blocks are shared through a hit, or a preempted request resumed from
+        the cache). A running request holds at least one block of its own (its last: vLLM never takes a
+        prompt's last token from the cache), so none is left for one the count no longer holds (read where the
+        count holds the surely counted requests and no other: count_surely). Seen under AIPerf at
+        concurrency 4: an abort, and in the same step two newcomers (one on its way at the stop): 3 blocks
+        for 3 requests at the stop, 4 for 4 after it, usage never lower within the grace."""
+        times, sched = self.sched["t_s"], self.sched
+        out = np.zeros(len(times), dtype=bool)
+        pool = _pool_blocks(self.run, self.target)
+        hits = sched["prefix_hits"]
+        if pool is None or not len(times):
+            return out
+        # the earliest entry of a ledger request in the engine from the stop on: no hit may come after it
+        r = self.reqs
+        live = ~np.isnan(r.sent) & ~(self.ends_s < self.t_stop)
+        first_in = float(np.min(np.where(np.isnan(self.added_s), r.sent, self.added_s - LOG_SLACK_S)[live],
+                                initial=math.inf))
+        all_t, all_hits = self.frame_cols["t_s"], self.frame_cols["prefix_hits"]
+        i0 = int(np.searchsorted(all_t, first_in, side="right")) - 1
+        if i0 < 0 or np.isnan(all_hits[i0]):
+            return out  # hits not read from before the first entry: sharing cannot be ruled out
+        base = all_hits[i0]
+        running = sched["count"] - np.nan_to_num(sched["waiting"])
+        used = np.round(sched["kv"] * (pool - 1))
+        pre = sched["preemptions"]
+        with np.errstate(invalid="ignore"):
+            no_hit = np.logical_and.accumulate(~np.isnan(hits) & (hits <= base))
+            # a preempted request resumed from the cache shares blocks without the hits counter moving (vLLM
+            # counts its hits apart and does not serve them)
+            pre_base = self.frame_cols["preemptions"][i0]
+            no_preempt = np.logical_and.accumulate(~np.isnan(pre) & (pre <= pre_base)) if not np.isnan(pre_base) \
+                else np.zeros(len(times), dtype=bool)
+            return no_hit & no_preempt & self.count_surely & (used <= running) & (times >= first_in)
+
+    @cached_property
+    def entering(self) -> np.ndarray:
+        """Per sample of the stretch: another request of the ledger is entering the engine, from its Added
+        line to its first token, and at most ENTER_S (a non-streamed answer's first byte is its end). The
+        ledger counts it from its Added line, the gauges only from the engine's next step (on a starved host,
+        several samples later): a count at the ledger's there could hold this one in its place."""
+        times, added = self.sched["t_s"], self.added_s
+        doubt = self.englog.entry_doubt_s(self.target)
+        lo, hi = added - LOG_SLACK_S, np.minimum(self.reqs.first, added + doubt + ENTER_S)
+        keep = (self.reqs.ids != self.rid) & ~np.isnan(added)
+        if len(times):
+            keep &= (lo <= times[-1]) & (hi > times[0])
+        return in_between(times, lo[keep], hi[keep]).any(axis=0)
+
+    @cached_property
+    def entries(self) -> list[float]:
+        """When each engine request under this id first entered the engine, by its log, in time order."""
+        return sorted(self.englog.entered.get((self.target, self.rid), {}).values())
+
+    @cached_property
+    def remaining(self) -> int | None:
+        """Tokens the client had still to receive at the stop (a race when only a few); None: not known."""
+        lrow = self.lrow
+        if lrow is None or pd.isna(lrow.get("max_tokens")) or self.tokens_at_cancel is None:
+            return None
+        return int(lrow["max_tokens"]) * self.n - int(self.tokens_at_cancel)
+
+    def own_ends_between(self, t_from: float, t_to: float) -> float | None:
+        """Requests the engine ended by themselves from `t_from` to `t_to`, both included (its frame's
+        vllm:request_success_total, by finish reason); None where it does not say or the frame holds neither end."""
+        times, fin = self.frame_cols["t_s"], self.frame_cols["finished"]
+        lo = int(np.searchsorted(times, t_from, side="left")) - 1  # the sample before: an end at t_from counts
+        hi = int(np.searchsorted(times, t_to, side="right")) - 1
+        if lo < 0 or hi < lo or np.isnan(fin[lo]) or np.isnan(fin[hi]):
+            return None
+        return float(fin[hi] - fin[lo])
+
+    @cached_property
+    def stretch_solo_rate(self) -> float | None:
+        """The fastest one sequence went within the window (tokens/s; None where none ran alone there): a watch's
+        window holds it too, where the whole run's may be faster and judge otherwise."""
+        sched = self.sched
+        w = sched["t_s"] <= self.t_end
+        return solo_tokens_per_s(sched["t_s"][w], (sched["count"] - np.nan_to_num(sched["waiting"]))[w],
+                                 sched["waiting"][w], sched["gen_tokens"][w])
+
+    def may_have_run_out_by(self, t: float) -> str | None:
+        """With no abort known (no request log, no relay), whether the request could have ended on its own by `t`
+        (what it could have run out, in words), else None. The driver's requests (ignore_eos) cannot before their
+        max_tokens at the fastest one sequence went in the window (stretch_solo_rate), a quarter added, from their
+        send (a hop that buffers, or a non-streaming answer, holds back tokens the engine had made). Any of them
+        can have run out by then, but an end of its own is one of the engine's (vllm:request_success_total, by
+        finish reason, counts no abort; vLLM counts it in the step that drops the request, or before): where the
+        counter rose from the stop to `t` by no more than the other requests whose end reached their client then,
+        none was this one's (seen straight to the engine: a race's cancel two tokens before the end, the count one
+        lower at the first sample after the stop and the counter not moved, the abort having won)."""
+        if self.t_abort is not None:
+            return None
+        lrow, rate, t0 = self.lrow, self.stretch_solo_rate, self.run.info["started_mono_ns"]
+        tokens_out = None  # what it could have run out by then, by its tokens
+        if lrow is not None and lrow.get("scenario") != WATCHED_SCENARIO and not pd.isna(lrow.get("max_tokens")) \
+                and not pd.isna(lrow.get("sent_mono_ns")) and rate:
+            tokens, fastest = int(lrow["max_tokens"]), PACE_MARGIN * rate
+            if t < (lrow["sent_mono_ns"] - t0) / 1e9 + tokens / fastest:
+                return None
+            tokens_out = f"its {tokens} token(s) (at {fastest:.0f} tokens/s from its send)"
+        # the counter and the clients' reads both to `t`: read later, other requests' ends outnumber the reads
+        # (seen: a burst's releases read as ends of their own); a read counted later than the counter excuses an end
+        # of this one's own by a neighbour's end read a moment after (a watched request that ran out in the grace)
+        times, fin = self.sched["t_s"], self.sched["finished"]
+        before = np.nonzero(self.baseline.before)[0]
+        at = int(np.searchsorted(times, t, side="right")) - 1
+        if not len(before) or at < 0 or np.isnan(fin[before[-1]]) or np.isnan(fin[at]):
+            return tokens_out or "its last tokens (the engine does not say why its requests ended)"
+        t_b, ends = float(times[before[-1]]), float(fin[at] - fin[before[-1]])
+        r = self.reqs
+        with np.errstate(invalid="ignore"):
+            read = (r.ids != self.rid) & r.completed & (r.closed > t_b) & (r.closed <= t)
+        if ends <= float(r.seqs[read].sum()) + 1e-9:
+            return None
+        return tokens_out or "its last tokens (the engine ended requests of its own then that no other's end accounts for)"
+
+    @cached_property
+    def moved(self) -> np.ndarray:
+        return _moved_since(self.sched, self.t_ref if self.t_abort is not None else self.t_stop)
+
+    @cached_property
+    def in_grace(self) -> np.ndarray:
+        times = self.sched["t_s"]
+        return (times >= self.t_ref) & (times <= self.t_ref + self.grace_s)
+
+    @cached_property
+    def kept_at_grace_end(self) -> _Kept:
+        """How many requests the count holds beyond the ledger's others (`without`) where the grace ends: at its
+        last refreshed sample (one taken between the abort and the engine's next step still shows the count from
+        before it), less the other requests' ends after the engine's last step (ended_unseen: not in its gauges
+        yet); where the count is within the ledger's only by those ends, at the first sample whose gauges hold
+        them. What `held` reads a leak by, and what shows a request the engine ran ahead of before the stop still
+        there after it."""
+        sched, in_grace = self.sched, self.in_grace
+        gen = sched["gen_tokens"][in_grace]
+        gen = gen[~np.isnan(gen)]
+        all_excess = sched["count"] - self.without - self.ended_unseen
+        excess = all_excess[in_grace]
+        refreshed = np.nonzero(self.moved[in_grace])[0]
+        at_end = int(refreshed[-1]) if len(refreshed) else -1
+        value, i, k = (float(excess[at_end]) if len(excess) else None), None, None
+        if len(excess):
+            i = int(np.nonzero(in_grace)[0][at_end])
+            allowed = (all_excess <= 0) & (self.ended_unseen > 0.5) & (sched["count"] > self.without + 1e-9)
+            k = self.past_unseen_ends(i, allowed)
+            if k is not None:
+                value = float(all_excess[k])
+        return _Kept(excess, at_end, i, i if k is None else k, value, len(gen) >= 2 and gen[-1] > gen[0],
+                     float(gen[-1] - gen[0]) if len(gen) >= 2 else None)
+
+    def lost_in_app(self) -> dict | None:
+        # the client reads on until the app ends the stream: many tokens after the stop and an end past the
+        # grace say the cancel did not take, but tokens a buffering hop held back say nothing of the engine:
+        # `confirmed` only on the engine's word (engine_doubt)
+        lrow = self.lrow
+        if self.app_answer is None or lrow is None or pd.isna(lrow.get("closed_mono_ns")):
+            return None
+        if self.app_answer.startswith("already_"):
+            return None  # the app says the request had ended before the cancel came: the race's rule
+        tokens = 0 if pd.isna(lrow.get("tokens_after_cancel")) else int(lrow["tokens_after_cancel"])
+        after_s = (float(lrow["closed_mono_ns"]) - self.run.info["started_mono_ns"]) / 1e9 - self.t_stop
+        if tokens <= RACE_TOKENS * self.n or after_s <= self.grace_s:
+            return None
+        doubt, reading = self.engine_doubt()
+        return {"answer": self.app_answer, "tokens": tokens, "after_s": after_s, "grace_s": self.grace_s,
+                "confirmed": doubt is None, "doubt": doubt or "", "reading": reading}
+
+    def engine_doubt(self) -> tuple[str | None, dict | None]:
+        """(None, the count reading at the grace's last sample read) where the engine's samples show it kept this request across the grace after the stop: at
+        every sample there the server counted each request the ledger had open, this one included (less
+        those whose client read their end within LAG_S after: a hop delivers an end a moment after the
+        engine made it; and those sent within LAG_S before: a hop and the API server hand a request on a
+        moment after its send), and its token counter rose. Else what stands in the way, in words: another
+        target stopped in the scenario (the count cannot say which one the engine kept), other traffic, a
+        restart, a hole in the engine's log or a log clock that cannot be placed, the engine ahead of the
+        client before the stop, too few samples, a counter that did not rise, a sample short of the ledger
+        (with that sample's count reading: Evidence.count_reading, the ledger's requests ending or starting
+        around it open).
+
+        Where the engine had run ahead of the client before the stop (it counted fewer than the ledger: a
+        request it had finished was still reaching its client; CI: the neighbour's end, just before the stop),
+        the count cannot say which request was gone, the target included. Only the samples after every
+        other request open then has been read to its end are read, and only those no request ending or
+        starting around them could stand in for the target at: the server counting the ledger's whole open
+        set there holds the target."""
+        ahead = "the engine had run ahead of the client before the stop"
+        if self.restart():
+            return "the engine restarted in the window", None
+        if self.log_gap() or self.log_clock_off():
+            return "the engine log cannot be read across the window", None
+        logged, counted = self.foreign_traffic()
+        if logged or counted >= 2:
+            return "requests the run did not send reached the engine in the window", None
+        r = self.reqs
+        mates = (r.ids != self.rid) & ((r.scenario == self.scenario) if self.scenario is not None else False)
+        if (mates & ~np.isnan(r.cancel)).any():
+            return "another request of the scenario was cancelled beside it", None
+        times = self.sched["t_s"]
+        # the ledger's open requests with this one among them, whatever the frame made of its stay (its client's
+        # close, the count's surplus): that is what the count must hold
+        count, gen, inflight = self.sched["count"], self.sched["gen_tokens"], self.without + self.n
+        grace = (times >= self.t_stop) & (times <= self.t_stop + self.grace_s) & ~np.isnan(count) & ~np.isnan(gen)
+        if self.ahead:
+            grace &= times > self.ahead_read_until()
+        others = r.ids != self.rid
+        ids = r.ids[others].astype(str)
+        closes, sends = r.closed[others], r.sent[others]  # NaN: never closed (never sent), never in a span
+        # the server read its gauges somewhere in the scrape's span (CI: an app busy generating answered its
+        # /metrics ~1 s after the tick): a request whose client read its end by then may be gone, and one sent
+        # by then may be counted though the ledger's tick does not hold it yet; one sent within LAG_S before
+        # the tick may not be the engine's yet
+        at = np.flatnonzero(grace)
+        spans = self.sched["scrape_s"][at]
+        ending = _within(closes, times[at], times[at] + spans + LAG_S)
+        starting = _within(sends, times[at] - LAG_S, times[at])
+        arriving = _within(sends, times[at], times[at] + spans)
+        if self.ahead:
+            # no slack where any request might stand in for the target
+            keep = (ending == 0) & (starting == 0) & (arriving == 0)
+            at, spans, ending, starting, arriving = at[keep], spans[keep], ending[keep], starting[keep], arriving[keep]
+        if len(at) < 2:
+            return (ahead if self.ahead else f"{len(at)} scheduler sample(s) answered in the grace"), None
+        if not gen[at][-1] > gen[at][0]:
+            return "the engine's token counter did not rise across the grace", None
+
+        def reading(i: int, t: float, sp: float, held_to: float) -> dict:
+            # the ledger's requests whose end or start around the sample leaves the count's reading open
+            near = [(ids[(closes > t) & (closes <= t + sp + LAG_S)], "end_read_within_lag"),
+                    (ids[(sends <= t) & (sends > t - LAG_S)], "sent_within_lag"),
+                    (ids[(sends > t) & (sends <= t + sp)], "sent_during_its_scrape")]
+            return self.count_reading(i, held_to, [{"request_id": str(r), "reason": why}
+                                                   for rs, why in near for r in rs])
+
+        for i, t, sp, k, f, e, s, a in zip(at, times[at], spans, count[at], inflight[at], ending, starting, arriving):
+            if k - a < f - e - s - 0.5:
+                late = f", {a} sent while its scrape was being answered" if a else ""
+                return ((f"{t - self.t_stop:.2f} s after the stop the server counted {k:g} request(s){late} where "
+                         f"the ledger had {f:g} open"), reading(i, t, sp, f - e - s + a))
+        i = at[-1]
+        return None, reading(i, times[i], spans[-1], inflight[i] - ending[-1] - starting[-1] + arriving[-1])
+
+    def ahead_read_until(self) -> float:
+        """When the last of the other requests the ledger had open at the sample before the stop was read to
+        its end (plus LAG_S), the engine having run ahead of the client there: from then on no request the
+        engine finished early is still on its way. inf where one of them never ended."""
+        times, r = self.sched["t_s"], self.reqs
+        t_b = float(times[self.baseline.before][-1])
+        sent, gone = r.sent, r.ends(self.ledger_ends, fallback=r.closed)  # NaN: never closed
+        open_then = (r.ids != self.rid) & (sent <= t_b) & ~(gone <= t_b)
+        return float(np.max(gone[open_then], initial=t_b)) + LAG_S if not np.isnan(gone[open_then]).any() else math.inf
+
+    def samples_in_grace(self) -> int | None:
+        # only where the run recorded a hole in the scheduler's scrapes across the grace (failed or missed
+        # ticks): a rate chosen slow (--hz) leaves few samples and no hole, and is not an outage
+        hole = _gaps_over(self.gaps, self.t_ref, self.t_ref + self.grace_s)
+        if not len(hole) or not (hole["source"] == "vllm").any():
+            return None
+        return int(self.in_grace.sum())
+
+    def note_race(self) -> None:
+        if self.remaining is not None and self.remaining <= RACE_TOKENS:
+            self.ev.race = f"the stop came {self.remaining} token(s) before the end: the completion could win"
+
+
+def _case(run: Run, frame: _Frame, englog: _EngineLog, trace: dict, same: dict, *, data: dict, rid: str,
+          target: str | None, lrow: dict | None, t_stop: float, grace_s: float, t0: int, missed: dict | None,
+          gone_until: float) -> VllmCase:
+    cols_all, inflight_all, solo_rate, ledger_ends, not_entered = (frame.cols, frame.inflight, frame.solo_rate,
+                                                                   frame.ends, frame.not_entered)
+    cid = data.get("cancel_id")
+    log_state = engine_log_state(run, target)
+    has_log = log_state == "read"
+    t_app, app_src = trace.get(("app_received", cid), (None, None))
+    t_relay_abort, _ = trace.get(("engine_abort", cid), (None, None))
+    t_closed, _ = trace.get(("client_closed", cid), (None, None))
+    t_log_abort = englog.abort_after(target, rid, t_stop) if has_log else None
+    t_abort = t_log_abort if t_log_abort is not None else t_relay_abort
+    # requests sent after the stop: the probe, and whatever may take the freed blocks
+    if lrow is None:
+        cancel_ns = 0.0
+    else:
+        cancel_ns = math.inf if pd.isna(lrow["cancel_mono_ns"]) else float(lrow["cancel_mono_ns"])
+    t_probe = first_probe_s(same, cancel_ns, t0)
+    abort_source = "engine_log" if t_log_abort is not None else "relay"
+    sources = {
+        "user_stop": ("client", None),
+        "app_received": (app_src, None) if t_app is not None else (None, NO_APP),
+        "engine_abort": ((abort_source, None) if t_abort is not None
+                         else (None, "no abort in the engine log" if has_log else NO_LOG)),
+        "left_scheduler": (None, "not seen in the samples"),
+        "reusable": ("client", None) if t_probe is not None else (None, "no probe got a first token"),
+    }
+    terminal = None if lrow is None else lrow["terminal_state"]
+    completed = terminal == "completed" and t_abort is None
+    # the instant the release is looked for from: the engine's abort, else (no log) the client's own
+    # close, else the completion the client read, else the stop itself
+    if t_abort is not None:
+        t_ref = t_abort
+    elif completed and lrow is not None:
+        t_ref = (lrow["closed_mono_ns"] - t0) / 1e9
+    elif has_log:
+        t_ref = t_stop
+    else:
+        t_ref = t_closed if t_closed is not None else t_stop
+    t_ref = max(t_ref, t_stop) if not completed else t_ref
+    # each cancel looks at its own stretch of the run: an hour at 20 Hz is 72,000 samples a series
+    lo = int(np.searchsorted(cols_all["t_s"], t_stop - 1.0, side="left"))
+    t_end = max(t_ref, t_stop) + grace_s
+    # past the horizon only where a scrape outage covers the window: the first sample after it is what
+    # shows an engine restart (a slow engine takes longer than the horizon to come back)
+    horizon = max(max(t_ref, t_stop) + HORIZON_S, _outage_end(frame.gaps, t_stop - 1.0, t_end) + 1.0)
+    hi = int(np.searchsorted(cols_all["t_s"], horizon, side="right"))
+    sched = {c: a[lo:hi] for c, a in cols_all.items()}
+    inflight = inflight_all[lo:hi]
+    if rid in not_entered and lrow is not None:
+        # its own request, that the log does not name, stays the client's count until its stop: the count
+        # before the stop is read against it, and the rules say why the log does not name it (never_added)
+        n = 1 if pd.isna(lrow.get("n")) else int(lrow["n"])
+        inflight = inflight + n * ((sched["t_s"] >= (lrow["sent_mono_ns"] - t0) / 1e9) & (sched["t_s"] < t_stop))
+    hits_at_admission = _admission_hits(cols_all, englog.added.get((target, rid)), lrow, t0, t_stop)
+    window = (sched["t_s"] >= t_stop - 1.0) & (sched["t_s"] <= t_end)
+    ev = Evidence(grace_s=grace_s, metrics_target=target, samples_in_window=int(window.sum()), engine_log=log_state)
+    tp = {"user_stop": t_stop, "app_received": t_app,
+          "engine_abort": None if t_abort is None else max(t_abort, t_stop), "left_scheduler": None,
+          "reusable": t_probe}
+    return VllmCase(rid=rid, scenario=data.get("scenario"), phase=data.get("phase"), terminal=terminal, t_stop=t_stop,
+                    grace_s=grace_s, ev=ev, tp=tp, sources=sources, completed=completed, missed=missed,
+                    t_abort=t_abort, abort_source=abort_source,
+                    abort_resolution_s=englog.resolution_of(target, rid) if t_log_abort is not None else 0.0,
+                    run=run, englog=englog, target=target, has_log=has_log, t_log_abort=t_log_abort, t_ref=t_ref,
+                    t_end=t_end, sched=sched, inflight=inflight, lrow=lrow,
+                    tokens_at_cancel=data.get("tokens_at_cancel"), gone_until=gone_until,
+                    hits_at_admission=hits_at_admission, frame_cols=cols_all, solo_rate=solo_rate,
+                    ledger_ends=ledger_ends, assumed_gone=frame.assumed_gone, not_entered=not_entered,
+                    reqs=frame.reqs, added_s=frame.added_s, aborted_s=frame.aborted_s, gaps=frame.gaps,
+                    frame_ends_s=frame.ends_s.copy())
+
+
+def _admission_hits(cols: dict[str, np.ndarray], added: list[float] | None, lrow: dict | None, t0: int,
+                    t_stop: float) -> float | None:
+    """Prompt tokens the prefix cache gave while this request was admitted: prefix_cache_hits_total's
+    rise from the last sample before it entered (its Added line, else its send) to the first at or after
+    its first token (else its stop). The driver sends nothing else meanwhile; None where unknown."""
+    if lrow is None or pd.isna(lrow.get("sent_mono_ns")):
+        return None
+    t_in = min(added) if added else (lrow["sent_mono_ns"] - t0) / 1e9
+    first = lrow.get("first_token_mono_ns")
+    t_first = t_stop if first is None or pd.isna(first) else (first - t0) / 1e9
+    t, hits = cols["t_s"], cols["prefix_hits"]
+    i0, i1 = int(np.searchsorted(t, t_in, side="right")) - 1, int(np.searchsorted(t, t_first, side="left"))
+    if i0 < 0 or i1 >= len(t) or np.isnan(hits[i0]) or np.isnan(hits[i1]):
+        return None
+    return float(hits[i1] - hits[i0])
+
+
+def _within(at: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Per (lo, hi]: how many of the instants `at` fall in it (NaN: in none)."""
+    srt = np.sort(at[~np.isnan(at)])
+    return np.searchsorted(srt, hi, side="right") - np.searchsorted(srt, lo, side="right")
+
+
+def _moved_since(sched: dict[str, np.ndarray], t: float) -> np.ndarray:
+    """Per sample: a sample at or after `t` that moved (count, KV or generated tokens) since the last
+    one before `t`, or follows one that did. Gauges refresh only on an engine step: a release is only
+    shown by a refreshed sample."""
+    times = sched["t_s"]
+    pre = np.nonzero(times < t)[0]
+    if not len(pre):
+        return np.ones(len(times), dtype=bool)
+    p = pre[-1]
+    moved = np.zeros(len(times), dtype=bool)
+    for col in ("count", "kv", "gen_tokens"):
+        vals = sched[col]
+        moved |= ~np.isclose(vals, vals[p], equal_nan=True)
+    return np.maximum.accumulate(moved & (times >= t))
+
+
+def _three_without(still: np.ndarray) -> np.ndarray:
+    """Per refreshed sample: it and the next two do not count the request. Gone is only believed from
+    three in a row: a request sent after the stop is in the ledger a step before the server counts it,
+    and must not read as this one leaving."""
+    out = ~still
+    for k in (1, 2):
+        out[:-k] &= ~still[k:]
+    return out
+
+
+def _restart_in(gaps: _Gaps, sched: dict[str, np.ndarray], t_from: float, t_to: float,
+                spans: np.ndarray) -> str | None:
+    """How an engine restart shows between the instants `t_from` and `t_to`, else None: the target
+    lost in between, or the engine's token counter going back (a new process counts from 0) and
+    staying back. A scrape outage that covers part of the window stretches it to the first sample
+    after the outage: a restart takes longer than any grace, and only that sample shows it."""
+    mine = _gaps_over(gaps, t_from, t_to)
+    if len(mine) and (mine["kind"] == "lost").any():
+        return "the target was lost"
+    t_to = max(t_to, _outage_end(gaps, t_from, t_to) + 0.5)
+    times, gen = sched["t_s"], sched["gen_tokens"]
+    # the dips are looked for up to t_to, and each is checked on the samples after it, past t_to too
+    sel = (times >= t_from) & ~np.isnan(gen)
+    vals, at = gen[sel], times[sel]
+    # a sample is stamped when its read started, and its body was built somewhere before the read ended:
+    # two reads that overlap (a ticker woke late and caught up: two reads 70 us apart, seen answering 54 and
+    # 82 ms later, the later one with fewer tokens) can answer out of order. Only a read started after an
+    # earlier one had its answer can show the counter gone back
+    ends = at + spans[sel]
+    for i in range(1, int(np.searchsorted(at, t_to, side="right"))):
+        answered = ends[:i] <= at[i]
+        if not answered.any():
+            continue
+        peak = vals[:i][answered].max()
+        # and it stays back: a dip that the next samples climb out of at once is not a restart (at the end
+        # of the stretch, the samples left are all there is to go by)
+        if vals[i] < peak and (vals[i:i + 3] < peak).all():
+            return "generation_tokens_total went back"
+    return None
