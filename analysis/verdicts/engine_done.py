@@ -157,22 +157,27 @@ def engine_done_at(ledger: pd.DataFrame, t0_ns: int, sched: dict[str, np.ndarray
         span = (times >= min(r.t_in for r in there)) & (times <= times[i])
         if np.nan_to_num(sched["waiting"][span]).max(initial=0.0) >= 0.5:
             continue
-        there.sort(key=lambda r: r.t_in + r.tokens / rate)
-        chosen, seqs = [], 0
-        for r in there:
-            if seqs >= short:
-                break
-            chosen.append(r)
-            seqs += r.n
-        rest = there[len(chosen):]
-        last = max(r.t_in + r.tokens / rate for r in chosen)
-        # exactly the sequences that left, each a request the client completed, and a clear gap to the
-        # next one the engine would finish: else which left cannot be told, and nothing is moved
-        if seqs != short or not all(r.completed for r in chosen) or math.isinf(last):
-            continue
-        if rest and rest[0].t_in + rest[0].tokens / rate < last + AMBIGUOUS_S:
-            continue
-        for r in chosen:
+        for r in _which_left(there, short, rate):
             done[r.rid] = float(times[i])
             t_out[at[r.rid]] = float(times[i])
     return done
+
+
+def _which_left(there: list, short: int, rate: float) -> list:
+    """Of the requests in the engine before a fall of `short` sequences, the ones the engine would have finished
+    first at `rate`: exactly those sequences, each a request the client completed, with a clear gap to the next
+    one the engine would finish; else which left cannot be told, and none (nothing is moved)."""
+    there = sorted(there, key=lambda r: r.t_in + r.tokens / rate)
+    chosen, seqs = [], 0
+    for r in there:
+        if seqs >= short:
+            break
+        chosen.append(r)
+        seqs += r.n
+    rest = there[len(chosen):]
+    last = max(r.t_in + r.tokens / rate for r in chosen)
+    if seqs != short or not all(r.completed for r in chosen) or math.isinf(last):
+        return []
+    if rest and rest[0].t_in + rest[0].tokens / rate < last + AMBIGUOUS_S:
+        return []
+    return chosen

@@ -310,18 +310,24 @@ def released(c: VllmCase) -> CancelVerdict | None:
         return None
     if not below[left] and needs_kv_drop:
         ev.kv_drop_waived = next(name for name, shown in waivers.items() if shown[left])
-    ev.count_after = float(sched["count"][left])
-    ev.ledger_after = float(c.without[left])
-    ev.count_reading = c.count_reading(left, bound[left])
-    ev.kv_after = float(sched["kv"][left])
-    ev.release_ms = round((times[left] - t_ref) * 1000, 1)
-    ev.samples_to_release = int(left - after[0]) + 1
-    if c.tp["reusable"] is None:
-        ev.probe = "not admitted"
+    _note_release(c, left, bound[left], int(left - after[0]) + 1)
     ran_out = c.may_have_run_out_by(float(times[left]))
     if ran_out:
         return c.verdict("gone_may_have_run_out", after_s=float(times[left]) - c.t_stop, tokens=ran_out)
     return c.verdict("released")
+
+
+def _note_release(c: VllmCase, left: int, bound: float, samples: int) -> None:
+    """What the sample that shows the release read, in the evidence."""
+    ev, sched = c.ev, c.sched
+    ev.count_after = float(sched["count"][left])
+    ev.ledger_after = float(c.without[left])
+    ev.count_reading = c.count_reading(left, bound)
+    ev.kv_after = float(sched["kv"][left])
+    ev.release_ms = round((float(sched["t_s"][left]) - c.t_ref) * 1000, 1)
+    ev.samples_to_release = samples
+    if c.tp["reusable"] is None:
+        ev.probe = "not admitted"
 
 
 def no_samples_in_grace(c: VllmCase) -> CancelVerdict | None:

@@ -700,18 +700,10 @@ class VllmCase(Case):
         starting around them could stand in for the target at: the server counting the ledger's whole open
         set there holds the target."""
         ahead = "the engine had run ahead of the client before the stop"
-        if self.restart():
-            return "the engine restarted in the window", None
-        if self.log_gap() or self.log_clock_off():
-            return "the engine log cannot be read across the window", None
-        logged, counted = self.foreign_traffic()
-        if logged or counted >= 2:
-            return "requests the run did not send reached the engine in the window", None
-        r = self.reqs
-        mates = (r.ids != self.rid) & ((r.scenario == self.scenario) if self.scenario is not None else False)
-        if (mates & ~np.isnan(r.cancel)).any():
-            return "another request of the scenario was cancelled beside it", None
-        times = self.sched["t_s"]
+        blocked = self._doubt_before_reading()
+        if blocked:
+            return blocked, None
+        r, times = self.reqs, self.sched["t_s"]
         # the ledger's open requests with this one among them, whatever the frame made of its stay (its client's
         # close, the count's surplus): that is what the count must hold
         count, gen, inflight = self.sched["count"], self.sched["gen_tokens"], self.without + self.n
@@ -719,7 +711,6 @@ class VllmCase(Case):
         if self.ahead:
             grace &= times > self.ahead_read_until()
         others = r.ids != self.rid
-        ids = r.ids[others].astype(str)
         closes, sends = r.closed[others], r.sent[others]  # NaN: never closed (never sent), never in a span
         # the server read its gauges somewhere in the scrape's span (CI: an app busy generating answered its
         # /metrics ~1 s after the tick): a request whose client read its end by then may be gone, and one sent
@@ -738,22 +729,40 @@ class VllmCase(Case):
             return (ahead if self.ahead else f"{len(at)} scheduler sample(s) answered in the grace"), None
         if not gen[at][-1] > gen[at][0]:
             return "the engine's token counter did not rise across the grace", None
-
-        def reading(i: int, t: float, sp: float, held_to: float) -> dict:
-            # the ledger's requests whose end or start around the sample leaves the count's reading open
-            near = [(ids[(closes > t) & (closes <= t + sp + LAG_S)], "end_read_within_lag"),
-                    (ids[(sends <= t) & (sends > t - LAG_S)], "sent_within_lag"),
-                    (ids[(sends > t) & (sends <= t + sp)], "sent_during_its_scrape")]
-            return self.count_reading(i, held_to, [{"request_id": str(r), "reason": why}
-                                                   for rs, why in near for r in rs])
-
-        for i, t, sp, k, f, e, s, a in zip(at, times[at], spans, count[at], inflight[at], ending, starting, arriving):
+        for i, t, k, f, e, s, a in zip(at, times[at], count[at], inflight[at], ending, starting, arriving):
             if k - a < f - e - s - 0.5:
                 late = f", {a} sent while its scrape was being answered" if a else ""
                 return ((f"{t - self.t_stop:.2f} s after the stop the server counted {k:g} request(s){late} where "
-                         f"the ledger had {f:g} open"), reading(i, t, sp, f - e - s + a))
+                         f"the ledger had {f:g} open"), self._reading_near(i, f - e - s + a))
         i = at[-1]
-        return None, reading(i, times[i], spans[-1], inflight[i] - ending[-1] - starting[-1] + arriving[-1])
+        return None, self._reading_near(i, inflight[i] - ending[-1] - starting[-1] + arriving[-1])
+
+    def _reading_near(self, i: int, held_to: float) -> dict:
+        """count_reading at sample `i`, with the ledger's other requests whose end or start around it (engine_doubt's
+        allowances) leaves the reading open."""
+        r, t, sp = self.reqs, float(self.sched["t_s"][i]), float(self.sched["scrape_s"][i])
+        others = r.ids != self.rid
+        ids, closes, sends = r.ids[others].astype(str), r.closed[others], r.sent[others]
+        with np.errstate(invalid="ignore"):
+            near = [(ids[(closes > t) & (closes <= t + sp + LAG_S)], "end_read_within_lag"),
+                    (ids[(sends <= t) & (sends > t - LAG_S)], "sent_within_lag"),
+                    (ids[(sends > t) & (sends <= t + sp)], "sent_during_its_scrape")]
+        return self.count_reading(i, held_to, [{"request_id": str(x), "reason": why} for xs, why in near for x in xs])
+
+    def _doubt_before_reading(self) -> str | None:
+        """What keeps engine_doubt from reading the count at all, in words; None where nothing does."""
+        if self.restart():
+            return "the engine restarted in the window"
+        if self.log_gap() or self.log_clock_off():
+            return "the engine log cannot be read across the window"
+        logged, counted = self.foreign_traffic()
+        if logged or counted >= 2:
+            return "requests the run did not send reached the engine in the window"
+        r = self.reqs
+        mates = (r.ids != self.rid) & ((r.scenario == self.scenario) if self.scenario is not None else False)
+        if (mates & ~np.isnan(r.cancel)).any():
+            return "another request of the scenario was cancelled beside it"
+        return None
 
     def ahead_read_until(self) -> float:
         """When the last of the other requests the ledger had open at the sample before the stop was read to
@@ -798,27 +807,12 @@ def _case(run: Run, frame: _Frame, englog: _EngineLog, trace: dict, same: dict, 
         cancel_ns = math.inf if pd.isna(lrow["cancel_mono_ns"]) else float(lrow["cancel_mono_ns"])
     t_probe = first_probe_s(same, cancel_ns, t0)
     abort_source = "engine_log" if t_log_abort is not None else "relay"
-    sources = {
-        "user_stop": ("client", None),
-        "app_received": (app_src, None) if t_app is not None else (None, NO_APP),
-        "engine_abort": ((abort_source, None) if t_abort is not None
-                         else (None, "no abort in the engine log" if has_log else NO_LOG)),
-        "left_scheduler": (None, "not seen in the samples"),
-        "reusable": ("client", None) if t_probe is not None else (None, "no probe got a first token"),
-    }
+    sources = _sources(app_src if t_app is not None else None, abort_source if t_abort is not None else None,
+                       has_log, t_probe is not None)
     terminal = None if lrow is None else lrow["terminal_state"]
     completed = terminal == "completed" and t_abort is None
-    # the instant the release is looked for from: the engine's abort, else (no log) the client's own
-    # close, else the completion the client read, else the stop itself
-    if t_abort is not None:
-        t_ref = t_abort
-    elif completed and lrow is not None:
-        t_ref = (lrow["closed_mono_ns"] - t0) / 1e9
-    elif has_log:
-        t_ref = t_stop
-    else:
-        t_ref = t_closed if t_closed is not None else t_stop
-    t_ref = max(t_ref, t_stop) if not completed else t_ref
+    t_ref = _release_from(t_abort, (lrow["closed_mono_ns"] - t0) / 1e9 if completed and lrow is not None else None,
+                          has_log, t_closed, t_stop)
     # each cancel looks at its own stretch of the run: an hour at 20 Hz is 72,000 samples a series
     lo = int(np.searchsorted(cols_all["t_s"], t_stop - 1.0, side="left"))
     t_end = max(t_ref, t_stop) + grace_s
@@ -850,6 +844,32 @@ def _case(run: Run, frame: _Frame, englog: _EngineLog, trace: dict, same: dict, 
                     ledger_ends=ledger_ends, assumed_gone=frame.assumed_gone, not_entered=not_entered,
                     reqs=frame.reqs, added_s=frame.added_s, aborted_s=frame.aborted_s, gaps=frame.gaps,
                     frame_ends_s=frame.ends_s.copy())
+
+
+def _sources(app: str | None, abort: str | None, has_log: bool, probe: bool) -> dict:
+    """Each timepoint's source, or why it has none."""
+    return {
+        "user_stop": ("client", None),
+        "app_received": (app, None) if app else (None, NO_APP),
+        "engine_abort": (abort, None) if abort else (None, "no abort in the engine log" if has_log else NO_LOG),
+        "left_scheduler": (None, "not seen in the samples"),
+        "reusable": ("client", None) if probe else (None, "no probe got a first token"),
+    }
+
+
+def _release_from(t_abort: float | None, t_completed: float | None, has_log: bool, t_closed: float | None,
+                  t_stop: float) -> float:
+    """The instant the release is looked for from: the engine's abort, else the completion the client read, else
+    (no log) the client's own close, else the stop itself; never before the stop, but for a completion."""
+    if t_completed is not None:
+        return t_completed
+    if t_abort is not None:
+        t_ref = t_abort
+    elif has_log:
+        t_ref = t_stop
+    else:
+        t_ref = t_closed if t_closed is not None else t_stop
+    return max(t_ref, t_stop)
 
 
 def _admission_hits(cols: dict[str, np.ndarray], added: list[float] | None, lrow: dict | None, t0: int,
