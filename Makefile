@@ -155,6 +155,7 @@ matrix: venv engine-venv gateways-all
 bench: venv engine-venv
 	$(VENV)/bin/python bench/sampler.py
 	$(VENV)/bin/python bench/dashboard.py
+	$(VENV)/bin/python bench/judging.py
 
 # The sample run shipped in dashboard/sample/sample.db: a short recording of a few scenarios from the
 # embedded engine, compacted into a plain (non-WAL) SQLite file.

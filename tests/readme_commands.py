@@ -96,6 +96,7 @@ NOT_RUN = {
     "make matrix": "writes the matrix into the repository's docs/: it runs `cancelwatch matrix --out docs`, which "
                    "test_gateways_engine.py runs for nginx and HAProxy into a folder of its own",
     "python bench/dashboard.py": "a benchmark (see make bench)",
+    "python bench/judging.py": "a benchmark (see make bench): this tree beside an older revision",
     "python bench/import.py": "a benchmark (see make bench)",
     "python bench/observer.py": "a benchmark (see make bench)",
     "python bench/burst.py": "a benchmark (see make bench)",

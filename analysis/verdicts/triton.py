@@ -36,6 +36,7 @@ import pandas as pd
 
 from analysis.bounds import LEDGER_LAG_S, RACE_S
 from analysis.rows import frame_rows
+from analysis.verdicts.requests import Requests, requests_of, weighted_between
 from analysis.evidence import Evidence
 from analysis.verdicts.core import (
     LOG_SLACK_S,
@@ -87,6 +88,7 @@ class _ServerLog:
         self.at: dict[tuple[str, str], list[float]] = {}
         self.detail: dict[tuple[str, str], str] = {}
         self.model: dict[str, str] = {}
+        self._stays: dict = {}
         ev = run.events
         if ev.empty:
             return
@@ -108,17 +110,25 @@ class _ServerLog:
     def others_running(self, model: str, rid: str, times: np.ndarray) -> np.ndarray:
         """Per instant: requests of `model` other than `rid` the model was running by its log (started,
         not yet cancelled or finished): what its active gauge should show once `rid` is gone."""
-        out = np.zeros(len(times))
-        for other, m in self.model.items():
-            if m != model or other == rid:
-                continue
-            start = self.first("engine_added", other)
-            if start is None:
-                continue
-            ends = [t for t in (self.first("engine_aborted", other, start), self.first("engine_finished", other, start))
-                    if t is not None]
-            out += (times >= start) & (times < (min(ends) if ends else math.inf))
-        return out
+        ids, start, end = self.stays(model)
+        others = ids != rid
+        return weighted_between(times, start[others], end[others], np.ones(int(others.sum())))
+
+    def stays(self, model: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, from, to) of each request of `model` its log has starting: from its `started` line to its first
+        `cancelled` or finished line after it (inf: none), as the vLLM model's stays are read (requests.py)."""
+        if model not in self._stays:
+            rows = []
+            for other, m in self.model.items():
+                start = self.first("engine_added", other) if m == model else None
+                if start is None:
+                    continue
+                ends = [t for t in (self.first("engine_aborted", other, start),
+                                    self.first("engine_finished", other, start)) if t is not None]
+                rows.append((other, start, min(ends) if ends else math.inf))
+            self._stays[model] = (np.array([r[0] for r in rows], dtype=object), np.array([r[1] for r in rows], float),
+                                  np.array([r[2] for r in rows], float))
+        return self._stays[model]
 
 
 def judge_triton(run: Run, grace_s: float, metrics_target: str | None = None) -> list[CancelVerdict]:
@@ -149,13 +159,14 @@ def judge_triton(run: Run, grace_s: float, metrics_target: str | None = None) ->
     models = {r.request_id: json.loads(r.data).get("model")
               for r in frame_rows(ev_all[ev_all["kind"] == "request_sent"])}
     spans = {r: (row.get("sent_mono_ns"), row.get("closed_mono_ns")) for r, row in rows.items()}
+    reqs = requests_of(ledger, t0)
     out = []
     for stop, data in zip(frame_rows(stops), datas):
         case = _case(run, slog, rows, by_scenario.get(data.get("scenario"), NO_REQUESTS), scrape_times, data=data,
                      rid=stop.request_id, t_stop=float(stop.t_s), t0=t0, target=target, grace_s=grace_s,
                      log_state=log_state, missed=missed.get(stop.request_id),
                      together=together[(data.get("model"), round(float(stop.t_s), 4))], models=models,
-                     spans=spans)
+                     spans=spans, reqs=reqs)
         out.append(judge(case, EVIDENCE_RULES))
     return out
 
@@ -190,6 +201,7 @@ class TritonCase(Case):
     run: Run
     models: dict  # request id -> the model its request_sent event names
     ledger_spans: dict  # request id -> (sent_mono_ns, closed_mono_ns)
+    reqs: Requests | None = None  # the ledger as arrays (requests.py): its stays as the vLLM model reads them
 
     @property
     def model(self) -> str | None:
@@ -219,14 +231,11 @@ class TritonCase(Case):
         after their send to LEDGER_LAG_S before their client closed them (the server takes a request up a
         moment after the send and ends it a moment before its client reads the end). Counted short at both
         ends: an other counted too few makes a release harder to show, never easier."""
-        t0 = self.run.info["started_mono_ns"]
-        out = np.zeros(len(times))
-        for rid, (sent_ns, closed_ns) in self.ledger_spans.items():
-            if rid == self.rid or self.models.get(rid) != self.model or pd.isna(sent_ns):
-                continue
-            end = math.inf if pd.isna(closed_ns) else (closed_ns - t0) / 1e9 - LEDGER_LAG_S
-            out += (times >= (sent_ns - t0) / 1e9 + LEDGER_LAG_S) & (times < end)
-        return out
+        r = self.reqs
+        model_of = np.array([self.models.get(rid) for rid in r.ids], dtype=object)
+        mine = (r.ids != self.rid) & (model_of == self.model) & ~np.isnan(r.sent)
+        end = np.where(np.isnan(r.closed), math.inf, r.closed - LEDGER_LAG_S)
+        return weighted_between(times, r.sent[mine] + LEDGER_LAG_S, end[mine], np.ones(int(mine.sum())))
 
     def counted(self) -> tuple[np.ndarray, np.ndarray]:
         """(instants, requests) the server counted for the model: executing (its active gauge), and, without
@@ -293,7 +302,7 @@ class TritonCase(Case):
 
 def _case(run: Run, slog: _ServerLog, rows: dict, same: dict, scrape_times: np.ndarray, *, data: dict, rid: str,
           t_stop: float, t0: int, target: str | None, grace_s: float, log_state: str, missed: dict | None,
-          together: int, models: dict, spans: dict) -> TritonCase:
+          together: int, models: dict, spans: dict, reqs: Requests) -> TritonCase:
     has_log = log_state == "read"
     model, lrow = data.get("model"), rows.get(rid)
     t_added = slog.first("engine_added", rid)
@@ -328,7 +337,7 @@ def _case(run: Run, slog: _ServerLog, rows: dict, same: dict, scrape_times: np.n
                       finished_detail=slog.detail.get(("engine_finished", rid), ""),
                       polls="poll=false" not in slog.detail.get(("engine_added", rid), ""), together=together,
                       natural=_natural_end(data, t_stop, t0), series=series, run=run, models=models,
-                      ledger_spans=spans)
+                      ledger_spans=spans, reqs=reqs)
 
 
 # ------------------------------------------------------------------------------------------ the rules
