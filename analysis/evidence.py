@@ -120,6 +120,8 @@ class Evidence:
     path: the cancel's way through the taps in one sentence (analysis/hops.py); None without taps
     rule_fields: the values the rule's sentence is filled with, by name (docs/rules.md lists them per rule:
         after_s, late_s, how, samples, ...): the figures of `why` as data; None for a rule with none
+    assumes: the assumptions the verdict rests on where the evidence alone does not decide (codes of
+        analysis.verdicts.ASSUMPTIONS, each with what is assumed); None where it rests on none
     rule: the code of the rule that gave the verdict (a key of analysis.verdicts.RULES, with its sentence)
     why: one sentence, why the verdict is not released (the rule's sentence, filled in)
     """
@@ -162,6 +164,7 @@ class Evidence:
     stopped_at: str | None = None
     path: str | None = None
     rule_fields: dict | None = None
+    assumes: list | None = None
     rule: str | None = None
     why: str | None = None
 

@@ -59,6 +59,10 @@ def print_report(doc: dict, verdicts: list[CancelVerdict]) -> None:
                   highlight=False)
     for note in doc.get("engine_log_notes") or []:  # what to know of the engine log before the verdicts
         out.print(f"note: {note}", highlight=False)
+    for a in doc.get("assumptions") or []:  # what the verdicts rest on, where the run's own evidence says otherwise
+        if a["contradicted"]:
+            out.print(f"note: {a['verdicts']} verdict(s) assume {a['assumption']} ({a['what']}); the run's own "
+                      f"evidence says otherwise: {a['contradicted']}", highlight=False)
     if doc.get("watch"):
         w = doc["watch"]
         out.print(f"watched: {w['requests']} request(s) through {w['listen']} -> {w['upstream']}, "

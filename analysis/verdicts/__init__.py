@@ -15,6 +15,7 @@ analysis and the readers take the vocabulary from here too.
 """
 
 from analysis.verdicts.core import (
+    ASSUMPTIONS,
     GRACE_S,
     HORIZON_S,
     LATENCIES,
@@ -50,7 +51,7 @@ from analysis.verdicts.vllm import VLLM
 from analysis.verdicts.vllm_frames import ledger_inflight
 
 __all__ = [
-    "FAMILIES", "GRACE_S", "HORIZON_S", "LATENCIES", "LOG_SLACK_S", "LOST_CANCEL_RULES", "MIN_SAMPLES", "NO_APP", "NO_LOG", "POINT_LABELS",
+    "ASSUMPTIONS", "FAMILIES", "GRACE_S", "HORIZON_S", "LATENCIES", "LOG_SLACK_S", "LOST_CANCEL_RULES", "MIN_SAMPLES", "NO_APP", "NO_LOG", "POINT_LABELS",
     "RACE_RULES", "RACE_TOKENS", "RULES", "SEEN_LEAVING", "SOURCES", "SOURCE_LABELS", "STOP_TO_ABORT", "TIMEPOINTS", "TRITON",
     "VERDICTS", "VLLM",
     "CancelVerdict", "LogClock", "UnknownFamily",

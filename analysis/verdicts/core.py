@@ -361,6 +361,42 @@ COUNT_READING_RULES = frozenset({"released", "released_beside_traffic", "gauges_
                                  "finished_unseen", "abort_logged_still_generating", "abort_logged_gauges_stale",
                                  "still_counted_generating", "gauges_stale", "app_lost_cancel",
                                  "still_counted_oldest_first", "counted_beside_lost"})
+# what a verdict can rest on that its evidence alone does not show: code -> what is assumed. A verdict names those it
+# rests on (evidence.assumes), and the report says where the run's own evidence contradicts one (run_assumptions)
+ASSUMPTIONS = {
+    "no_traffic_beside_the_run": "no request the run did not see reached the engine around the cancel: the engine's "
+                                 "log names no requests (vLLM's default without --enable-log-requests), so the count "
+                                 "cannot tell another client's request from this one",
+    "lost_left_oldest_first": "the stopped requests with no abort known left the engine oldest first: a fall of the "
+                              "count says how many left, not which",
+    "no_faster_than_the_pace_margin": "no sequence ran faster than the fastest one went alone in the window, a "
+                                      "quarter added (analysis/bounds.py, PACE_MARGIN): the request could not have "
+                                      "made its tokens sooner",
+}
+# the rules that show other traffic reaching the engine: where the run's own evidence contradicts
+# no_traffic_beside_the_run
+TRAFFIC_RULES = frozenset({"other_traffic_logged", "other_traffic_counted", "released_beside_traffic",
+                           "no_abort_beside_traffic"})
+
+
+def run_assumptions(verdicts: list) -> list[dict]:
+    """Per assumption the run's verdicts rest on (ASSUMPTIONS): what it is, which verdicts rest on it, and where the
+    run's own evidence contradicts it (None: nowhere it can tell)."""
+    out = []
+    for code, what in ASSUMPTIONS.items():
+        resting = [v.request_id for v in verdicts if code in (v.evidence.assumes or [])]
+        if not resting:
+            continue
+        contradicted = None
+        seen = [v.request_id for v in verdicts if v.evidence.rule in TRAFFIC_RULES]
+        if code == "no_traffic_beside_the_run" and seen:
+            contradicted = (f"{len(seen)} cancel(s) of the run saw requests it did not send reach the engine "
+                            f"({', '.join(seen[:3])}{', ...' if len(seen) > 3 else ''})")
+        out.append({"assumption": code, "what": what, "verdicts": len(resting), "request_ids": resting,
+                     "contradicted": contradicted})
+    return out
+
+
 # the rules whose evidence concluded a race the completion won (the acceptance counts them apart)
 RACE_RULES = frozenset(code for code, r in RULES.items() if r.race)
 # run.info key: request id -> when an earlier verdict saw a request, stopped with no abort, leave the engine. A

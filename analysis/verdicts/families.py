@@ -15,7 +15,7 @@ import pandas as pd
 from analysis.ghosts import EngineReading, ghost_records
 from analysis.hops import app_received, hop_story, hop_traces, stopped_at
 from analysis.summary import sampling_stats
-from analysis.verdicts.core import TAP_RECEIVED, CancelVerdict, run_grace_s
+from analysis.verdicts.core import TAP_RECEIVED, CancelVerdict, run_assumptions, run_grace_s
 from analysis.verdicts.ghost_list import ghost_table
 from analysis.verdicts.triton import TRITON, judge_triton, report_fields
 from analysis.verdicts.vllm import VLLM, judge_vllm
@@ -132,5 +132,7 @@ def report_document(run: Run, grace_s: float | None = None, verdicts: list[Cance
         "cancels": [v.as_json() for v in verdicts],
         # the leaked requests: which the engine still held at the last sample, and each one's age
         "ghosts": ghost_records(ghosts_of(run, verdicts)),
+        # what the verdicts rest on that their evidence does not show, and where the run contradicts it
+        "assumptions": run_assumptions(verdicts),
         **FAMILIES[family].report_fields(run),
     }

@@ -7,7 +7,7 @@ from __future__ import annotations
 import string
 import sys
 
-from analysis.verdicts.core import COUNT_READING_RULES, RULES, VERDICTS
+from analysis.verdicts.core import ASSUMPTIONS, COUNT_READING_RULES, RULES, VERDICTS
 
 
 def sentence_fields(sentence: str) -> list[str]:
@@ -46,6 +46,12 @@ def reference_markdown() -> str:
             lines.append(f"| `{code}`{' (' + ', '.join(marks) + ')' if marks else ''} | {', '.join(sets) or '-'} "
                          f"| {sentence} |")
         lines.append("")
+    lines += ["## Assumptions", "",
+              "Where the evidence alone does not decide, a verdict names what it rests on besides it "
+              "(`evidence.assumes`), and the report says where the run's own evidence contradicts one "
+              "(`report --json`, `assumptions`).", "", "| assumption | what is assumed |", "|---|---|"]
+    lines += [f"| `{code}` | {what} |" for code, what in ASSUMPTIONS.items()]
+    lines.append("")
     return "\n".join(lines)
 
 

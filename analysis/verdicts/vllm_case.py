@@ -14,7 +14,8 @@ import pandas as pd
 from analysis.bounds import ENTER_S, LAG_S, PACE_MARGIN
 from analysis.evidence import Evidence
 from analysis.verdicts.core import (
-    CancelVerdict, Case, HORIZON_S, LOG_SLACK_S, NO_APP, NO_LOG, RACE_TOKENS, engine_log_state, first_probe_s
+    ASSUMED_LEFT_RULES, COUNT_READING_RULES, HORIZON_S, LOG_SLACK_S, NO_APP, NO_LOG, RACE_TOKENS, CancelVerdict,
+    Case, engine_log_state, first_probe_s
 )
 from analysis.verdicts.engine_done import solo_tokens_per_s
 from analysis.verdicts.requests import Requests, in_between, weighted_between
@@ -80,6 +81,7 @@ class VllmCase(Case):
     assumed_gone: dict[str, float] = field(default_factory=dict)  # _Frame.assumed_gone
     not_entered: frozenset[str] = frozenset()  # the ledger's requests the log shows never entered
     app_answer: str | None = None  # what the app answered an explicit cancel (None: no explicit cancel)
+    assumed: set = field(default_factory=set)  # codes of ASSUMPTIONS the readings so far rest on (Evidence.assumes)
     reqs: Requests | None = None  # the ledger as arrays (_Frame.reqs), and per row the log's word on this target:
     added_s: np.ndarray | None = None  # its first Added line (NaN: none)
     aborted_s: np.ndarray | None = None  # its first abort line (inf: none)
@@ -114,9 +116,14 @@ class VllmCase(Case):
 
     def verdict(self, rule: str, **fields) -> CancelVerdict:
         """Case.verdict, with the second before the stop in the evidence of every verdict, whichever rule gave
-        it and whatever it read first."""
+        it and whatever it read first, and the assumptions it rests on."""
         b, ev = self.baseline, self.ev
         ev.count_before, ev.ledger_before, ev.kv_before = b.count_before, b.ledger_before, b.kv_before
+        if rule in COUNT_READING_RULES | {"gone_may_have_run_out"} and not self.englog.names_requests(self.target):
+            self.assumed.add("no_traffic_beside_the_run")  # a count read with no log to name another's request
+        if rule in ASSUMED_LEFT_RULES | {"still_counted_oldest_first"}:
+            self.assumed.add("lost_left_oldest_first")
+        ev.assumes = sorted(self.assumed) or None
         if b.ahead and ev.note is None:  # a rule's own note says more
             ev.note = ("the server counted fewer requests than the client before the stop: a request had already "
                        "finished in the engine while its tokens were still on their way to the client")
@@ -492,22 +499,31 @@ class VllmCase(Case):
         if not len(times) or np.isnan(fin[0]):
             return None
         closed = self.reqs.closed
-        with np.errstate(invalid="ignore"):
-            # a close past the stretch's last sample reads nothing in it
-            completed = self.reqs.completed & (closed > times[0]) & (closed <= times[-1])
-        read = np.nonzero(~np.isnan(fin))[0]
-        # each end counted in the stretch: after the read sample before the one that shows it, by that one
-        rises = [(times[p], times[q]) for p, q in zip(read[:-1], read[1:])
-                 for _ in range(int(round(max(fin[q] - fin[p], 0.0))))]
-        taken = [False] * len(rises)
-        reads = []
-        for c in np.sort(closed[completed]):
-            for k, (after, by) in enumerate(rises):
-                if not taken[k] and after < c and by >= c - LAG_S:
-                    taken[k] = True
-                    reads.append(c)
-                    break
+        _, reads = self.ends_read(len(times) - 1, mine_too=True)
         return fin - fin[0] - _sum_from(times, np.array(reads, dtype=float), np.ones(len(reads)))
+
+    def ends_read(self, upto: int, mine_too: bool = False) -> tuple[list[tuple[float, float, bool]], list[float]]:
+        """The engine's own ends counted in the stretch up to sample `upto` (vllm:request_success_total, by finish
+        reason: no abort), each as (after, by, read): counted after the read sample before the one that shows it,
+        by that one; read where another request's close reads it: a completed request's close reads, per sequence,
+        one end counted before it, within LAG_S (an end reaches its client within LAG_S, at the most assumed; vLLM
+        counts it before it sends the last token), the earliest first. And the closes that read one, per end read.
+        A close past `upto` reads nothing, nor does an end counted after a close, or long before it (a slow reader's
+        close, its end before the stretch, reads none). `mine_too`: this request's own close reads one too."""
+        times, fin, r = self.sched["t_s"], self.sched["finished"], self.reqs
+        with np.errstate(invalid="ignore"):
+            completed = ((r.ids != self.rid) | mine_too) & r.completed & (r.closed > times[0]) & (r.closed <= times[upto])
+        read = np.nonzero(~np.isnan(fin[: upto + 1]))[0]
+        rises = [[times[p], times[q], False] for p, q in zip(read[:-1], read[1:])
+                 for _ in range(int(round(max(fin[q] - fin[p], 0.0))))]
+        reads = []
+        for c, n in sorted(zip(r.closed[completed], r.seqs[completed])):
+            for _ in range(int(n)):
+                rise = next((x for x in rises if not x[2] and x[0] < c and x[1] >= c - LAG_S), None)
+                if rise is not None:
+                    rise[2] = True
+                    reads.append(c)
+        return [tuple(x) for x in rises], reads
 
     @cached_property
     def blocks_of_the_running(self) -> np.ndarray:
@@ -612,6 +628,7 @@ class VllmCase(Case):
                 and not pd.isna(lrow.get("sent_mono_ns")) and rate:
             tokens, fastest = int(lrow["max_tokens"]), PACE_MARGIN * rate
             if t < (lrow["sent_mono_ns"] - t0) / 1e9 + tokens / fastest:
+                self.assumed.add("no_faster_than_the_pace_margin")
                 return None
             tokens_out = f"its {tokens} token(s) (at {fastest:.0f} tokens/s from its send)"
         # the counter and the clients' reads both to `t`: read later, other requests' ends outnumber the reads
@@ -622,11 +639,12 @@ class VllmCase(Case):
         at = int(np.searchsorted(times, t, side="right")) - 1
         if not len(before) or at < 0 or np.isnan(fin[before[-1]]) or np.isnan(fin[at]):
             return tokens_out or "its last tokens (the engine does not say why its requests ended)"
-        t_b, ends = float(times[before[-1]]), float(fin[at] - fin[before[-1]])
-        r = self.reqs
-        with np.errstate(invalid="ignore"):
-            read = (r.ids != self.rid) & r.completed & (r.closed > t_b) & (r.closed <= t)
-        if ends <= float(r.seqs[read].sum()) + 1e-9:
+        # each end counted paired with the close that reads it (ends_read): a close after the last sample before the
+        # stop reads an end counted before that sample too (an end counted a step before the request left, a
+        # stop string's; a scrape answered after its tick), and excuses none of this one's
+        t_b = float(times[before[-1]])
+        rises, _ = self.ends_read(at)
+        if not any(not read and by > t_b for _, by, read in rises):
             return None
         return tokens_out or "its last tokens (the engine ended requests of its own then that no other's end accounts for)"
 

@@ -1,0 +1,55 @@
+"""What a verdict rests on that its evidence does not show (issue 37 point 2): each verdict names the assumptions
+it rests on (evidence.assumes, codes of analysis.verdicts.ASSUMPTIONS), and the report says where the run's own
+evidence contradicts one. Hand-built runs (tests/test_verdicts.py's build_run); the corpus's no-log runs carry the
+same (tests/test_corpus.py)."""
+
+from __future__ import annotations
+
+from analysis.verdicts import ASSUMPTIONS, judge_run, report_document
+from analysis.verdicts.core import run_assumptions
+from tests.test_verdicts import ADDED, build_run, steady_gen
+
+
+def released(engine_log):
+    # the engine's own ends counted (none here): without the log, what tells a release from a request run out
+    return build_run(lambda t: 2.0 if t < 2.05 else 1.0, lambda t: 0.4 if t < 2.05 else 0.1, steady_gen,
+                     probe_first_s=2.3, engine_log=engine_log, finished=lambda t: 0.0)
+
+
+def test_a_release_read_on_the_count_without_a_log_that_names_requests_assumes_no_traffic_beside_the_run():
+    (named,) = judge_run(released([*ADDED, ("engine_aborted", "tg", 2.012)]))
+    (unnamed,) = judge_run(released(None))
+    assert named.verdict == unnamed.verdict == "released"
+    assert named.evidence.assumes is None  # the log names every request: another's would show
+    assert unnamed.evidence.assumes == ["no_traffic_beside_the_run"]
+    assert set(ASSUMPTIONS) >= set(unnamed.evidence.assumes)
+    assert unnamed.as_json()["evidence"]["assumes"] == ["no_traffic_beside_the_run"]
+
+
+def test_a_leak_read_on_the_count_without_a_log_names_it_too():
+    (v,) = judge_run(build_run(lambda t: 2.0, lambda t: 0.4, steady_gen))  # never falls: no release, steps on
+    assert v.verdict == "leaked", v.evidence.why
+    assert "no_traffic_beside_the_run" in v.evidence.assumes
+
+
+def test_the_report_says_where_the_runs_own_evidence_contradicts_an_assumption():
+    (quiet,) = judge_run(released(None))
+    (a,) = run_assumptions([quiet])
+    assert a["assumption"] == "no_traffic_beside_the_run" and a["verdicts"] == 1 and a["contradicted"] is None
+    # another cancel of the run saw the engine count more than the run sent: the assumption does not hold there
+    (busy,) = judge_run(build_run(lambda t: 3.0, lambda t: 0.4, steady_gen))
+    assert busy.evidence.rule == "other_traffic_counted", busy.evidence.why
+    (a,) = run_assumptions([quiet, busy])
+    assert a["request_ids"] == [quiet.request_id]
+    assert a["contradicted"] and busy.request_id in a["contradicted"]
+
+
+def test_the_report_of_a_run_lists_the_assumptions_its_verdicts_rest_on():
+    from runstore.reader import load_run
+    from tests.test_dashboard import SAMPLE
+
+    run = load_run(SAMPLE)
+    verdicts = judge_run(run)
+    doc = report_document(run, verdicts=verdicts)
+    assert [a["assumption"] for a in doc["assumptions"]] == [
+        code for code in ASSUMPTIONS if any(code in (v.evidence.assumes or []) for v in verdicts)]

@@ -1,0 +1,122 @@
+"""Without the engine's request log and with no abort known, hand-built runs whose truth the construction fixes,
+where an end the engine counted of its own stands in for another's (issue 37, a review's counterexamples): a
+neighbour's end counted before the last sample before the stop but read by its client after it must not excuse the
+cancelled request's own end (it ran out: not released); a request the engine ran ahead of before its stop, read
+past a lost one the frame let go oldest first, must not be called leaked on its own end's count."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis.verdicts import judge_run
+from runstore.reader import Run
+
+T0 = 1_000_000_000_000
+
+
+def ns(s):
+    return None if s is None else T0 + int(round(s * 1e9))
+
+
+def build(count, kv, gen, finished, ledger, stops, *, hz=20, length_s=6.0):
+    """A run at `hz`: count(t), kv(t), gen(t) and finished(t) (requests_finished_total{reason=stop}); `ledger`:
+    dicts with request_id, role, sent, first, closed, cancel (s), terminal_state, max_tokens; `stops`: (request id,
+    stop, phase, tokens at the stop). No engine log; the clients' closes are their own stamps."""
+    times = np.round(np.arange(0, length_s, 1 / hz), 6)
+    rows = []
+    for i, t in enumerate(times):
+        for metric, labels, value in (("requests_running", "{}", count(t)), ("requests_waiting", "{}", 0.0),
+                                      ("kv_cache_usage_ratio", "{}", kv(t)), ("generation_tokens_total", "{}", gen(t)),
+                                      ("requests_finished_total", '{"finished_reason": "stop"}', finished(t))):
+            rows.append({"source": "vllm", "target": "t0", "metric": metric, "labels": labels, "value": value,
+                         "wall_ns": 0, "mono_ns": ns(t), "duration_ns": 1, "scrape_id": i, "t_s": t})
+    led = [{"request_id": r["request_id"], "scenario": "s", "role": r.get("role", "neighbour"), "n": 1,
+            "sent_mono_ns": ns(r.get("sent")), "first_token_mono_ns": ns(r.get("first")),
+            "closed_mono_ns": ns(r.get("closed")), "cancel_mono_ns": ns(r.get("cancel")),
+            "terminal_state": r.get("terminal_state", "completed"), "max_tokens": r.get("max_tokens", math.nan)}
+           for r in ledger]
+    events = []
+    for k, (rid, t_stop, phase, tokens) in enumerate(stops):
+        cid = {"cancel_id": f"c{k}"}
+        events += [{"request_id": rid, "kind": "user_stop", "mono_ns": ns(t_stop),
+                    "data": json.dumps({**cid, "scenario": "s", "phase": phase, "metrics_target": "t0",
+                                        "tokens_at_cancel": tokens})},
+                   {"request_id": rid, "kind": "client_closed", "mono_ns": ns(t_stop + 0.001),
+                    "data": json.dumps({**cid, "source": "client"})}]
+    events = pd.DataFrame(events).sort_values("mono_ns").assign(wall_ns=0)
+    events["t_s"] = (events["mono_ns"] - T0) / 1e9
+    info = {"started_mono_ns": T0, "targets": [{"label": "t0", "url": "http://127.0.0.1:8000"}],
+            "status": "completed", "settings": {}}
+    return Run(id=1, info=info, samples=pd.DataFrame(rows), scrapes=pd.DataFrame(), gaps=pd.DataFrame(),
+               events=events, ledger=pd.DataFrame(led))
+
+
+def verdict_of(run, rid="tg"):
+    return {v.request_id: v for v in judge_run(run)}[rid]
+
+
+def GEN(t):
+    return 100 + 40 * t
+
+TARGET = dict(request_id="tg", role="target", sent=0.5, first=0.8, closed=2.001, cancel=2.0,
+              terminal_state="cancelled", max_tokens=40)
+
+
+@pytest.mark.parametrize("read_at", [1.99, 2.02])
+def test_an_end_counted_before_the_stop_and_read_after_it_excuses_none_of_the_cancelled_ones(read_at):
+    """A neighbour's stop string: its end counted at 1.94 (the 1.95 sample), the engine dropping it a step later;
+    its client reads it at `read_at`. The target, a driver request two tokens from its end at the 2.00 stop, runs
+    out at 2.03 (its own end, counted at the 2.05 sample). The counter's rise after the stop is the target's."""
+    count = lambda t: 0.0 if t < 0.1 else 1.0 if t < 0.55 else 2.0 if t < 1.97 else 1.0 if t < 2.03 else \
+        0.0 if t < 2.15 else 1.0  # noqa: E731
+    finished = lambda t: 0.0 if t < 1.94 else 1.0 if t < 2.03 else 2.0  # noqa: E731
+    kv = lambda t: 0.0 if t < 0.1 else 0.4 if t < 1.97 else 0.25 if t < 2.03 else 0.0 if t < 2.15 else 0.1  # noqa
+    ledger = [dict(request_id="nb", sent=0.1, first=0.3, closed=read_at), TARGET,
+              dict(request_id="pr", role="probe", sent=2.1, first=2.3, closed=5.5)]
+    v = verdict_of(build(count, kv, GEN, finished, ledger, [("tg", 2.0, "decode", 38)]))
+    assert v.verdict == "inconclusive" and v.evidence.rule == "gone_may_have_run_out", v.evidence.why
+
+
+def test_a_scrape_answered_late_beside_a_closed_loop_replacement_excuses_none_of_the_cancelled_ones():
+    """The 1.95 scrape answered ~50 ms late: in that span the neighbour ends (1.97), its client reads it (1.99) and
+    sends its replacement (1.995), which the engine admits. The target runs out at 2.03, its own end."""
+    count = lambda t: 0.0 if t < 0.1 else 1.0 if t < 0.55 else 2.0 if t < 2.05 else 1.0  # noqa: E731
+    finished = lambda t: 0.0 if t < 1.93 else 1.0 if t < 2.03 else 2.0  # noqa: E731
+    kv = lambda t: 0.0 if t < 0.1 else 0.4 if t < 2.05 else 0.2  # noqa: E731
+    ledger = [dict(request_id="nb", sent=0.1, first=0.3, closed=1.99, max_tokens=60), TARGET,
+              dict(request_id="y", sent=1.995, first=2.06, closed=5.5, max_tokens=200)]
+    v = verdict_of(build(count, kv, GEN, finished, ledger, [("tg", 2.0, "decode", 38)]))
+    assert v.verdict == "inconclusive" and v.evidence.rule == "gone_may_have_run_out", v.evidence.why
+
+
+def test_a_release_of_a_race_is_read_where_the_counter_shows_no_end_of_its_own():
+    """The same race with the abort winning: the count falls at the first sample after the stop and the engine's
+    own-ends counter does not move (an abort is not counted there): released."""
+    count = lambda t: 0.0 if t < 0.1 else 1.0 if t < 0.55 else 2.0 if t < 2.03 else 1.0 if t < 2.15 else 2.0  # noqa
+    kv = lambda t: 0.0 if t < 0.1 else 0.4 if t < 2.03 else 0.2 if t < 2.15 else 0.3  # noqa: E731
+    ledger = [dict(request_id="nb", sent=0.1, first=0.3, closed=5.5), TARGET,
+              dict(request_id="pr", role="probe", sent=2.1, first=2.3, closed=5.5)]
+    v = verdict_of(build(count, kv, GEN, lambda t: 0.0, ledger, [("tg", 2.0, "decode", 38)]))
+    assert v.verdict == "released", v.evidence.why
+
+
+def test_a_request_the_engine_ran_ahead_of_is_not_read_as_kept_on_its_own_ends_count():
+    """Behind a hop that buffers: the target's engine request ran out at 2.5 (its own end counted) while the hop
+    still fed its client, who stops it at 3.0. Another request, stopped at 2.97 with its cancel lost, runs on: the
+    frame lets that older lost one go oldest first, and the count still holding it must not read as the target
+    kept, on the count of an end that is the target's own."""
+    count = lambda t: 0.0 if t < 0.15 else 1.0 if t < 0.55 else 2.0 if t < 2.5 else 1.0  # noqa: E731
+    kv = lambda t: 0.0 if t < 0.15 else 0.2 if t < 0.55 else 0.4 if t < 2.5 else 0.2  # noqa: E731
+    finished = lambda t: 0.0 if t < 2.5 else 1.0  # noqa: E731
+    ledger = [dict(request_id="L", role="target", sent=0.1, first=0.3, closed=2.971, cancel=2.97,
+                   terminal_state="cancelled", max_tokens=2000),
+              dict(TARGET, closed=3.001, cancel=3.0, max_tokens=80)]
+    run = build(count, kv, GEN, finished, ledger, [("L", 2.97, "decode", 100), ("tg", 3.0, "decode", 60)],
+                length_s=12)
+    v = verdict_of(run)
+    assert v.verdict == "inconclusive", (v.evidence.rule, v.evidence.why)
