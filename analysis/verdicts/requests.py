@@ -50,15 +50,22 @@ class Requests(NamedTuple):
 
 def requests_of(ledger: pd.DataFrame, t0_ns: int) -> Requests:
     def secs(col: str) -> np.ndarray:
-        return (ledger[col].to_numpy(dtype=float) - t0_ns) / 1e9 if col in ledger else np.full(len(ledger), math.nan)
+        return (ledger[col].to_numpy(dtype=float, na_value=np.nan) - t0_ns) / 1e9 if col in ledger \
+            else np.full(len(ledger), math.nan)
+
+    def text(col: str) -> np.ndarray:  # a missing value (None, NaN, pd.NA) as None
+        if col not in ledger:
+            return np.full(len(ledger), None, dtype=object)
+        values = ledger[col].astype(object)
+        return values.where(values.notna(), None).to_numpy(dtype=object)
 
     ids = ledger["request_id"].to_numpy(dtype=object) if "request_id" in ledger else np.array([], dtype=object)
-    seqs = ledger["n"].to_numpy(dtype=float) if "n" in ledger else np.ones(len(ledger))
+    seqs = ledger["n"].to_numpy(dtype=float, na_value=np.nan) if "n" in ledger else np.ones(len(ledger))
     seqs = np.where(np.isnan(seqs), 1.0, np.floor(seqs))
-    max_tokens = ledger["max_tokens"].to_numpy(dtype=float) if "max_tokens" in ledger else np.full(len(ledger), math.nan)
-    scenario = ledger["scenario"].to_numpy(dtype=object) if "scenario" in ledger else np.full(len(ledger), None)
-    completed = (ledger["terminal_state"] == "completed").to_numpy(dtype=bool) if "terminal_state" in ledger \
-        else np.zeros(len(ledger), dtype=bool)
+    max_tokens = ledger["max_tokens"].to_numpy(dtype=float, na_value=np.nan) if "max_tokens" in ledger \
+        else np.full(len(ledger), math.nan)
+    scenario = text("scenario")
+    completed = text("terminal_state") == "completed"
     with np.errstate(invalid="ignore"):
         bounded = (scenario != WATCHED_SCENARIO) & (max_tokens > 0)
     return Requests(ids=ids, row={rid: i for i, rid in enumerate(ids)}, seqs=seqs, sent=secs("sent_mono_ns"),

@@ -252,8 +252,10 @@ def _target_gaps(run: Run, target: str | None) -> _Gaps:
     if gaps.empty or "end_t_s" not in gaps:
         return _Gaps({c: np.array([], dtype=float if c.endswith("t_s") else object) for c in _Gaps.COLUMNS})
     # (as pandas compares: a gap of no target is no target's)
-    mine = gaps["target"].to_numpy(dtype=object) == target if target is not None else np.zeros(len(gaps), bool)
-    return _Gaps({c: gaps[c].to_numpy(dtype=float if c.endswith("t_s") else object)[mine] for c in _Gaps.COLUMNS})
+    mine = gaps["target"].to_numpy(dtype=object) == target if target is not None and "target" in gaps \
+        else np.zeros(len(gaps), bool)
+    return _Gaps({c: (gaps[c].to_numpy(dtype=float if c.endswith("t_s") else object) if c in gaps
+                      else np.full(len(gaps), None, dtype=object))[mine] for c in _Gaps.COLUMNS})
 
 
 def _gaps_over(gaps: _Gaps, t_from: float, t_to: float) -> _Gaps:
