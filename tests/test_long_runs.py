@@ -193,16 +193,10 @@ def test_how_long_a_run_must_be_to_open_from_its_overview(monkeypatch):
     assert is_long(61.0) and not is_long(61.0, long_run_s=120.0)
 
 
-def test_the_report_of_a_long_run_never_reads_it_whole_and_the_recorders_tail_keeps_its_verdicts(day, tmp_path,
-                                                                                                monkeypatch):
-    """`cancelwatch report` (in this process, the bound lowered) and record's own tail on a long run: every
-    cancel judged on its own window, the same verdicts as the whole run gives; the tail stores them, the report
-    only reads. The run is never read whole (load_run refuses here)."""
-    from typer.testing import CliRunner
-
+def never_read_whole(day, tmp_path, monkeypatch) -> tuple[Path, int, list[str]]:
+    """The day's run copied into `tmp_path`, its verdicts judged whole (as JSON), then the long-run bound lowered
+    to 5 minutes and load_run refusing: from here on the run is long and must never be read whole."""
     import runstore.reader as reader
-    from cancelwatch.cli import app
-    from cancelwatch.report_commands import judged_run
 
     src, rid = day
     path = tmp_path / "day.db"
@@ -214,6 +208,20 @@ def test_the_report_of_a_long_run_never_reads_it_whole_and_the_recorders_tail_ke
         raise AssertionError("a long run is never read whole")
 
     monkeypatch.setattr(reader, "load_run", refused)
+    return path, rid, whole
+
+
+def test_the_report_of_a_long_run_never_reads_it_whole_and_the_recorders_tail_keeps_its_verdicts(day, tmp_path,
+                                                                                                monkeypatch):
+    """`cancelwatch report` (in this process, the bound lowered) and record's own tail on a long run: every
+    cancel judged on its own window, the same verdicts as the whole run gives; the tail stores them, the report
+    only reads. The run is never read whole (load_run refuses here)."""
+    from typer.testing import CliRunner
+
+    from cancelwatch.cli import app
+    from cancelwatch.report_commands import judged_run
+
+    path, rid, whole = never_read_whole(day, tmp_path, monkeypatch)
     res = CliRunner().invoke(app, ["report", str(rid), "--json", "--store", str(path)])
     assert res.exit_code in (0, 1), res.output
     doc = json.loads(res.stdout)
@@ -433,22 +441,13 @@ def test_the_notebooks_read_a_long_run_as_the_report_and_the_page_do(day, tmp_pa
     import runstore.reader as reader
     from analysis import review
 
-    src, rid = day
-    path = tmp_path / "day.db"
-    shutil.copy(src, path)
-    whole = [json.dumps(v.as_json(), sort_keys=True) for v in judge_run(load_run(path, rid))]
-    monkeypatch.setattr(long_runs, "LONG_RUN_S", 300.0)
-
-    def refused(*args, **kwargs):
-        raise AssertionError("a long run is never read whole")
-
+    path, rid, whole = never_read_whole(day, tmp_path, monkeypatch)
     read, real = [], reader.load_window
 
     def window(*args, **kwargs):
         read.append(kwargs.get("metrics"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(reader, "load_run", refused)
     monkeypatch.setattr(reader, "load_window", window)
     (got,) = review.open_runs(str(path), rid)
     assert "overview" in got.run.info

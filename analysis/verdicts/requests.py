@@ -84,10 +84,11 @@ def weighted_between(times: np.ndarray, start: np.ndarray, end: np.ndarray, weig
     matrix (a whole run's frame is tens of thousands of samples)."""
     keep = start < end  # NaN compares False: a row never sent counts nowhere
     start, end, weights = start[keep], end[keep], weights[keep]
-    return _sum_to(times, start, weights) - _sum_to(times, end, weights)
+    return sum_through(times, start, weights) - sum_through(times, end, weights)
 
 
-def _sum_to(times: np.ndarray, at: np.ndarray, weights: np.ndarray) -> np.ndarray:
+def sum_through(times: np.ndarray, at: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Per instant of `times`: the weights of the instants `at` at or before it."""
     order = np.argsort(at, kind="stable")
     cum = np.concatenate(([0.0], np.cumsum(weights[order])))
     return cum[np.searchsorted(at[order], times, side="right")]

@@ -160,13 +160,14 @@ def judge_triton(run: Run, grace_s: float, metrics_target: str | None = None) ->
               for r in frame_rows(ev_all[ev_all["kind"] == "request_sent"])}
     spans = {r: (row.get("sent_mono_ns"), row.get("closed_mono_ns")) for r, row in rows.items()}
     reqs = requests_of(ledger, t0)
+    row_models = np.array([models.get(rid) for rid in reqs.ids], dtype=object)
     out = []
     for stop, data in zip(frame_rows(stops), datas):
         case = _case(run, slog, rows, by_scenario.get(data.get("scenario"), NO_REQUESTS), scrape_times, data=data,
                      rid=stop.request_id, t_stop=float(stop.t_s), t0=t0, target=target, grace_s=grace_s,
                      log_state=log_state, missed=missed.get(stop.request_id),
                      together=together[(data.get("model"), round(float(stop.t_s), 4))], models=models,
-                     spans=spans, reqs=reqs)
+                     spans=spans, reqs=reqs, row_models=row_models)
         out.append(judge(case, EVIDENCE_RULES))
     return out
 
@@ -202,6 +203,7 @@ class TritonCase(Case):
     models: dict  # request id -> the model its request_sent event names
     ledger_spans: dict  # request id -> (sent_mono_ns, closed_mono_ns)
     reqs: Requests | None = None  # the ledger as arrays (requests.py): its stays as the vLLM model reads them
+    row_models: np.ndarray | None = None  # per row of reqs: the model its request_sent event names
 
     @property
     def model(self) -> str | None:
@@ -232,8 +234,7 @@ class TritonCase(Case):
         moment after the send and ends it a moment before its client reads the end). Counted short at both
         ends: an other counted too few makes a release harder to show, never easier."""
         r = self.reqs
-        model_of = np.array([self.models.get(rid) for rid in r.ids], dtype=object)
-        mine = (r.ids != self.rid) & (model_of == self.model) & ~np.isnan(r.sent)
+        mine = (r.ids != self.rid) & (self.row_models == self.model) & ~np.isnan(r.sent)
         end = np.where(np.isnan(r.closed), math.inf, r.closed - LEDGER_LAG_S)
         return weighted_between(times, r.sent[mine] + LEDGER_LAG_S, end[mine], np.ones(int(mine.sum())))
 
@@ -302,7 +303,7 @@ class TritonCase(Case):
 
 def _case(run: Run, slog: _ServerLog, rows: dict, same: dict, scrape_times: np.ndarray, *, data: dict, rid: str,
           t_stop: float, t0: int, target: str | None, grace_s: float, log_state: str, missed: dict | None,
-          together: int, models: dict, spans: dict, reqs: Requests) -> TritonCase:
+          together: int, models: dict, spans: dict, reqs: Requests, row_models: np.ndarray) -> TritonCase:
     has_log = log_state == "read"
     model, lrow = data.get("model"), rows.get(rid)
     t_added = slog.first("engine_added", rid)
@@ -337,7 +338,7 @@ def _case(run: Run, slog: _ServerLog, rows: dict, same: dict, scrape_times: np.n
                       finished_detail=slog.detail.get(("engine_finished", rid), ""),
                       polls="poll=false" not in slog.detail.get(("engine_added", rid), ""), together=together,
                       natural=_natural_end(data, t_stop, t0), series=series, run=run, models=models,
-                      ledger_spans=spans, reqs=reqs)
+                      ledger_spans=spans, reqs=reqs, row_models=row_models)
 
 
 # ------------------------------------------------------------------------------------------ the rules

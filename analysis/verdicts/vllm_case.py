@@ -18,8 +18,8 @@ from analysis.verdicts.core import (
     Case, engine_log_state, first_probe_s
 )
 from analysis.verdicts.engine_done import solo_tokens_per_s
-from analysis.verdicts.requests import Requests, in_between, weighted_between
-from analysis.verdicts.vllm_frames import _Frame, _pool_blocks, _settled, _sum_from
+from analysis.verdicts.requests import Requests, in_between, sum_through, weighted_between
+from analysis.verdicts.vllm_frames import _Frame, _pool_blocks, _settled
 from analysis.verdicts.vllm_log import _EngineLog, _Gaps, _gaps_over, _log_holes, _outage_end
 from runstore.reader import Run
 from runstore.records import WATCHED_SCENARIO
@@ -86,7 +86,9 @@ class VllmCase(Case):
     added_s: np.ndarray | None = None  # its first Added line (NaN: none)
     aborted_s: np.ndarray | None = None  # its first abort line (inf: none)
     gaps: "_Gaps | None" = None  # the run's gaps of this target
-    frame_ends_s: np.ndarray | None = None  # ledger_ends by row (_Frame.ends_s), as at this cancel's turn
+    # per row of reqs: where the ledger stops counting the request (ledger_ends, else its client's close; inf while
+    # open), as at this cancel's turn (_Frame.ends_s)
+    ends_s: np.ndarray | None = None
 
     @cached_property
     def baseline(self) -> _Baseline:
@@ -303,12 +305,6 @@ class VllmCase(Case):
         return _LedgerRows(r.ids[keep], r.seqs[keep], counted, r.first[keep], added, sent)
 
     @cached_property
-    def ends_s(self) -> np.ndarray:
-        """Per row of the ledger: where it stops counting the request (ledger_ends, else its client's close; inf
-        while open)."""
-        return self.reqs.ends(self.ledger_ends) if self.frame_ends_s is None else self.frame_ends_s
-
-    @cached_property
     def not_entered_rows(self) -> np.ndarray:
         return np.isin(self.reqs.ids, list(self.not_entered)) if self.not_entered else np.zeros(len(self.reqs.ids), bool)
 
@@ -478,8 +474,8 @@ class VllmCase(Case):
         early = could & ~completed & (ends < t_w)
         late = could & ~early
         surplus = np.nan_to_num(sched["count"][0] - self.inflight[0] - self.ended_unseen[0])
-        explained = _sum_from(times, start[late], seqs[late]) \
-            + np.minimum(max(surplus, 0.0), _sum_from(times, start[early], seqs[early]))
+        explained = sum_through(times, start[late], seqs[late]) \
+            + np.minimum(max(surplus, 0.0), sum_through(times, start[early], seqs[early]))
         # the counter as of the gauges: an end the API server made (a stop string) is counted a step or two
         # before the engine drops the request
         rose = np.nan_to_num(fin[np.maximum(self.settled, 0)] - fin[0])
@@ -500,7 +496,7 @@ class VllmCase(Case):
             return None
         closed = self.reqs.closed
         _, reads = self.ends_read(len(times) - 1, mine_too=True)
-        return fin - fin[0] - _sum_from(times, np.array(reads, dtype=float), np.ones(len(reads)))
+        return fin - fin[0] - sum_through(times, np.array(reads, dtype=float), np.ones(len(reads)))
 
     def ends_read(self, upto: int, mine_too: bool = False) -> tuple[list[tuple[float, float, bool]], list[float]]:
         """The engine's own ends counted in the stretch up to sample `upto` (vllm:request_success_total, by finish
@@ -861,7 +857,7 @@ def _case(run: Run, frame: _Frame, englog: _EngineLog, trace: dict, same: dict, 
                     hits_at_admission=hits_at_admission, frame_cols=cols_all, solo_rate=solo_rate,
                     ledger_ends=ledger_ends, assumed_gone=frame.assumed_gone, not_entered=not_entered,
                     reqs=frame.reqs, added_s=frame.added_s, aborted_s=frame.aborted_s, gaps=frame.gaps,
-                    frame_ends_s=frame.ends_s.copy())
+                    ends_s=frame.ends_s.copy())
 
 
 def _sources(app: str | None, abort: str | None, has_log: bool, probe: bool) -> dict:

@@ -66,13 +66,6 @@ def _gone_by_idle(gone_at: dict[str, float], stopped: dict[str, tuple[float, str
     return out
 
 
-def _sum_from(times: np.ndarray, starts: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Per instant of `times`: the weights of the starts at or before it."""
-    order = np.argsort(starts, kind="stable")
-    cum = np.concatenate(([0.0], np.cumsum(weights[order])))
-    return cum[np.searchsorted(starts[order], times, side="right")]
-
-
 def _pool_blocks(run: Run, target: str | None) -> int | None:
     """The engine's KV blocks (vllm:cache_config_info's num_gpu_blocks); None where it did not say."""
     cache = (run.info.get("cache") or {}).get(target or "")
