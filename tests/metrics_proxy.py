@@ -1,7 +1,7 @@
 """A loopback proxy in front of a real engine's /metrics that can be told to misbehave.
 
 It forwards the real body, and on the requests a test chooses answers 500, garbage or a body cut
-in half; `down()` closes its socket (connection refused) until `up()`.
+in half (inside a line); `down()` closes its socket (connection refused) until `up()`.
 """
 
 from __future__ import annotations
@@ -68,7 +68,13 @@ class MetricsProxy:
                 if fault == "garbage":
                     body = b"vllm:num_requests_running{engine=\"0\" \x00\xff garbage {{{\n" * 5
                 elif fault == "truncated":
-                    body = body[: len(body) // 2]
+                    # cut inside a line: a body cut just after a newline is a shorter, valid exposition that
+                    # no reader can tell from a whole one (text format 0.0.4 has no end marker), and an idle
+                    # engine's body is the same length each time, so a cut at half could land there every time
+                    cut = len(body) // 2
+                    while cut > 1 and body[cut - 1:cut] == b"\n":
+                        cut -= 1
+                    body = body[:cut]
                 self._send(upstream.status_code, body)
 
         return Handler
