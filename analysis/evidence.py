@@ -108,6 +108,10 @@ class Evidence:
         None where the samples cannot say (analysis/verdicts/paid_tokens.py)
     tokens_after_client_left_is: "attributed" (the engine held nothing else then: all its tokens were this
         request's) or "at_most" (others ran beside it: a bound)
+    tokens_for_nobody_at_most: count, tokens the engine made that reached none of the run's clients, at most, from
+        the last instant before the request's send with no request of the run open to the sample that shows it gone:
+        generation_tokens_total's rise less the chunks the clients got (record counts them). Fewer than the request
+        still had to make: it did not run out on its own, the cancel took it out (no request log needed)
     model: Triton: the model that served the request
     server_phase: Triton: queued | executing at the stop, by the model's log (started before it or not)
     expected: the verdict the scenario is built to show (Triton's deaf and HTTP-timeout cases: leaked)
@@ -156,6 +160,7 @@ class Evidence:
     kept_running_ms: float | None = None
     tokens_after_client_left: float | None = _with("tokens_after_client_left_is")
     tokens_after_client_left_is: str | None = None
+    tokens_for_nobody_at_most: float | None = None
     model: str | None = None
     server_phase: str | None = None
     expected: str | None = None

@@ -15,6 +15,7 @@ VIEW_METRICS = (
     "requests_running", "requests_waiting", "kv_cache_usage_ratio", "generation_tokens_total",
     "prefix_cache_queries_tokens_total", "prefix_cache_hits_tokens_total", "preemptions_total",
     "requests_finished_total",  # the engine's own ends by reason: what a release without the request log rests on
+    "client_chunks_total",  # what reached the run's own clients: the tokens made for nobody are read against it
     "engine_rss_bytes", "gpu_memory_used_bytes", "gpu_memory_reserved_bytes", "gpu_memory_total_bytes",
     # Triton: what its verdicts rest on, and the models' own memory
     "model_active_requests", "model_steps_total", "triton_pending_requests", "triton_request_failure_total",

@@ -189,6 +189,9 @@ def record_cmd(
                                              scheduler_reader(sampler, "relay", family.scheduler_source),
                                              grace_s=grace, metrics_target="relay")
                 relay_driver.stop_soon = lambda: sampler.burst(window_s, family.burst_sources, target="relay")
+                counted = counted_clients(sampler, "relay")
+                relay_state["sources"].append(counted)
+                relay_driver.delivered = counted.add
                 return relay_driver
 
             async def stop_relay():
@@ -204,6 +207,10 @@ def record_cmd(
                                    grace_s=grace, metrics_target=judged, relay_factory=start_relay,
                                    relay_cleanup=stop_relay, auth=auth)
             driver.stop_soon = lambda: sampler.burst(window_s, family.burst_sources, target=judged)
+            # counted where every chunk is the judged engine's: a gateway in front of several sampled replicas
+            # hands the clients tokens from each
+            if len(targets) == 1 or any(t.url == target.rstrip("/") for t in targets):
+                driver.delivered = counted_clients(sampler, judged).add
             return judging(driver.run(scenarios), judge)
 
         result = record(settings, sources, facts, driver_factory=driver_factory)
@@ -218,6 +225,16 @@ def record_cmd(
         if "state" in relay_state:  # also after Ctrl-C or a lost target
             lifecycle.stop(home_dir(), relay_state["state"].port)
     report_recorded(store, result, grace)
+
+
+def counted_clients(sampler, target: str):
+    """A count of what reaches the clients of the engine labelled `target`, sampled from now on
+    (collectors/sources/clients.py): what the tokens made for nobody are read against."""
+    from collectors.sources.clients import ClientsSource
+
+    src = ClientsSource(target)
+    sampler.add_source(src)
+    return src
 
 
 def taps_of(given: list[str], scenario: str) -> list:

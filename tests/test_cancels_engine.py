@@ -301,3 +301,18 @@ def test_inproc_through_the_relay_app_is_released(default_run):
     assert {t["label"]: t["family"] for t in run.info["targets"]} == {"t0": "vllm", "relay": "vllm"}
     relay_running = series_frame(run, "requests_running")
     assert (relay_running["target"] == "relay").any()
+
+
+def test_the_chunks_each_engines_clients_got_are_counted_as_the_ledger_has_them(default_run):
+    """record counts the content chunks its clients read, per engine (client_chunks_total, source `clients`): the
+    relay app's clients apart from the target's. By the run's end each count is the ledger's chunks of the requests
+    sent to that engine, and it never goes back."""
+    _, _, run, _, _ = default_run
+    relay = {s.name for s in resolve("default") if s.via_relay}
+    ledger = run.ledger
+    to_relay = ledger["scenario"].isin(relay)
+    for target, rows in (("t0", ledger[~to_relay]), ("relay", ledger[to_relay])):
+        counted = run.series("client_chunks_total", source="clients", target=target).sort_values("t_s")["value"]
+        assert len(counted) > 10, target
+        assert (counted.diff().dropna() >= 0).all(), target
+        assert counted.iloc[-1] == rows["chunks"].sum() > 0, (target, counted.iloc[-1], rows["chunks"].sum())

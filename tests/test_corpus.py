@@ -87,3 +87,47 @@ def test_without_the_request_log_and_behind_the_leaking_proxy_few_cancels_are_le
         assert len(mine) >= 100, (name, len(mine))
         assert len(open_) * 10 <= len(mine), (name, [(j.corpus_run, j.request_id, j.rule) for j in open_])
         assert all(j.rule and j.why.strip() for j in mine), name
+
+
+def test_the_engine_made_a_token_or_more_for_each_chunk_its_clients_got(manifest, tmp_path_factory):
+    """The premise of tokens_for_nobody_at_most (VllmCase.made_for_nobody_at_most), on every corpus run that counted
+    its clients' chunks: from each instant with no request of the run open, generation_tokens_total's rise to any
+    later sample is at least the chunks the clients got by LAG_S before that sample. A chunk the engine had not
+    counted a token for would let a request that ran out read as released."""
+    import numpy as np
+
+    from analysis.bounds import LAG_S
+    from analysis.verdicts.vllm_frames import _RunFrames
+    from runstore.reader import load_run
+    from tests.corpus.check import corpus_stores
+
+    checked, runs = 0, []
+    for name, store, entry in corpus_stores(tmp_path_factory.mktemp("premise"), manifest):
+        for run_id in entry["runs"]:
+            run = load_run(store, int(run_id))
+            frames = _RunFrames(run)
+            for target in frames.targets:
+                frame = frames.frame(target)
+                if frame.delivered is None:
+                    continue
+                runs.append(name)
+                times, gen = frame.cols["t_s"], frame.cols["gen_tokens"]
+                ok = ~np.isnan(gen)
+                times, gen = times[ok], gen[ok]
+                d_t, d_v = frame.delivered
+                for q in frame.quiet_s:
+                    a = int(np.searchsorted(times, q, side="right")) - 1
+                    if a < 0:
+                        continue
+                    later = np.arange(a + 1, len(times))
+                    lo = int(np.searchsorted(d_t, q, side="left"))
+                    hi = np.searchsorted(d_t, times[later] - LAG_S, side="right") - 1
+                    got = np.where((lo < len(d_t)) & (hi > lo), d_v[np.maximum(hi, 0)] - d_v[min(lo, len(d_t) - 1)],
+                                   0.0)
+                    made = gen[later] - gen[a]
+                    steady = np.minimum.accumulate(np.diff(gen[a:], prepend=gen[a])[1:] >= 0)  # until a restart
+                    short = (made < got) & steady
+                    assert not short.any(), (name, run_id, target, float(q), float(times[later][short][0]),
+                                             float(made[short][0]), float(got[short][0]))
+                    checked += int(steady.sum())
+    assert len(runs) >= 2 and checked > 1000, (runs, checked)

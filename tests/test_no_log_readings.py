@@ -23,13 +23,18 @@ def ns(s):
     return None if s is None else T0 + int(round(s * 1e9))
 
 
-def build(count, kv, gen, finished, ledger, stops, *, hz=20, length_s=6.0):
+def build(count, kv, gen, finished, ledger, stops, *, hz=20, length_s=6.0, delivered=None):
     """A run at `hz`: count(t), kv(t), gen(t) and finished(t) (requests_finished_total{reason=stop}); `ledger`:
-    dicts with request_id, role, sent, first, closed, cancel (s), terminal_state, max_tokens; `stops`: (request id,
-    stop, phase, tokens at the stop). No engine log; the clients' closes are their own stamps."""
+    dicts with request_id, role, sent, first, closed, cancel (s), terminal_state, max_tokens, chunks; `stops`:
+    (request id, stop, phase, tokens at the stop); delivered(t): the chunks the clients got by t (record's
+    client_chunks_total), where given. No engine log; the clients' closes are their own stamps."""
     times = np.round(np.arange(0, length_s, 1 / hz), 6)
     rows = []
     for i, t in enumerate(times):
+        if delivered is not None:
+            rows.append({"source": "clients", "target": "t0", "metric": "client_chunks_total", "labels": "{}",
+                         "value": float(delivered(t)), "wall_ns": 0, "mono_ns": ns(t), "duration_ns": 1,
+                         "scrape_id": len(times) + i, "t_s": t})
         for metric, labels, value in (("requests_running", "{}", count(t)), ("requests_waiting", "{}", 0.0),
                                       ("kv_cache_usage_ratio", "{}", kv(t)), ("generation_tokens_total", "{}", gen(t)),
                                       ("requests_finished_total", '{"finished_reason": "stop"}', finished(t))):
@@ -38,7 +43,8 @@ def build(count, kv, gen, finished, ledger, stops, *, hz=20, length_s=6.0):
     led = [{"request_id": r["request_id"], "scenario": "s", "role": r.get("role", "neighbour"), "n": 1,
             "sent_mono_ns": ns(r.get("sent")), "first_token_mono_ns": ns(r.get("first")),
             "closed_mono_ns": ns(r.get("closed")), "cancel_mono_ns": ns(r.get("cancel")),
-            "terminal_state": r.get("terminal_state", "completed"), "max_tokens": r.get("max_tokens", math.nan)}
+            "terminal_state": r.get("terminal_state", "completed"), "max_tokens": r.get("max_tokens", math.nan),
+            "chunks": r.get("chunks", 0)}
            for r in ledger]
     events = []
     for k, (rid, t_stop, phase, tokens) in enumerate(stops):
@@ -120,3 +126,42 @@ def test_a_request_the_engine_ran_ahead_of_is_not_read_as_kept_on_its_own_ends_c
                 length_s=12)
     v = verdict_of(run)
     assert v.verdict == "inconclusive", (v.evidence.rule, v.evidence.why)
+
+
+def _ramp(t, t_from, t_to, tokens):
+    """Tokens made (or read) by t at an even pace from t_from to t_to."""
+    return float(np.clip((t - t_from) / (t_to - t_from), 0.0, 1.0) * tokens)
+
+
+@pytest.mark.parametrize("made_for_it", [22, 60])
+def test_the_tokens_made_for_nobody_tell_a_release_from_a_request_that_ran_out(made_for_it):
+    """Without the request log: a neighbour ends on its own at 3.03 and its client reads that at 3.40; the target, 50
+    of its 120 tokens read at its 3.00 stop, is gone at the 3.05 sample with it. The count and the own-ends counter
+    cannot tell whether the target ran out (an engine that ran ahead of its client behind a buffering hop) or was
+    aborted. The engine's generation counter against what the clients got can: 22 tokens made for it (its client's
+    20, two in flight) is a release; 60 (40 for nobody) is a request that may have run out."""
+    count = lambda t: 0.0 if t < 0.12 else 1.0 if t < 0.55 else 2.0 if t < 3.03 else 0.0 if t < 3.5 else 1.0  # noqa
+    kv = lambda t: 0.0 if t < 0.12 else 0.2 if t < 0.55 else 0.4 if t < 3.03 else 0.0 if t < 3.5 else 0.1  # noqa
+    finished = lambda t: 0.0 if t < 3.03 else 1.0  # noqa: E731
+    target_end = 3.0 if made_for_it < 60 else 3.03
+
+    def gen(t):
+        return 1000 + _ramp(t, 0.3, 3.03, 100) + _ramp(t, 0.8, target_end, made_for_it) + _ramp(t, 3.55, 6.0, 50)
+
+    def delivered(t):  # each chunk reaches its client 10 ms after the engine made it; the target's client stops at 20
+        return _ramp(t - 0.01, 0.3, 3.03, 100) + min(_ramp(t - 0.01, 0.8, target_end, made_for_it), 20.0) \
+            + _ramp(t - 0.01, 3.55, 6.0, 50)
+
+    ledger = [dict(request_id="nb", sent=0.1, first=0.31, closed=3.4, max_tokens=100, chunks=100),
+              dict(TARGET, max_tokens=60, chunks=20),
+              dict(request_id="pr", role="probe", sent=3.45, first=3.56, closed=6.0, max_tokens=50, chunks=50)]
+    run = build(count, kv, gen, finished, ledger, [("tg", 3.0, "decode", 20)], delivered=delivered, length_s=7)
+    v = verdict_of(run)
+    if made_for_it < 60:
+        assert v.verdict == "released", (v.evidence.rule, v.evidence.why)
+        assert v.evidence.tokens_for_nobody_at_most < 40
+    else:
+        assert (v.verdict, v.evidence.rule) == ("inconclusive", "gone_may_have_run_out"), v.evidence.why
+    # the same runs without the clients' count: the counters alone cannot tell
+    bare = build(count, kv, gen, finished, ledger, [("tg", 3.0, "decode", 20)], length_s=7)
+    assert verdict_of(bare).evidence.rule == "gone_may_have_run_out"

@@ -92,3 +92,20 @@ def sum_through(times: np.ndarray, at: np.ndarray, weights: np.ndarray) -> np.nd
     order = np.argsort(at, kind="stable")
     cum = np.concatenate(([0.0], np.cumsum(weights[order])))
     return cum[np.searchsorted(at[order], times, side="right")]
+
+
+def quiet_instants(reqs: Requests) -> np.ndarray:
+    """The instants, sorted, at which none of the ledger's requests was open (sent, its client not done with it):
+    the sends that found every earlier request closed. From such an instant on, every token that reaches a client of
+    the run is one the engine made after it (a client that is done with its request reads nothing more)."""
+    sent, closed = reqs.sent, np.nan_to_num(reqs.closed, nan=math.inf)
+    live = ~np.isnan(sent)
+    sent, closed = sent[live], closed[live]
+    order = np.argsort(sent, kind="stable")
+    sent, closed = sent[order], closed[order]
+    if not len(sent):
+        return np.array([])
+    # the latest close among the requests sent before each one (requests sent at the same instant start together)
+    before = np.concatenate(([-math.inf], np.maximum.accumulate(closed)[:-1]))
+    first_of_instant = np.concatenate(([True], sent[1:] > sent[:-1]))
+    return sent[first_of_instant & (before <= sent)]

@@ -89,6 +89,8 @@ class VllmCase(Case):
     # per row of reqs: where the ledger stops counting the request (ledger_ends, else its client's close; inf while
     # open), as at this cancel's turn (_Frame.ends_s)
     ends_s: np.ndarray | None = None
+    delivered: tuple[np.ndarray, np.ndarray] | None = None  # _Frame.delivered
+    quiet_s: np.ndarray | None = None  # _Frame.quiet_s
 
     @cached_property
     def baseline(self) -> _Baseline:
@@ -627,6 +629,13 @@ class VllmCase(Case):
                 self.assumed.add("no_faster_than_the_pace_margin")
                 return None
             tokens_out = f"its {tokens} token(s) (at {fastest:.0f} tokens/s from its send)"
+        if tokens_out is not None:
+            nobody = self.made_for_nobody_at_most(t)
+            if nobody is not None and nobody < tokens * self.n - self.received:
+                # running out, it would have made for nobody every token its client had not got (a chunk is a token
+                # or more): the engine made fewer
+                self.ev.tokens_for_nobody_at_most = nobody
+                return None
         # the counter and the clients' reads both to `t`: read later, other requests' ends outnumber the reads
         # (seen: a burst's releases read as ends of their own); a read counted later than the counter excuses an end
         # of this one's own by a neighbour's end read a moment after (a watched request that ran out in the grace)
@@ -643,6 +652,41 @@ class VllmCase(Case):
         if not any(not read and by > t_b for _, by, read in rises):
             return None
         return tokens_out or "its last tokens (the engine ended requests of its own then that no other's end accounts for)"
+
+    @property
+    def received(self) -> int:
+        """The content chunks its client got, each at least one of its tokens (0 where the ledger has no row)."""
+        return 0 if self.lrow is None or pd.isna(self.lrow.get("chunks")) else int(self.lrow["chunks"])
+
+    def made_for_nobody_at_most(self, t: float) -> float | None:
+        """At most how many tokens the engine made, from the last instant before this request's send with no request
+        of the run open to the first sample of its counter at or after `t`, that reached none of the run's clients:
+        generation_tokens_total's rise less the chunks its clients got from that instant to `t` less LAG_S (each chunk
+        a token or more the engine made then, and counted by `t`). Its tokens made for a client that left are in it,
+        so are those of traffic the run did not send. None where the run did not count its clients' chunks, or the
+        samples do not cover the stretch (the counter went back: a restart)."""
+        if self.delivered is None or self.lrow is None or pd.isna(self.lrow.get("sent_mono_ns")) or not len(self.quiet_s):
+            return None
+        sent = (self.lrow["sent_mono_ns"] - self.run.info["started_mono_ns"]) / 1e9
+        k = int(np.searchsorted(self.quiet_s, sent, side="right")) - 1
+        if k < 0:
+            return None
+        quiet = float(self.quiet_s[k])
+        times, gen = self.frame_cols["t_s"], self.frame_cols["gen_tokens"]
+        read = np.nonzero(~np.isnan(gen))[0]
+        a = read[times[read] <= quiet]
+        b = read[times[read] >= t]
+        if not len(a) or not len(b):
+            return None
+        g = gen[a[-1]:b[0] + 1]
+        g = g[~np.isnan(g)]
+        if (np.diff(g) < 0).any():
+            return None
+        d_t, d_v = self.delivered
+        lo = int(np.searchsorted(d_t, quiet, side="left"))  # the first count at or after the quiet instant
+        hi = int(np.searchsorted(d_t, t - LAG_S, side="right")) - 1  # the last at or before t less the lag
+        got = float(d_v[hi] - d_v[lo]) if lo < len(d_t) and hi > lo else 0.0
+        return max(float(g[-1] - g[0]) - got, 0.0)
 
     @cached_property
     def moved(self) -> np.ndarray:
@@ -857,7 +901,7 @@ def _case(run: Run, frame: _Frame, englog: _EngineLog, trace: dict, same: dict, 
                     hits_at_admission=hits_at_admission, frame_cols=cols_all, solo_rate=solo_rate,
                     ledger_ends=ledger_ends, assumed_gone=frame.assumed_gone, not_entered=not_entered,
                     reqs=frame.reqs, added_s=frame.added_s, aborted_s=frame.aborted_s, gaps=frame.gaps,
-                    ends_s=frame.ends_s.copy())
+                    ends_s=frame.ends_s.copy(), delivered=frame.delivered, quiet_s=frame.quiet_s)
 
 
 def _sources(app: str | None, abort: str | None, has_log: bool, probe: bool) -> dict:

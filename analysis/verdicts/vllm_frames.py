@@ -17,9 +17,11 @@ from analysis.rows import frame_rows
 from analysis.series import scheduler_frame
 from analysis.verdicts.core import LOG_SLACK_S, engine_log_state
 from analysis.verdicts.engine_done import solo_tokens_per_s
-from analysis.verdicts.requests import Requests, requests_of, weighted_between
+from analysis.verdicts.requests import Requests, quiet_instants, requests_of, weighted_between
 from analysis.verdicts.vllm_log import _EngineLog, _Gaps, _events, _scrape_spans, _target_gaps, _trace_events
 from runstore.reader import Run
+
+CLIENT_CHUNKS = "client_chunks_total"  # collectors/sources/clients.py's METRIC: analysis imports no collector
 
 
 def ledger_inflight(ledger: pd.DataFrame, t0_ns: int, times: np.ndarray, aborted_at: dict[str, float],
@@ -258,7 +260,7 @@ class _RunFrames:
             self.frames[target] = _Frame(cols, inflight, solo, ends, not_entered, gone, assumed, self.reqs,
                                          self.reqs.per_row(englog.added, target, math.nan),
                                          self.reqs.per_row(englog.aborted, target, math.inf), _target_gaps(run, target),
-                                         self.reqs.ends(ends))
+                                         self.reqs.ends(ends), _delivered(run, target), quiet_instants(self.reqs))
         return self.frames[target]
 
 
@@ -298,6 +300,18 @@ class _Frame(NamedTuple):
     aborted_s: np.ndarray  # per row of reqs: its first abort line on this target (inf: none)
     gaps: _Gaps  # the run's gaps of this target
     ends_s: np.ndarray  # per row of reqs: ends, else its client's close (inf: open); kept with ends
+    # the chunks that reached the run's clients of this target by each instant (collectors/sources/clients.py):
+    # (instants, counts) in time order; None where the run did not count them (a watch, a run before the count)
+    delivered: tuple[np.ndarray, np.ndarray] | None
+    quiet_s: np.ndarray  # requests.quiet_instants: no request of the run open there
+
+
+def _delivered(run: Run, target: str | None) -> tuple[np.ndarray, np.ndarray] | None:
+    t, v = (a.astype(float) for a in run.series_arrays(CLIENT_CHUNKS, ("t_s", "value"), target))
+    if not len(t):
+        return None
+    order = np.argsort(t, kind="stable")
+    return t[order], v[order]
 
 
 def _settled(gen: np.ndarray) -> np.ndarray:

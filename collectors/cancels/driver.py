@@ -65,6 +65,8 @@ class Driver(ScenarioRunner):
         self.open: list[Request] = []  # sent in the scenario under way, their ledger rows not yet written
         # called just before each stop (the recorder lifts the scheduler source to its burst rate)
         self.stop_soon = None
+        # told of the chunks this driver's clients read: the recorder's count (collectors/sources/clients.py: its add)
+        self.delivered = None
 
     # ------------------------------------------------------------------ the run
     @contextlib.asynccontextmanager
@@ -121,6 +123,7 @@ class Driver(ScenarioRunner):
         return req
 
     def send(self, req: Request) -> Request:
+        req.delivered = self.delivered
         req.task = asyncio.create_task(run_request(self.client, self.base_url, req))
         self.open.append(req)
         return req

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -56,6 +57,7 @@ class Request:
     engine_abort_ns: int | None = None
     app_answer: str | None = None
     app_answered_ns: int | None = None
+    delivered: Callable[[int], None] | None = None  # told of the chunks read: the run's count of what its clients got
 
     @property
     def chunks(self) -> int:
@@ -127,6 +129,8 @@ def _count(req: Request, payload: dict) -> None:
             text = (choice.get("delta") or {}).get("content")
         if text:
             row.chunks += 1
+            if req.delivered is not None:
+                req.delivered(1)
             if row.first_token_mono_ns is None:
                 row.first_token_mono_ns = now_ns()
             if req.cancel_requested:
@@ -171,6 +175,8 @@ async def _plain(client: httpx.AsyncClient, base_url: str, req: Request) -> None
     payload = resp.json()
     req.row.first_token_mono_ns = now_ns()
     req.row.chunks = int(payload.get("usage", {}).get("completion_tokens", 0))
+    if req.delivered is not None:
+        req.delivered(req.row.chunks)
     req.row.terminal_state, req.row.reason = "completed", payload["choices"][0].get("finish_reason")
 
 

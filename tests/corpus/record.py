@@ -83,6 +83,10 @@ RUNS: list[Spec] = [
          path="leaky", repeats=2),
     Spec("proxy_default", "the default suite through the leaking proxy to vLLM on its defaults", engine="default",
          path="leaky", read_log=False, repeats=2),
+    Spec("direct_default_counted", "the default suite straight to vLLM on its defaults, its clients' chunks counted "
+         "(client_chunks_total): the tokens the engine made for nobody", engine="default", read_log=False, repeats=2),
+    Spec("proxy_default_counted", "the default suite through the leaking proxy to vLLM on its defaults, its clients' "
+         "chunks counted", engine="default", path="leaky", read_log=False, repeats=2),
     Spec("utc_vllm_format", "the default suite against an engine logging in vLLM's own format (whole seconds, no "
          f"year) in UTC, the recorder in {RECORDER_TZ} (6 s grace: its stamps are whole seconds)", engine="utc",
          grace=6.0),
