@@ -165,8 +165,9 @@ TAP_DATA = (("hop", "the tap's name: the component it feeds"),
 BODY_DATA = (("chunks", "SSE data events of the response that passed (a token each on a stream; [DONE] not "
                         "counted)"),
              ("first_body_mono_ns", "monotonic ns of the response body's first byte (None: none passed)"),
-             ("sse_done", "the stream's last event (`data: [DONE]`) had passed: the answer was whole, whatever the "
-                          "transport's framing did after"))
+             ("sse_done", "the stream's last event (`data: [DONE]`), or a chunk with a finish_reason for each choice "
+                          "the request asked for, had passed: the answer was whole, whatever the transport's framing "
+                          "did after"))
 _TAP_KINDS = (
     EventKind("tap_accepted", (TAP,), "a tap accepted a connection from the component before it (or the client)",
               "None", TAP_DATA),

@@ -186,6 +186,51 @@ def test_a_client_that_closes_once_the_last_event_passed_read_a_whole_answer_and
     assert (row.terminal_state, len(stops(got))) == ("cancelled", 1)
 
 
+
+def test_a_client_that_closes_once_each_choice_finished_read_a_whole_answer_and_made_no_cancel():
+    """Some clients stop at the chunk that carries a choice's finish_reason, before `data: [DONE]` comes: with every
+    choice the request asked for (its body's n) finished, the answer was whole. The marker split between two reads
+    counts once; a request of two choices left after the first one finished made a cancel."""
+    def script(conn, seen):
+        recv_until(conn, b"\r\n\r\n")
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        events = [b'data: {"choices":[{"index":%d,"text":"w","finish_reason":null}]}\n\n' % (i % 2) for i in range(4)]
+        events += [b'data: {"choices":[{"index":0,"text":"w","finish_reason":"length"}]}\n\n',
+                   b'data: {"choices": [{"index": 1, "text": "w", "finish_reason": "stop"}]}\n\n']
+        try:
+            for k, event in enumerate(events):
+                if k == len(events) - 1:
+                    time.sleep(0.5)  # the second choice finishes later: a client may leave in between
+                half = event.index(b"finish_reason") + 5  # each marker cut in two reads
+                for part in (event[:half], event[half:]):
+                    conn.sendall(b"%x\r\n%s\r\n" % (len(part), part))
+                    time.sleep(0.02)
+            time.sleep(1.0)  # [DONE] comes late: the client is gone by then
+            conn.sendall(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+            read_to_close(conn)
+        except OSError:
+            pass
+        seen.append("ended")
+
+    outcomes = {}
+    for n, wait_for in ((1, b'"length"'), (2, b'"stop"'), (2, b'"length"')):
+        up = Upstream(script)
+        tap = watched_tap(up.port)
+        try:
+            c = socket.create_connection(("127.0.0.1", tap.hop.listen_port))
+            c.sendall(request(f"r-fin-{n}", b'{"stream": true, "max_tokens": 3, "n": %d}' % n))
+            recv_until(c, wait_for)
+            time.sleep(0.1)  # the rest of that chunk
+            c.close()
+            got, led = ledger_of(tap, lambda out: rows(out))
+        finally:
+            tap.close()
+            up.close()
+        (row,) = rows(got)
+        outcomes[(n, wait_for)] = (row.terminal_state, len(stops(got)))
+    assert outcomes == {(1, b'"length"'): ("completed", 0), (2, b'"stop"'): ("completed", 0),
+                        (2, b'"length"'): ("cancelled", 1)}
+
 def test_a_non_streaming_client_that_times_out_is_a_cancel_when_the_connection_ends():
     answered = threading.Event()
 

@@ -7,8 +7,8 @@ half-close (FIN) is not one on its own: clients send their request, half-close a
 the response open is held until the connection tells: the response passing to its end (not a cancel),
 or the connection ending without it (a cancel, stamped at the FIN: the instant the client left). A
 reset is a cancel at once. A complete answer is never a cancel: a client that closes once the stream's last
-event (`data: [DONE]`) has passed read it whole, whatever the transport's framing did after (the `openai`
-SDK closes before the chunked body's last bytes come).
+event (`data: [DONE]`), or each choice's last chunk (its `finish_reason`), has passed read it whole, whatever the
+transport's framing did after (the `openai` SDK closes before the chunked body's last bytes come).
 
 Pure bookkeeping over the tap's events (runstore/event_kinds.py: tap_*), on the tap's monotonic clock:
 `feed` returns the records to write, the tap's own events first; nothing here reads a socket or a clock.

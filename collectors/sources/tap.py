@@ -41,6 +41,10 @@ REFUSE_READ_S = 1.0  # a connection past the bound: how long its first bytes are
 ENCRYPTED = "encrypted: no request id"
 BODY_BYTES = 64 * 1024  # a request body read for what it asks (model, stream, max_tokens, n), at most
 _SSE_DONE = b"\ndata: [DONE]"
+# a choice's last chunk: its finish_reason a string, not null (vLLM writes no spaces; a gateway that re-serialises
+# the JSON may). A client may close once every choice has one, before `data: [DONE]` passes: it read the answer whole
+_FINISHED = re.compile(rb'"finish_reason"\s*:\s*"')
+_SSE_TAIL = 64  # bytes of a read kept for the next: a marker split between two reads is found once
 _REQUEST_LINE = re.compile(rb"[A-Z]+ \S+ HTTP/1\.[01]")  # the first line of a head an id may be added to
 
 
@@ -180,16 +184,19 @@ class _Http:
         self.ids: dict[int, str | None] = {}  # seq -> its X-Request-Id
         self.answered = -1  # the latest request whose response started
         self.ended = -1  # the latest request whose response ended
-        # seq -> [first body byte's mono ns or None, SSE data events, whether `data: [DONE]` passed]
+        # seq -> [first body byte's mono ns or None, SSE data events, whether the answer passed whole (`data: [DONE]`,
+        # or a finish_reason for each of its choices), choices finished]
         self.body: dict[int, list] = {}
+        self.choices: dict[int, int] = {}  # seq -> the n its request body asked for (1 unless it says)
         self._request_body = bytearray()  # the body of the request being read, up to BODY_BYTES
         self._sse_tail = b""  # the end of the last response chunk: an SSE line split between two reads
         self.now = 0  # the instant of the bytes being read (the tap's clock), set by the tap
 
     def body_of(self, seq: int | None) -> dict:
         """What passed of a request's response body: `first_body_mono_ns`, `chunks` (SSE data events, a token
-        each on a stream; `[DONE]` not counted) and `sse_done` (the stream's `data: [DONE]` passed)."""
-        first, chunks, done = self.body.get(seq, (None, 0, False)) if seq is not None else (None, 0, False)
+        each on a stream; `[DONE]` not counted) and `sse_done` (the stream's `data: [DONE]` passed, or a chunk with
+        a finish_reason for each of its choices: the answer whole)."""
+        first, chunks, done, _ = self.body.get(seq, (None, 0, False, 0)) if seq is not None else (None, 0, False, 0)
         return {"first_body_mono_ns": first, "chunks": chunks, "sse_done": done}
 
     def open_seq(self) -> int | None:
@@ -264,8 +271,10 @@ class _Http:
                     self._request_body += ev.data[: BODY_BYTES - len(self._request_body)]
             elif isinstance(ev, h11.EndOfMessage):
                 self.resp.send(h11.EndOfMessage())
-                out.append(("request_body", {"seq": self.seq, "request_id": self.ids.get(self.seq),
-                                             **asked_for(bytes(self._request_body))}))
+                asked = asked_for(bytes(self._request_body))
+                self.choices[self.seq] = asked["n"] if isinstance(asked["n"], int) and asked["n"] > 0 else 1
+                self.choices.pop(self.seq - 8, None)
+                out.append(("request_body", {"seq": self.seq, "request_id": self.ids.get(self.seq), **asked}))
                 self._request_body = bytearray()
 
     def _responses(self) -> list[tuple[str, dict]]:
@@ -276,18 +285,19 @@ class _Http:
                 return out
             if isinstance(ev, h11.Response):
                 self.answered = self.seq
-                self.body[self.seq] = [None, 0, False]
+                self.body[self.seq] = [None, 0, False, 0]
                 self._sse_tail = b"\n"  # the body starts a line
                 self.body.pop(self.seq - 8, None)  # a kept-alive connection's old requests: bounded
                 out.append(("response", {"seq": self.seq, "status": ev.status_code,
                                          "request_id": self.ids.get(self.seq)}))
             elif isinstance(ev, h11.Data):
-                stats = self.body.setdefault(self.seq, [None, 0, False])
+                stats = self.body.setdefault(self.seq, [None, 0, False, 0])
                 if stats[0] is None and ev.data:
                     stats[0] = self.now
-                events, done = self._sse_events(bytes(ev.data))
+                events, done, finished = self._sse_events(bytes(ev.data))
                 stats[1] += events
-                stats[2] = stats[2] or done
+                stats[3] += finished
+                stats[2] = stats[2] or done or stats[3] >= self.choices.get(self.seq, 1)
             elif isinstance(ev, h11.InformationalResponse) and ev.status_code == 101:
                 return out + self._broke("switched protocols (an upgrade): no further request ids")
             elif isinstance(ev, h11.EndOfMessage):
@@ -297,10 +307,11 @@ class _Http:
                 if self._next_cycle():
                     out += self._requests()  # a request the client sent on before this response ended
 
-    def _sse_events(self, data: bytes) -> tuple[int, bool]:
+    def _sse_events(self, data: bytes) -> tuple[int, bool, int]:
         """SSE data events that end in `data` (a token each on a stream): `data:` at a line's start, less
-        `data: [DONE]`; the tail of the last read kept, so an event split between two reads counts once. And
-        whether `data: [DONE]` ends in it: the stream's last event, the answer whole."""
+        `data: [DONE]`; the tail of the last read kept, so an event split between two reads counts once. Whether
+        `data: [DONE]` ends in it: the stream's last event, the answer whole. And the finish_reasons that end in it
+        (a choice's last chunk)."""
         text = self._sse_tail + data
         skip = len(self._sse_tail)
         def new(pattern: bytes) -> int:  # occurrences that end in `data`: the tail's were counted before
@@ -310,9 +321,10 @@ class _Http:
                 at = text.find(pattern, at + 1)
             return n
 
-        self._sse_tail = text[-(len(_SSE_DONE) - 1):]
+        self._sse_tail = text[-_SSE_TAIL:]
         done = new(_SSE_DONE)
-        return new(b"\ndata:") - done, done > 0
+        finished = sum(m.end() > skip for m in _FINISHED.finditer(text))
+        return new(b"\ndata:") - done, done > 0, finished
 
     def _next_cycle(self) -> bool:
         """Both messages of the exchange are done and the connection is kept alive: read the next one."""
