@@ -31,6 +31,9 @@ SLACK_S = 0.05
 MATCHES = ("id", "time")
 LOG_STAMP_S = 0.05  # how far an engine log's abort may read before the tap's close that caused it
 LOOPBACK = {"localhost": "127.0.0.1", "::1": "127.0.0.1"}
+# what of the engine's shows a request gone (engine_left's `by`), in a sentence's words
+SHOWN_BY = {"engine log": "abort line", "relay": "abort through the relay", "engine": "abort",
+            "engine's count": "count"}
 
 
 @dataclass
@@ -41,7 +44,11 @@ class HopStep:
     reached_s/how: its client side closed (fin | rst) while the response was open: the cancel reached it;
     passed_s/how/by: it closed its upstream for the request (seen by the next tap: by "tap NAME"), or the
     engine logged the abort ("engine log"); upstream_end_s: where its upstream exchange ended otherwise
-    (the response's end or a later close at the next tap); note: what else a reader needs (in words)."""
+    (the response's end or a later close at the next tap); note: what else a reader needs (in words).
+    untapped: no tap between it and the engine (users tap where they can): what it did with the cancel is the
+    engine's evidence alone. engine_left_s/by: where the engine's own evidence shows the request gone (its abort
+    line, the relay's abort, its count for a released cancel); a step it contradicts is no stop. unobserved: it
+    was reached, and nothing shows whether it passed the cancel on."""
 
     hop: str
     feeds_engine: bool
@@ -54,6 +61,10 @@ class HopStep:
     passed_by: str | None = None
     upstream_end_s: float | None = None
     note: str | None = None
+    untapped: bool = False
+    engine_left_s: float | None = None
+    engine_left_by: str | None = None
+    unobserved: bool = False
 
     @property
     def held_ms(self) -> float | None:
@@ -73,7 +84,8 @@ class HopStep:
                 "reached_s": self.reached_s, "reached_how": self.reached_how, "reached_ms": after(self.reached_s),
                 "passed_s": self.passed_s, "passed_how": self.passed_how, "passed_by": self.passed_by,
                 "passed_ms": after(self.passed_s), "held_ms": self.held_ms, "upstream_end_s": self.upstream_end_s,
-                "note": self.note}
+                "note": self.note, "untapped": self.untapped, "engine_left_s": self.engine_left_s,
+                "engine_left_by": self.engine_left_by, "unobserved": self.unobserved}
 
 
 def run_hops(run: Run) -> list[dict]:
@@ -192,8 +204,10 @@ def hop_traces(run: Run, cancels: list) -> dict[str, list[HopStep]]:
     out = {}
     for v in cancels:
         steps = []
+        left_s, left_by = engine_left(v)
         for i, h in enumerate(hops):
-            step = HopStep(h["name"], _addr(h.get("upstream_host"), h.get("upstream_port")) in engines)
+            step = HopStep(h["name"], _addr(h.get("upstream_host"), h.get("upstream_port")) in engines,
+                           engine_left_s=left_s, engine_left_by=left_by)
             found = matches[i].get(v.request_id)
             if found is None:
                 step.note = "the tap in front of it saw no request it could tell was this one"
@@ -219,17 +233,52 @@ def hop_traces(run: Run, cancels: list) -> dict[str, list[HopStep]]:
                 step.passed_s = v.timepoints["engine_abort"]
                 step.passed_by = {"engine_log": "engine log", "relay": "relay"}.get(
                     (v.sources.get("engine_abort") or {}).get("source"), "engine")
+            elif i == len(hops) - 1 and not step.feeds_engine:
+                _untapped_beyond(step, getattr(v, "verdict", None))
             steps.append(step)
         out[v.request_id] = steps
     return out
 
 
+def engine_left(v) -> tuple[float | None, str | None]:
+    """Where the engine's own evidence shows the cancelled request gone, and what shows it: its abort line (or the
+    relay's abort), else, for a cancel judged released, the sample where its count showed it gone."""
+    abort = v.timepoints.get("engine_abort")
+    if abort is not None:
+        return abort, {"engine_log": "engine log", "relay": "relay"}.get(
+            (v.sources.get("engine_abort") or {}).get("source"), "engine")
+    if getattr(v, "verdict", None) == "released" and v.timepoints.get("left_scheduler") is not None:
+        return v.timepoints["left_scheduler"], "engine's count"
+    return None, None
+
+
+def _untapped_beyond(step: HopStep, verdict: str | None) -> None:
+    """The last tapped component, with no tap between it and the engine: it passed the cancel on where the engine's
+    evidence shows the request gone (by then, at the latest); it kept it, or one after it did, where the engine kept
+    the request (leaked); else nothing shows which."""
+    step.untapped = True
+    if step.reached_s is None:
+        return
+    if step.engine_left_s is not None:
+        step.passed_s, step.passed_by = max(step.engine_left_s, step.reached_s), step.engine_left_by
+        step.note = (f"no tap between it and the engine: the engine's {SHOWN_BY.get(step.engine_left_by, 'evidence')} "
+                     "shows the cancel came through, by then at the latest")
+    elif verdict == "leaked":
+        step.note = "no tap between it and the engine, which kept the request: it, or one after it, kept the cancel"
+    else:
+        step.unobserved = True
+        step.note = "no tap between it and the engine, and the engine's evidence does not say whether it came through"
+
+
 def stopped_at(steps: list[HopStep], grace_s: float) -> HopStep | None:
-    """The first component the cancel reached but did not pass on within the grace."""
+    """The first component the cancel reached but did not pass on within the grace: never one the engine's own
+    evidence contradicts (the request gone within the grace of reaching it), nor one nothing can tell of."""
     for s in steps:
-        if s.reached_s is None:
+        if s.reached_s is None or s.unobserved:
             continue
         if s.passed_s is None or s.passed_s - s.reached_s > grace_s:
+            if s.engine_left_s is not None and s.engine_left_s - s.reached_s <= grace_s:
+                continue  # the next tap saw no close for it, but the engine let the request go in time
             return s
     return None
 
@@ -245,14 +294,31 @@ def hop_story(steps: list[HopStep], grace_s: float) -> str | None:
         return None
     stop = stopped_at(steps, grace_s)
     if stop is not None:
+        if stop.untapped and stop.passed_s is None:
+            return (f"the cancel stopped at `{stop.hop}` or past it (no tap between it and the engine, which kept the "
+                    f"request): its client side closed at {stop.reached_s:.2f} s ({stop.reached_how})")
         after = stop.passed_s if stop.passed_s is not None else stop.upstream_end_s
         more = (f"its upstream stayed open {after - stop.reached_s:.1f} s more" if after is not None
                 else "its upstream was not seen to close")
         return (f"the cancel stopped at `{stop.hop}`: its client side closed at {stop.reached_s:.2f} s "
                 f"({stop.reached_how}), {more}")
+    unseen_past = next((s for s in steps if s.unobserved), None)
+    if unseen_past is not None:
+        return (f"the cancel reached `{unseen_past.hop}` at {unseen_past.reached_s:.2f} s ({unseen_past.reached_how}) "
+                "and was not observed past it: no tap between it and the engine, and the engine's evidence does not "
+                "say")
     passed = [s for s in steps if s.reached_s is not None and s.passed_s is not None]
     if passed and len(passed) == len([s for s in steps if s.matched]):
-        return "the cancel passed every hop: " + ", ".join(f"`{s.hop}` {s.held_ms:g} ms" for s in passed)
+        return "the cancel passed every hop: " + ", ".join(
+            f"`{s.hop}` {s.held_ms:g} ms" + (f" (no tap behind it: at most, by the engine's "
+                                             f"{SHOWN_BY.get(s.passed_by, 'evidence')})" if s.untapped else "")
+            for s in passed)
+    through = next((s for s in steps if s.reached_s is not None and s.passed_s is None and s.engine_left_s is not None),
+                   None)
+    if through is not None:
+        return (f"the taps did not see `{through.hop}` pass the cancel on, but the engine's "
+                f"{SHOWN_BY.get(through.engine_left_by, 'evidence')} shows the request gone at "
+                f"{through.engine_left_s:.2f} s")
     unseen = [s.hop for s in steps if s.reached_s is None]
     if unseen:
         return f"the taps did not see the cancel reach {', '.join(f'`{h}`' for h in unseen)}"

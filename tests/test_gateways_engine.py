@@ -214,3 +214,38 @@ def test_the_readme_hop_command_as_written(engine, engine_home, tmp_path):
     assert [h["hop"] for h in c["hops"]] == ["nginx", "vllm"] and c["hops"][0]["reached_s"] is not None, c
     print(f"the README's command: {c['verdict']}, {c['evidence']['path']}")
 
+
+
+def test_where_the_taps_end_the_engines_own_evidence_says_whether_the_cancel_came_through(engine, engine_home,
+                                                                                           tmp_path):
+    """As users tap where they can: client -> tap -> nginx -> tap -> HAProxy -> vLLM, no tap between HAProxy and the
+    engine. A cancel the engine's abort line shows gone within the grace passed HAProxy (by then, at the latest),
+    and no trace names a stop the engine's evidence contradicts; one the engine kept stopped at HAProxy or past it."""
+    tap_front, tap_hap, nginx_port, hap_port = free_port(), free_port(), free_port(), free_port()
+    running = []
+    store = tmp_path / "cw.db"
+    try:
+        running.append(gw_mod.start(gw_mod.GATEWAYS["haproxy"], tmp_path / "haproxy", hap_port, engine.port))
+        running.append(gw_mod.start(gw_mod.GATEWAYS["nginx"], tmp_path / "nginx", nginx_port, tap_hap))
+        hops = [f"nginx=127.0.0.1:{tap_front},http://127.0.0.1:{nginx_port}",
+                f"haproxy=127.0.0.1:{tap_hap},http://127.0.0.1:{hap_port}"]
+        res = cli("record", "--target", f"http://127.0.0.1:{tap_front}", "--metrics-url", engine.url, "--scenario",
+                  "disconnect,chat", "--store", str(store), *[a for h in hops for a in ("--hop", h)], home=engine_home,
+                  timeout=900)
+    finally:
+        for r in running:
+            gw_mod.stop(r)
+    assert res.returncode in (0, 1), res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads(cli("report", "latest", "--json", "--store", str(store)).stdout)
+    assert {c["scenario"] for c in doc["cancels"]} == {"disconnect", "chat"}
+    for c in doc["cancels"]:
+        nginx, hap = hops_of(c)["nginx"], hops_of(c)["haproxy"]
+        assert not hap["feeds_engine"] and hap["untapped"] and nginx["passed_by"] == "tap haproxy", json.dumps(c)
+        assert hap["reached_s"] is not None, json.dumps(c, indent=1)
+        if c["verdict"] == "released":
+            assert c["timepoint_sources"]["engine_abort"]["source"] == "engine_log", json.dumps(c, indent=1)
+            assert hap["passed_by"] == "engine log" and c["evidence"].get("stopped_at") is None, json.dumps(c, indent=1)
+            assert "(no tap behind it: at most, by the engine's abort line)" in c["evidence"]["path"]
+        else:
+            assert c["verdict"] == "leaked" and c["evidence"]["stopped_at"] in ("nginx", "haproxy"), json.dumps(c)
+        print(f"{c['scenario']}: {c['verdict']}, {c['evidence']['path']}")

@@ -36,10 +36,17 @@ def closed(hop: str, conn: int, rid: str, at: float, side="client", how="rst", o
                      response_ended=open_seq is None)
 
 
-def run_with(taps: list[dict], hops=HOPS, abort_s: float | None = 2.01):
+def run_with(taps: list[dict], hops=HOPS, abort_s: float | None = 2.01, kept: bool = False, no_log: bool = False,
+             finished=None):
+    """`kept`: the engine holds the request on past the grace; `no_log`: vLLM on its defaults, no request log read;
+    `finished`: its own-ends counter (build_run's)."""
     log = [*ADDED, *([("engine_aborted", "tg", abort_s)] if abort_s is not None else [])]
-    run = build_run(lambda t: 2 if t < 2.05 else 1, lambda t: 0.5 if t < 2.05 else 0.3, steady_gen,
-                    engine_log=log, probe_first_s=2.3)
+    drop = 1e9 if kept else 2.05
+    run = build_run(lambda t: 2 if t < drop else 1, lambda t: 0.5 if t < drop else 0.3, steady_gen,
+                    engine_log=log, probe_first_s=2.3, finished=finished)
+    if no_log:
+        run.info.pop("engine", None)
+        run.events = run.events[~run.events["kind"].str.startswith("engine_")]
     run.info.update(settings={"hops": hops}, started_wall_ns=1_790_000_000_000_000_000, name="hops")
     run.scrapes = pd.DataFrame(columns=["source", "target", "ok", "mono_ns", "n_samples", "duration_ns", "t_s"])
     run.events = pd.concat([run.events, pd.DataFrame(taps)], ignore_index=True).sort_values("mono_ns")
@@ -151,3 +158,54 @@ def test_a_run_without_taps_keeps_its_table_and_protocol_as_they_were():
     verdicts = judge_run(run)
     assert cancel_table(run, verdicts)["hops (ms)"].tolist() == [""]
     assert "hop by hop" not in protocol_markdown(run, report_document(run, verdicts=verdicts))
+
+
+# client -> tap -> nginx -> tap -> LiteLLM -> vLLM: no tap between LiteLLM and the engine (users tap where they can)
+UNTAPPED = [HOPS[0], {"name": "litellm", "listen_host": "127.0.0.1", "listen_port": 9002,
+                      "upstream": "http://127.0.0.1:4000", "upstream_host": "127.0.0.1", "upstream_port": 4000}]
+
+
+def through_litellm(**run_kw):
+    taps = [*through("nginx", 1, "nb", 0.1), *through("litellm", 1, "nb", 0.102), *through("nginx", 2, "tg", 0.5),
+            *through("litellm", 2, "tg", 0.502), closed("nginx", 2, "tg", 2.001),
+            closed("litellm", 2, "tg", 2.004, how="fin")]
+    (v,) = judge_run(run_with(taps, hops=UNTAPPED, **run_kw))
+    return v
+
+
+def test_the_last_tapped_component_passed_the_cancel_on_where_the_engine_shows_the_request_gone():
+    v = through_litellm()  # the engine's abort line at 2.01
+    nginx, litellm = v.hops
+    assert v.verdict == "released" and not litellm.feeds_engine and litellm.untapped
+    assert (litellm.reached_s, litellm.passed_by) == (2.004, "engine log") and abs(litellm.passed_s - 2.01) < 1e-6
+    assert v.evidence.stopped_at is None and stopped_at(v.hops, 2.0) is None
+    assert "`litellm` 6 ms (no tap behind it: at most, by the engine's abort line)" in v.evidence.path
+    # vLLM on its defaults, no request log: the count that showed it gone says so instead
+    bare = through_litellm(no_log=True, finished=lambda t: 0.0)  # the engine ended none of its own
+    assert bare.verdict == "released" and bare.hops[1].passed_by == "engine's count"
+    assert bare.evidence.stopped_at is None and "by the engine's count" in bare.evidence.path
+
+
+def test_past_the_last_tap_a_kept_request_is_a_stop_there_or_further_on_and_an_open_case_is_not_observed():
+    kept = through_litellm(no_log=True, kept=True)
+    assert kept.verdict == "leaked" and kept.evidence.stopped_at == "litellm"
+    assert kept.evidence.path.startswith("the cancel stopped at `litellm` or past it (no tap between it and the engine")
+    assert kept.hops[1].passed_s is None and not kept.hops[1].unobserved
+    # nothing tells (no request log, and the engine does not say why its requests end): no stop is named, the trace
+    # says where the cancel was last seen
+    open_ = through_litellm(no_log=True)
+    assert open_.verdict == "inconclusive" and open_.hops[1].unobserved and open_.evidence.stopped_at is None
+    assert open_.evidence.path == ("the cancel reached `litellm` at 2.00 s (fin) and was not observed past it: no tap "
+                                   "between it and the engine, and the engine's evidence does not say")
+
+
+def test_a_hop_the_engine_contradicts_is_not_where_the_cancel_stopped():
+    """The next tap saw no close for the request (a component that hands cancels on some other way), yet the
+    engine's abort line came 10 ms after the stop: the cancel went through; the trace says what it saw and what the
+    engine says."""
+    taps = [*both_hops(), closed("nginx", 2, "tg", 2.001)]
+    (v,) = judge_run(run_with(taps))
+    assert v.verdict == "released" and v.hops[0].passed_s is None
+    assert v.evidence.stopped_at is None
+    assert v.evidence.path == ("the taps did not see `nginx` pass the cancel on, but the engine's abort line shows "
+                               "the request gone at 2.01 s")
