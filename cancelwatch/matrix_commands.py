@@ -23,7 +23,8 @@ def matrix(
     gateway: Optional[list[str]] = typer.Option(None, help="Gateway configurations to run (repeatable; default: "
                                                 "every one installed here). Known: nginx, nginx-ignore-abort, haproxy, "
                                                 "haproxy-abortonclose, caddy, apache, envoy, traefik, litellm, "
-                                                "vllm-router."),
+                                                "vllm-router; apps: app-fastapi, app-base-http-middleware, "
+                                                "app-pure-asgi-middleware, app-background-task."),
     target: Optional[str] = typer.Option(None, help="A vLLM you run (started with --enable-log-requests; give its "
                                          "log with --engine-log); default: the embedded engine, started for the "
                                          "matrix and stopped after."),

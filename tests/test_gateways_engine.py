@@ -249,3 +249,25 @@ def test_where_the_taps_end_the_engines_own_evidence_says_whether_the_cancel_cam
         else:
             assert c["verdict"] == "leaked" and c["evidence"]["stopped_at"] in ("nginx", "haproxy"), json.dumps(c)
         print(f"{c['scenario']}: {c['verdict']}, {c['evidence']['path']}")
+
+
+def test_the_apps_people_write_are_measured_in_the_matrix(engine, engine_home, tmp_path):
+    """Two apps of the matrix's apps part (collectors/engines/apps.py), each started by the matrix on loopback with a
+    tap in front: a FastAPI route relaying with httpx passes a stream's disconnect on (Starlette ends the response,
+    closing the generator closes the upstream stream) but keeps a non-streaming request its client gave up on (its
+    handler awaits the engine's whole answer); an app that reads upstream in a background task keeps both, and the
+    trace names it. Each row names its versions."""
+    out = tmp_path / "docs"
+    res = cli("matrix", "--target", engine.url, "--engine-log", engine.log_path, "--gateway", "app-fastapi",
+              "--gateway", "app-background-task", "--scenario", "disconnect,nonstream_timeout", "--out", str(out),
+              "--store", str(tmp_path / "matrix.db"), home=engine_home, timeout=1500)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    md = (out / "matrix.md").read_text()
+    rows = {(r[0].strip("| "), r[3]): (r[4], r[7].rstrip(" |")) for r in
+            (line.split(" | ") for line in md.splitlines() if line.startswith("| app-"))}
+    assert re.search(r"\| app-fastapi \| FastAPI \d+\.\d+\.\d+, Starlette \d+\.\d+\.\d+", md), md
+    assert "class LogLine(BaseHTTPMiddleware)" in md  # the app's source, kept with the row
+    assert rows[("app-fastapi", "disconnect")] == ("yes", "released"), md
+    assert rows[("app-fastapi", "nonstream_timeout")] == ("no (stopped at app-fastapi)", "leaked"), md
+    for scenario in ("disconnect", "nonstream_timeout"):
+        assert rows[("app-background-task", scenario)] == ("no (stopped at app-background-task)", "leaked"), md

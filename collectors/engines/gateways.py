@@ -1,5 +1,6 @@
 """Third-party gateways cancelwatch starts itself, on loopback, from a config it writes: the components
-the gateway matrix puts between a client and the engine (`cancelwatch matrix`).
+the gateway matrix puts between a client and the engine (`cancelwatch matrix`). And apps as people write them
+(APPS: collectors/engines/apps.py, a FastAPI relay in the variants users run), started the same way.
 
 One entry a configuration in GATEWAYS: how to find the binary (and install it), its version, and the
 config that proxies every path to one upstream. Each config is the gateway as shipped plus only what a
@@ -245,6 +246,48 @@ def _vllm_router(work: Path, port: int, upstream: int) -> Config:
     return Config({"vllm-router.args": " ".join(argv) + "\n"}, argv)
 
 
+# ------------------------------------------------------------------------------------------------ apps
+APP_SOURCE = Path(__file__).resolve().with_name("apps.py")
+ENGINE_VENV_PYTHON = Path(__file__).resolve().parents[2] / ".venv-engine" / "bin" / "python"
+
+
+def _app_python() -> str | None:
+    """The embedded engine's Python, where FastAPI, Starlette, uvicorn and httpx are (vLLM's own dependencies)."""
+    return str(ENGINE_VENV_PYTHON) if ENGINE_VENV_PYTHON.exists() else None
+
+
+def _app_versions(binary: str) -> str:
+    code = ("import fastapi, starlette, uvicorn, httpx; print(f'FastAPI {fastapi.__version__}, Starlette "
+            "{starlette.__version__}, uvicorn {uvicorn.__version__}, httpx {httpx.__version__}')")
+    try:
+        done = subprocess.run([binary, "-c", code], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unknown ({type(exc).__name__})"
+    return done.stdout.strip() or "unknown"
+
+
+def _app(kind: str) -> Callable[[Path, int, int], Config]:
+    def config(work: Path, port: int, upstream: int) -> Config:
+        # the app's source and its environment, written beside the row: what ran is what the row keeps
+        env = {"CANCELWATCH_APP_UPSTREAM": f"http://127.0.0.1:{upstream}", "CANCELWATCH_APP_KIND": kind}
+        return Config({"app.py": APP_SOURCE.read_text(), "app.env": "".join(f"{k}={v}\n" for k, v in env.items())},
+                      ["-m", "uvicorn", "--app-dir", str(work), "app:app", "--host", "127.0.0.1", "--port", str(port),
+                       "--log-level", "warning"], env)
+    return config
+
+
+APP_INSTALL = "make engine-venv (make test does): the apps run in the embedded engine's venv"
+APPS = (
+    Gateway("app-fastapi", "FastAPI app", "a route relaying to the engine with httpx, streaming the answer back",
+            _app_python, _app_versions, _app("plain"), APP_INSTALL),
+    Gateway("app-base-http-middleware", "FastAPI app", "the same relay behind a BaseHTTPMiddleware",
+            _app_python, _app_versions, _app("base_http"), APP_INSTALL),
+    Gateway("app-pure-asgi-middleware", "FastAPI app", "the same relay behind a pure ASGI middleware",
+            _app_python, _app_versions, _app("pure_asgi"), APP_INSTALL),
+    Gateway("app-background-task", "FastAPI app", "the upstream read in a background task, streamed from a queue",
+            _app_python, _app_versions, _app("background"), APP_INSTALL),
+)
+
 GATEWAYS: dict[str, Gateway] = {g.name: g for g in (
     Gateway("nginx", "nginx", "as shipped (a location with proxy_pass)", _which("nginx"),
             _version_of(["-v"], r"nginx/(\S+)"), _nginx(False), "apt-get install nginx (make test does)"),
@@ -269,6 +312,7 @@ GATEWAYS: dict[str, Gateway] = {g.name: g for g in (
     Gateway("vllm-router", "vllm-router", "as shipped (one worker, cache_aware policy)", _which("vllm-router"),
             _dist_version("vllm_router"), _vllm_router,
             "make matrix installs it (.venv-gateways, requirements-gateways.txt)", waits_for_upstream=True),
+    *APPS,
 )}
 
 

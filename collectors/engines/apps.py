@@ -1,0 +1,90 @@
+"""Apps as people write them in front of vLLM, for the apps rows of the gateway matrix (collectors/engines/gateways.py):
+a FastAPI app that relays every request to the engine with `httpx`, streaming the answer back, in the variants
+users run. Started on loopback with uvicorn, in the embedded engine's venv (FastAPI, Starlette, uvicorn and httpx are
+vLLM's own dependencies there); which variant, and where the engine is, come from the environment:
+
+  plain          the relay alone: Starlette ends a streamed response when its client goes, and closing the
+                 generator closes the upstream stream
+  base_http      the same behind a `BaseHTTPMiddleware` (a line of logging, as a user adds one)
+  pure_asgi      the same behind a pure ASGI middleware
+  background     the upstream read handed to a background task that fills a queue the response streams from:
+                 the client leaving ends the response, never the task
+
+Nothing here decides what the matrix finds: each row's verdict is measured on the engine's evidence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import httpx
+from fastapi import FastAPI, Request
+from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.responses import StreamingResponse
+
+UPSTREAM = os.environ.get("CANCELWATCH_APP_UPSTREAM", "http://127.0.0.1:8000")
+KIND = os.environ.get("CANCELWATCH_APP_KIND", "plain")
+PASSED = ("content-type", "x-request-id", "authorization")  # the request headers the app sends on
+
+app = FastAPI()
+client = httpx.AsyncClient(base_url=UPSTREAM, timeout=httpx.Timeout(None, connect=5.0))
+
+
+class LogLine(BaseHTTPMiddleware):
+    async def dispatch(self, request, call_next):
+        return await call_next(request)
+
+
+class PureAsgi:
+    def __init__(self, inner):
+        self.inner = inner
+
+    async def __call__(self, scope, receive, send):
+        await self.inner(scope, receive, send)
+
+
+if KIND == "base_http":
+    app.add_middleware(LogLine)
+elif KIND == "pure_asgi":
+    app.add_middleware(PureAsgi)
+
+
+async def _upstream(request: Request) -> httpx.Response:
+    headers = {k: v for k, v in request.headers.items() if k.lower() in PASSED}
+    sent = client.build_request(request.method, request.url.path, content=await request.body(), headers=headers)
+    return await client.send(sent, stream=True)
+
+
+@app.api_route("/{path:path}", methods=["GET", "POST"])
+async def relay(path: str, request: Request):
+    upstream = await _upstream(request)
+    media = upstream.headers.get("content-type")
+    if KIND == "background":
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump():  # reads the engine's answer to its end, whoever is listening
+            try:
+                async for chunk in upstream.aiter_raw():
+                    await queue.put(chunk)
+            finally:
+                await upstream.aclose()
+                await queue.put(None)
+
+        app.state.tasks = getattr(app.state, "tasks", set())
+        task = asyncio.create_task(pump())
+        app.state.tasks.add(task)
+        task.add_done_callback(app.state.tasks.discard)
+
+        async def from_queue():
+            while (chunk := await queue.get()) is not None:
+                yield chunk
+        return StreamingResponse(from_queue(), status_code=upstream.status_code, media_type=media)
+
+    async def chunks():
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        finally:
+            await upstream.aclose()
+    return StreamingResponse(chunks(), status_code=upstream.status_code, media_type=media)
