@@ -207,9 +207,9 @@ def record_cmd(
                                    grace_s=grace, metrics_target=judged, relay_factory=start_relay,
                                    relay_cleanup=stop_relay, auth=auth)
             driver.stop_soon = lambda: sampler.burst(window_s, family.burst_sources, target=judged)
-            # counted where every chunk is the judged engine's: a gateway in front of several sampled replicas
-            # hands the clients tokens from each
-            if len(targets) == 1 or any(t.url == target.rstrip("/") for t in targets):
+            # counted where every chunk is surely the judged engine's: the cancels go straight to it. Through a
+            # gateway or proxy, the clients may get tokens from replicas the run does not sample
+            if any(t.url == target.rstrip("/") for t in targets):
                 driver.delivered = counted_clients(sampler, judged).add
             return judging(driver.run(scenarios), judge)
 

@@ -23,11 +23,12 @@ def ns(s):
     return None if s is None else T0 + int(round(s * 1e9))
 
 
-def build(count, kv, gen, finished, ledger, stops, *, hz=20, length_s=6.0, delivered=None):
+def build(count, kv, gen, finished, ledger, stops, *, hz=20, length_s=6.0, delivered=None, answer_s=0.0):
     """A run at `hz`: count(t), kv(t), gen(t) and finished(t) (requests_finished_total{reason=stop}); `ledger`:
     dicts with request_id, role, sent, first, closed, cancel (s), terminal_state, max_tokens, chunks; `stops`:
     (request id, stop, phase, tokens at the stop); delivered(t): the chunks the clients got by t (record's
-    client_chunks_total), where given. No engine log; the clients' closes are their own stamps."""
+    client_chunks_total), where given; answer_s: how long each of the engine's scrapes took to answer, recorded (its
+    values are the engine's at stamp + answer_s). No engine log; the clients' closes are their own stamps."""
     times = np.round(np.arange(0, length_s, 1 / hz), 6)
     rows = []
     for i, t in enumerate(times):
@@ -58,7 +59,10 @@ def build(count, kv, gen, finished, ledger, stops, *, hz=20, length_s=6.0, deliv
     events["t_s"] = (events["mono_ns"] - T0) / 1e9
     info = {"started_mono_ns": T0, "targets": [{"label": "t0", "url": "http://127.0.0.1:8000"}],
             "status": "completed", "settings": {}}
-    return Run(id=1, info=info, samples=pd.DataFrame(rows), scrapes=pd.DataFrame(), gaps=pd.DataFrame(),
+    scrapes = pd.DataFrame({"source": "vllm", "target": "t0", "ok": 1, "mono_ns": [ns(t) for t in times],
+                            "n_samples": 5, "duration_ns": int(answer_s * 1e9), "t_s": times}) if answer_s \
+        else pd.DataFrame()
+    return Run(id=1, info=info, samples=pd.DataFrame(rows), scrapes=scrapes, gaps=pd.DataFrame(),
                events=events, ledger=pd.DataFrame(led))
 
 
@@ -165,3 +169,28 @@ def test_the_tokens_made_for_nobody_tell_a_release_from_a_request_that_ran_out(m
     # the same runs without the clients' count: the counters alone cannot tell
     bare = build(count, kv, gen, finished, ledger, [("tg", 3.0, "decode", 20)], length_s=7)
     assert verdict_of(bare).evidence.rule == "gone_may_have_run_out"
+
+
+@pytest.mark.parametrize("answer_s", [0.0, 0.08])
+def test_a_request_that_ran_out_is_never_read_as_released_off_a_scrape_answered_late(answer_s):
+    """A review's counterexample: the target, sent into an idle engine at 1.00, ran its 60 tokens out by 3.03 while
+    its client behind a buffering hop got 20 and stopped at 3.00. The counter's read stamped at the quiet instant
+    answered 80 ms later already holds tokens made after it: from that read, the tokens for nobody come out short.
+    The read that counts is one answered by the quiet instant."""
+    count = lambda t: 0.0 if t < 1.02 else 1.0 if t < 3.03 else 0.0 if t < 3.5 else 1.0  # noqa: E731
+    kv = lambda t: 0.0 if t < 1.02 else 0.2 if t < 3.03 else 0.0 if t < 3.5 else 0.1  # noqa: E731
+    finished = lambda t: 0.0 if t < 3.03 else 1.0  # noqa: E731
+
+    def gen(t):
+        t += answer_s  # the engine's counter as it stood when the read was answered
+        return 1000 + _ramp(t, 1.03, 3.03, 60) + _ramp(t, 3.55, 6.0, 50)
+
+    def delivered(t):
+        return min(_ramp(t - 0.01, 1.03, 3.03, 60), 20.0) + _ramp(t - 0.01, 3.55, 6.0, 50)
+
+    ledger = [dict(TARGET, sent=1.0, first=1.05, max_tokens=60, chunks=20),
+              dict(request_id="pr", role="probe", sent=3.45, first=3.56, closed=6.0, max_tokens=50, chunks=50)]
+    run = build(count, kv, gen, finished, ledger, [("tg", 3.0, "decode", 20)], delivered=delivered, length_s=7,
+                answer_s=answer_s)
+    v = verdict_of(run)
+    assert (v.verdict, v.evidence.rule) == ("inconclusive", "gone_may_have_run_out"), v.evidence.why

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from analysis.bounds import ENTER_S, LAG_S, PACE_MARGIN
+from analysis.bounds import BEFORE_S, ENTER_S, LAG_S, PACE_MARGIN
 from analysis.evidence import Evidence
 from analysis.verdicts.core import (
     ASSUMED_LEFT_RULES, COUNT_READING_RULES, HORIZON_S, LOG_SLACK_S, NO_APP, NO_LOG, RACE_TOKENS, CancelVerdict,
@@ -674,9 +674,12 @@ class VllmCase(Case):
         quiet = float(self.quiet_s[k])
         times, gen = self.frame_cols["t_s"], self.frame_cols["gen_tokens"]
         read = np.nonzero(~np.isnan(gen))[0]
-        a = read[times[read] <= quiet]
+        # from a read answered by the quiet instant (a scrape stamped before it and answered after holds tokens made
+        # after it); within BEFORE_S of the stop, where the cancel's own window holds it too (judged live or whole,
+        # the same answer)
+        a = read[times[read] + self.frame_cols["scrape_s"][read] <= quiet]
         b = read[times[read] >= t]
-        if not len(a) or not len(b):
+        if not len(a) or not len(b) or times[a[-1]] < self.t_stop - BEFORE_S:
             return None
         g = gen[a[-1]:b[0] + 1]
         g = g[~np.isnan(g)]

@@ -265,11 +265,13 @@ def _gaps_over(gaps: _Gaps, t_from: float, t_to: float) -> _Gaps:
 
 def _scrape_spans(run: Run, target: str | None, times: np.ndarray) -> np.ndarray:
     """Per sample instant of `target`'s scheduler: how long its scrape took to answer (s; 0 where the run did not
-    record it)."""
+    record it). The scheduler's scrapes only: another source of the target (the clients' count) reads on the same
+    tick grid, at the same instants."""
     sc = run.scrapes
     if sc is None or sc.empty or not len(times):
         return np.zeros(len(times))
-    sc = sc[(sc["target"] == target) & (sc["ok"] == 1)] if target is not None else sc[sc["ok"] == 1]
+    sc = sc[(sc["source"] == "vllm") & (sc["ok"] == 1)] if "source" in sc else sc[sc["ok"] == 1]
+    sc = sc[sc["target"] == target] if target is not None else sc
     at = pd.Series(sc["duration_ns"].to_numpy(float) / 1e9, index=sc["t_s"].to_numpy(float).round(6))
     at = at[~at.index.duplicated(keep="last")]  # as a dict built in row order keeps the last
     return at.reindex(np.round(times.astype(float), 6)).fillna(0.0).to_numpy(float)

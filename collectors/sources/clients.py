@@ -10,6 +10,8 @@ labelled by that engine's target.
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 
 from collectors.sources.base import Source
 from runstore.records import Sample
@@ -19,25 +21,32 @@ METRIC = "client_chunks_total"
 
 
 class ClientsSource(Source):
-    """Counts, never fails: the driver adds each content chunk as it reads it; a read hands the total out."""
+    """Counts, never fails: the driver adds each content chunk as it reads it, stamped; a read hands out the total as
+    it stood at the read's instant (the sampler stamps a read at its tick and runs it a moment later: a total taken
+    then would hold chunks from after the stamp)."""
 
     name = SOURCE_NAME
 
     def __init__(self, target: str):
         self.target = target
         self._chunks = 0
+        self._since: deque[tuple[int, int]] = deque()  # (monotonic ns, total) at each add not yet read past
+        self._read = 0  # the total as of the last read's instant
         self._lock = threading.Lock()  # the driver's event loop adds, the sampler's thread reads
 
     def add(self, chunks: int = 1) -> None:
         with self._lock:
             self._chunks += chunks
+            self._since.append((time.monotonic_ns(), self._chunks))
 
     def check(self) -> str | None:
         return None
 
     def sample(self, wall_ns: int, mono_ns: int) -> list[Sample]:
         with self._lock:
-            total = self._chunks
+            while self._since and self._since[0][0] <= mono_ns:  # reads come in their stamps' order
+                self._read = self._since.popleft()[1]
+            total = self._read
         return [Sample(self.name, METRIC, float(total), (), wall_ns, mono_ns)]
 
     def close(self) -> None:
