@@ -229,12 +229,9 @@ def hop_traces(run: Run, cancels: list) -> dict[str, list[HopStep]]:
                     step.passed_s, step.passed_how = passed
                     step.passed_by = f"tap {hops[i + 1]['name']}"
                 step.upstream_end_s = _exchange_end(ntap, nconn, nseq)
-            elif step.feeds_engine and v.timepoints.get("engine_abort") is not None:
-                step.passed_s = v.timepoints["engine_abort"]
-                step.passed_by = {"engine_log": "engine log", "relay": "relay"}.get(
-                    (v.sources.get("engine_abort") or {}).get("source"), "engine")
-            elif i == len(hops) - 1 and not step.feeds_engine:
-                _untapped_beyond(step, getattr(v, "verdict", None))
+            elif step.feeds_engine or i == len(hops) - 1:
+                step.untapped = not step.feeds_engine
+                _by_the_engine(step, getattr(v, "verdict", None))
             steps.append(step)
         out[v.request_id] = steps
     return out
@@ -252,22 +249,27 @@ def engine_left(v) -> tuple[float | None, str | None]:
     return None, None
 
 
-def _untapped_beyond(step: HopStep, verdict: str | None) -> None:
-    """The last tapped component, with no tap between it and the engine: it passed the cancel on where the engine's
-    evidence shows the request gone (by then, at the latest); it kept it, or one after it did, where the engine kept
-    the request (leaked); else nothing shows which."""
-    step.untapped = True
+def _by_the_engine(step: HopStep, verdict: str | None) -> None:
+    """A component with no tap behind it: the engine itself (the tap in front of it is the last), or the last tapped
+    one, with untapped others between it and the engine (`untapped`). What it did with the cancel is the engine's
+    evidence: it passed it on where that shows the request gone (an untapped one by then at the latest); it kept it
+    (or, untapped, one after it did) where the engine kept the request (leaked); else nothing shows which."""
     if step.reached_s is None:
         return
+    where = "no tap between it and the engine" if step.untapped else "the engine's own evidence"
     if step.engine_left_s is not None:
-        step.passed_s, step.passed_by = max(step.engine_left_s, step.reached_s), step.engine_left_by
-        step.note = (f"no tap between it and the engine: the engine's {SHOWN_BY.get(step.engine_left_by, 'evidence')} "
-                     "shows the cancel came through, by then at the latest")
+        step.passed_s, step.passed_by = step.engine_left_s, step.engine_left_by
+        if step.untapped:
+            step.note = (f"{where}: the engine's {SHOWN_BY.get(step.engine_left_by, 'evidence')} shows the cancel "
+                         "came through, by then at the latest")
+            if step.engine_left_s < step.reached_s - LOG_STAMP_S:
+                step.note = "the engine let the request go before the cancel reached this component"
     elif verdict == "leaked":
-        step.note = "no tap between it and the engine, which kept the request: it, or one after it, kept the cancel"
+        step.note = (f"{where}: the engine kept the request"
+                     + (": it, or one after it, kept the cancel" if step.untapped else ""))
     else:
         step.unobserved = True
-        step.note = "no tap between it and the engine, and the engine's evidence does not say whether it came through"
+        step.note = f"{where}: it does not say whether the cancel came through"
 
 
 def stopped_at(steps: list[HopStep], grace_s: float) -> HopStep | None:
@@ -294,7 +296,7 @@ def hop_story(steps: list[HopStep], grace_s: float) -> str | None:
         return None
     stop = stopped_at(steps, grace_s)
     if stop is not None:
-        if stop.untapped and stop.passed_s is None:
+        if stop.untapped:  # what kept it, this component or an untapped one after it, no tap saw
             return (f"the cancel stopped at `{stop.hop}` or past it (no tap between it and the engine, which kept the "
                     f"request): its client side closed at {stop.reached_s:.2f} s ({stop.reached_how})")
         after = stop.passed_s if stop.passed_s is not None else stop.upstream_end_s
@@ -304,9 +306,10 @@ def hop_story(steps: list[HopStep], grace_s: float) -> str | None:
                 f"({stop.reached_how}), {more}")
     unseen_past = next((s for s in steps if s.unobserved), None)
     if unseen_past is not None:
+        why = ("no tap between it and the engine, and the engine's evidence does not say" if unseen_past.untapped
+               else "the engine's evidence does not say whether it left")
         return (f"the cancel reached `{unseen_past.hop}` at {unseen_past.reached_s:.2f} s ({unseen_past.reached_how}) "
-                "and was not observed past it: no tap between it and the engine, and the engine's evidence does not "
-                "say")
+                f"and was not observed past it: {why}")
     passed = [s for s in steps if s.reached_s is not None and s.passed_s is not None]
     if passed and len(passed) == len([s for s in steps if s.matched]):
         return "the cancel passed every hop: " + ", ".join(

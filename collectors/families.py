@@ -82,7 +82,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
         vllm_source.SOURCE_NAME, frozenset({vllm_source.SOURCE_NAME}),
         ("collectors/sources/vllm.py", "collectors/sources/engine_log.py", "collectors/engines/vllm_server.py",
          "collectors/engines/relay_app.py", "collectors/recording/vllm_session.py", "collectors/cancels/driver.py",
-         "collectors/cancels/scenarios.py", "analysis/verdicts/vllm.py", "analysis/verdicts/vllm_case.py"),
+         "collectors/cancels/scenarios.py", "analysis/verdicts/vllm.py", "analysis/verdicts/vllm_case.py",
+         "analysis/verdicts/vllm_frames.py", "analysis/verdicts/vllm_log.py"),
         record_refuses={"--http-url": "it is Triton's HTTP endpoint; a vLLM server is reached at --target"}),
 )}
 

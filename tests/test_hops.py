@@ -209,3 +209,17 @@ def test_a_hop_the_engine_contradicts_is_not_where_the_cancel_stopped():
     assert v.evidence.stopped_at is None
     assert v.evidence.path == ("the taps did not see `nginx` pass the cancel on, but the engine's abort line shows "
                                "the request gone at 2.01 s")
+
+
+def test_a_tap_in_front_of_the_engine_names_no_stop_where_the_engine_cannot_say():
+    """A review's counterexample: the tap right in front of vLLM, no request log, the count falling 46 ms after the
+    cancel reached it, and nothing telling an abort from a run-out (inconclusive). The trace names no stop there; it
+    says the cancel was not observed past the engine's tap. And a request kept past an abort line 3 s late, with no
+    tap behind LiteLLM, stopped at LiteLLM or past it: no tap saw which."""
+    taps = [*both_hops(), closed("nginx", 2, "tg", 2.001), closed("vllm", 2, "tg", 2.004, how="fin")]
+    (v,) = judge_run(run_with(taps, no_log=True))
+    assert v.verdict == "inconclusive" and v.hops[1].unobserved and v.evidence.stopped_at is None
+    assert v.evidence.path.endswith("was not observed past it: the engine's evidence does not say whether it left")
+    late = through_litellm(abort_s=5.0, kept=True)
+    assert late.verdict == "leaked" and late.evidence.stopped_at == "litellm"
+    assert late.evidence.path.startswith("the cancel stopped at `litellm` or past it")

@@ -433,3 +433,49 @@ def test_the_ledger_keeps_the_latest_ids_only_and_counts_its_cancels(monkeypatch
     assert one("b", 4, reset=True).startswith("b~")  # among the latest three: a row of its own
     assert one("a", 5) == "a"  # forgotten: taken as a new id
     assert led.requests == 6 and led.cancels == 1 and led.open_rows() == []
+
+
+def _exchange(body: bytes, events: list[bytes]) -> list[bool]:
+    """A streamed exchange read by the tap's HTTP reader alone: sse_done after each of `events` (raw body reads)."""
+    from collectors.sources.tap import _Http
+
+    h = _Http()
+    h.client_bytes(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: r1\r\nContent-Type: application/json"
+                   b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    h.upstream_bytes(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+    states = []
+    for e in events:
+        h.upstream_bytes(b"%x\r\n%s\r\n" % (len(e), e))
+        states.append(h.body_of(0)["sse_done"])
+    return states
+
+
+def _ev(index: int, finish, text: str = "w", **more) -> bytes:
+    import json
+
+    return b"data: " + json.dumps({"choices": [{"index": index, "text": text, "finish_reason": finish}], **more},
+                                  separators=(",", ":")).encode() + b"\n\n"
+
+
+def test_the_answer_is_whole_once_every_choice_it_holds_has_finished_and_no_sooner():
+    """A review's counterexamples: a batch of prompts holds a choice per prompt; a body past what the tap reads leaves
+    n unknown (only `data: [DONE]` ends it then); a choice's finish_reason said twice is one choice; an empty
+    finish_reason ends nothing; the marker in a choice's text (escaped) is text."""
+    import json
+
+    def body(**kw) -> bytes:
+        return json.dumps({"model": "m", "prompt": "p", "stream": True, **kw}).encode()
+
+    assert _exchange(body(), [_ev(0, None), _ev(0, "length")]) == [False, True]
+    assert _exchange(body(n=2), [_ev(0, "stop"), _ev(1, None), _ev(1, "length")]) == [False, False, True]
+    batch = body(prompt=["one", "two"])
+    assert _exchange(batch, [_ev(0, "stop"), _ev(1, None), _ev(1, "stop")]) == [False, False, True]
+    big = body(prompt="x " * 40000, n=1)  # past BODY_BYTES: what it asks cannot be read
+    assert _exchange(big, [_ev(0, "length"), b"data: [DONE]\n\n"]) == [False, True]
+    assert _exchange(body(n=2), [_ev(0, "stop"), _ev(0, "stop", usage={"completion_tokens": 3}), _ev(1, None)]) \
+        == [False, False, False]
+    assert _exchange(body(), [_ev(0, ""), _ev(0, "")]) == [False, False]
+    assert _exchange(body(), [_ev(0, None, text='{"finish_reason":"length"}')]) == [False]
+    # a marker cut across three reads is read once the line is whole
+    line = b'data: {"choices": [{"index": 0, "text": "w", "finish_reason" :  "stop"}]}\n\n'
+    assert _exchange(body(n=2), [line[:40], line[40:44], line[44:], _ev(1, "stop")]) == [False, False, False, True]

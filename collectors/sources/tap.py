@@ -41,10 +41,11 @@ REFUSE_READ_S = 1.0  # a connection past the bound: how long its first bytes are
 ENCRYPTED = "encrypted: no request id"
 BODY_BYTES = 64 * 1024  # a request body read for what it asks (model, stream, max_tokens, n), at most
 _SSE_DONE = b"\ndata: [DONE]"
-# a choice's last chunk: its finish_reason a string, not null (vLLM writes no spaces; a gateway that re-serialises
-# the JSON may). A client may close once every choice has one, before `data: [DONE]` passes: it read the answer whole
-_FINISHED = re.compile(rb'"finish_reason"\s*:\s*"')
-_SSE_TAIL = 64  # bytes of a read kept for the next: a marker split between two reads is found once
+# a choice's last chunk: its finish_reason a non-empty string, not null (vLLM writes no spaces; a gateway that
+# re-serialises the JSON may). A client may close once every choice has one, before `data: [DONE]` passes: it read
+# the answer whole
+_FINISHED = re.compile(rb'"finish_reason"\s*:\s*"[^"]')
+LINE_BYTES = 256 * 1024  # an SSE line longer than this is not read for its finish_reason (the stream then ends at [DONE])
 _REQUEST_LINE = re.compile(rb"[A-Z]+ \S+ HTTP/1\.[01]")  # the first line of a head an id may be added to
 
 
@@ -65,6 +66,41 @@ def asked_for(body: bytes) -> dict:
                n=doc.get("n") if isinstance(doc.get("n"), int) and not isinstance(doc.get("n"), bool) else None)
     if out["model"] is not None:
         out["model"] = out["model"][:200]
+    return out
+
+
+def choices_asked(body: bytes) -> int | None:
+    """How many choices the answer to an OpenAI-style body holds: its n (1 unless it says), times the prompts of a
+    batched completion (`prompt` a list of strings or of token lists); None where that cannot be told (not JSON, a
+    body cut at BODY_BYTES, an n that is not a whole number)."""
+    try:
+        doc = json.loads(body) if body else None
+    except ValueError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    n = doc.get("n", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return None
+    prompt = doc.get("prompt")
+    batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+    return n * len(prompt) if batch else n
+
+
+def finished_choices(line: bytes) -> set[int]:
+    """The choices an SSE `data:` line ends (a non-empty finish_reason), by index; read only where the line names one
+    (the last chunk of each choice)."""
+    if not line.startswith(b"data:") or not _FINISHED.search(line):
+        return set()
+    try:
+        doc = json.loads(line[5:])
+    except ValueError:
+        return set()
+    out = set()
+    for choice in (doc.get("choices") or []) if isinstance(doc, dict) else []:
+        if isinstance(choice, dict) and isinstance(choice.get("index"), int) and choice.get("finish_reason") \
+                and isinstance(choice.get("finish_reason"), str):
+            out.add(choice["index"])
     return out
 
 
@@ -185,9 +221,10 @@ class _Http:
         self.answered = -1  # the latest request whose response started
         self.ended = -1  # the latest request whose response ended
         # seq -> [first body byte's mono ns or None, SSE data events, whether the answer passed whole (`data: [DONE]`,
-        # or a finish_reason for each of its choices), choices finished]
+        # or a finish_reason for each of its choices), the indices of the choices finished]
         self.body: dict[int, list] = {}
-        self.choices: dict[int, int] = {}  # seq -> the n its request body asked for (1 unless it says)
+        self.choices: dict[int, int | None] = {}  # seq -> the choices its answer holds (choices_asked)
+        self._line = b""  # the response's SSE line still being read (its finish_reason is read once it is whole)
         self._request_body = bytearray()  # the body of the request being read, up to BODY_BYTES
         self._sse_tail = b""  # the end of the last response chunk: an SSE line split between two reads
         self.now = 0  # the instant of the bytes being read (the tap's clock), set by the tap
@@ -196,7 +233,7 @@ class _Http:
         """What passed of a request's response body: `first_body_mono_ns`, `chunks` (SSE data events, a token
         each on a stream; `[DONE]` not counted) and `sse_done` (the stream's `data: [DONE]` passed, or a chunk with
         a finish_reason for each of its choices: the answer whole)."""
-        first, chunks, done, _ = self.body.get(seq, (None, 0, False, 0)) if seq is not None else (None, 0, False, 0)
+        first, chunks, done, _ = self.body.get(seq, (None, 0, False, None)) if seq is not None else (None, 0, False, None)
         return {"first_body_mono_ns": first, "chunks": chunks, "sse_done": done}
 
     def open_seq(self) -> int | None:
@@ -271,10 +308,10 @@ class _Http:
                     self._request_body += ev.data[: BODY_BYTES - len(self._request_body)]
             elif isinstance(ev, h11.EndOfMessage):
                 self.resp.send(h11.EndOfMessage())
-                asked = asked_for(bytes(self._request_body))
-                self.choices[self.seq] = asked["n"] if isinstance(asked["n"], int) and asked["n"] > 0 else 1
+                body = bytes(self._request_body)
+                self.choices[self.seq] = choices_asked(body) if len(body) < BODY_BYTES else None
                 self.choices.pop(self.seq - 8, None)
-                out.append(("request_body", {"seq": self.seq, "request_id": self.ids.get(self.seq), **asked}))
+                out.append(("request_body", {"seq": self.seq, "request_id": self.ids.get(self.seq), **asked_for(body)}))
                 self._request_body = bytearray()
 
     def _responses(self) -> list[tuple[str, dict]]:
@@ -285,19 +322,21 @@ class _Http:
                 return out
             if isinstance(ev, h11.Response):
                 self.answered = self.seq
-                self.body[self.seq] = [None, 0, False, 0]
+                self.body[self.seq] = [None, 0, False, set()]
                 self._sse_tail = b"\n"  # the body starts a line
+                self._line = b""
                 self.body.pop(self.seq - 8, None)  # a kept-alive connection's old requests: bounded
                 out.append(("response", {"seq": self.seq, "status": ev.status_code,
                                          "request_id": self.ids.get(self.seq)}))
             elif isinstance(ev, h11.Data):
-                stats = self.body.setdefault(self.seq, [None, 0, False, 0])
+                stats = self.body.setdefault(self.seq, [None, 0, False, set()])
                 if stats[0] is None and ev.data:
                     stats[0] = self.now
-                events, done, finished = self._sse_events(bytes(ev.data))
+                events, done = self._sse_events(bytes(ev.data))
                 stats[1] += events
-                stats[3] += finished
-                stats[2] = stats[2] or done or stats[3] >= self.choices.get(self.seq, 1)
+                stats[3] |= self._finished(bytes(ev.data))
+                expected = self.choices.get(self.seq)
+                stats[2] = stats[2] or done or (expected is not None and stats[3] >= set(range(expected)))
             elif isinstance(ev, h11.InformationalResponse) and ev.status_code == 101:
                 return out + self._broke("switched protocols (an upgrade): no further request ids")
             elif isinstance(ev, h11.EndOfMessage):
@@ -307,11 +346,23 @@ class _Http:
                 if self._next_cycle():
                     out += self._requests()  # a request the client sent on before this response ended
 
-    def _sse_events(self, data: bytes) -> tuple[int, bool, int]:
+    def _finished(self, data: bytes) -> set[int]:
+        """The choices whose last chunk (finished_choices) ends in `data`: whole lines only, the one still being read
+        kept for the next read (dropped past LINE_BYTES)."""
+        if b"\n" not in data:
+            self._line = self._line + data if len(self._line) + len(data) <= LINE_BYTES else b""
+            return set()
+        *lines, rest = (self._line + data).split(b"\n")
+        self._line = rest if len(rest) <= LINE_BYTES else b""
+        out: set[int] = set()
+        for line in lines:
+            out |= finished_choices(line.rstrip(b"\r"))
+        return out
+
+    def _sse_events(self, data: bytes) -> tuple[int, bool]:
         """SSE data events that end in `data` (a token each on a stream): `data:` at a line's start, less
-        `data: [DONE]`; the tail of the last read kept, so an event split between two reads counts once. Whether
-        `data: [DONE]` ends in it: the stream's last event, the answer whole. And the finish_reasons that end in it
-        (a choice's last chunk)."""
+        `data: [DONE]`; the tail of the last read kept, so an event split between two reads counts once. And whether
+        `data: [DONE]` ends in it: the stream's last event, the answer whole."""
         text = self._sse_tail + data
         skip = len(self._sse_tail)
         def new(pattern: bytes) -> int:  # occurrences that end in `data`: the tail's were counted before
@@ -321,10 +372,9 @@ class _Http:
                 at = text.find(pattern, at + 1)
             return n
 
-        self._sse_tail = text[-_SSE_TAIL:]
+        self._sse_tail = text[-(len(_SSE_DONE) - 1):]
         done = new(_SSE_DONE)
-        finished = sum(m.end() > skip for m in _FINISHED.finditer(text))
-        return new(b"\ndata:") - done, done > 0, finished
+        return new(b"\ndata:") - done, done > 0
 
     def _next_cycle(self) -> bool:
         """Both messages of the exchange are done and the connection is kept alive: read the next one."""
