@@ -61,6 +61,24 @@ def sse_stream(conn, seen, tokens: int = 400, step_s: float = 0.01, started: thr
         seen.append("gone")
 
 
+def left_after(script, rid: str, body: bytes, seen: bytes, leave=lambda c: c.close(),
+               settle_s: float = 0.0) -> tuple[list, WatchLedger]:
+    """A client that asks through the watch's tap an upstream playing `script`, reads until `seen` has passed (and
+    `settle_s` more) and leaves by `leave(socket)`: (what the ledger wrote, the ledger)."""
+    up = Upstream(script)
+    tap = watched_tap(up.port)
+    try:
+        c = socket.create_connection(("127.0.0.1", tap.hop.listen_port))
+        c.sendall(request(rid, body))
+        recv_until(c, seen)
+        time.sleep(settle_s)
+        leave(c)
+        return ledger_of(tap, lambda out: rows(out))
+    finally:
+        tap.close()
+        up.close()
+
+
 def left_mid_stream(rid: str, body: bytes, leave) -> tuple[list, WatchLedger, int]:
     """A client that asks for a stream and, a few tokens in, leaves by `leave(socket)`: (what the ledger
     wrote, the ledger, when it began to leave). The upstream must see it gone."""
@@ -155,17 +173,8 @@ def test_a_client_that_closes_once_the_last_event_passed_read_a_whole_answer_and
 
     outcomes = {}
     for name, leave in (("close", lambda c: c.close()), ("reset", rst_close)):
-        up = Upstream(script)
-        tap = watched_tap(up.port)
-        try:
-            c = socket.create_connection(("127.0.0.1", tap.hop.listen_port))
-            c.sendall(request(f"r-done-{name}", b'{"stream": true, "max_tokens": 3}'))
-            recv_until(c, b"data: [DONE]\n\n")
-            leave(c)
-            got, led = ledger_of(tap, lambda out: rows(out))
-        finally:
-            tap.close()
-            up.close()
+        got, led = left_after(script, f"r-done-{name}", b'{"stream": true, "max_tokens": 3}', b"data: [DONE]\n\n",
+                              leave)
         (row,) = rows(got)
         outcomes[name] = (row.role, row.terminal_state, row.chunks, len(stops(got)), led.cancels)
     assert outcomes == {"close": (WATCHED, "completed", 3, 0, 0), "reset": (WATCHED, "completed", 3, 0, 0)}
@@ -184,7 +193,6 @@ def test_a_client_that_closes_once_the_last_event_passed_read_a_whole_answer_and
         up.close()
     (row,) = rows(got)
     assert (row.terminal_state, len(stops(got))) == ("cancelled", 1)
-
 
 
 def test_a_client_that_closes_once_each_choice_finished_read_a_whole_answer_and_made_no_cancel():
@@ -214,22 +222,14 @@ def test_a_client_that_closes_once_each_choice_finished_read_a_whole_answer_and_
 
     outcomes = {}
     for n, wait_for in ((1, b'"length"'), (2, b'"stop"'), (2, b'"length"')):
-        up = Upstream(script)
-        tap = watched_tap(up.port)
-        try:
-            c = socket.create_connection(("127.0.0.1", tap.hop.listen_port))
-            c.sendall(request(f"r-fin-{n}", b'{"stream": true, "max_tokens": 3, "n": %d}' % n))
-            recv_until(c, wait_for)
-            time.sleep(0.1)  # the rest of that chunk
-            c.close()
-            got, led = ledger_of(tap, lambda out: rows(out))
-        finally:
-            tap.close()
-            up.close()
+        # 0.1 s more: the rest of that chunk
+        got, _ = left_after(script, f"r-fin-{n}", b'{"stream": true, "max_tokens": 3, "n": %d}' % n, wait_for,
+                            settle_s=0.1)
         (row,) = rows(got)
         outcomes[(n, wait_for)] = (row.terminal_state, len(stops(got)))
     assert outcomes == {(1, b'"length"'): ("completed", 0), (2, b'"stop"'): ("completed", 0),
                         (2, b'"length"'): ("cancelled", 1)}
+
 
 def test_a_non_streaming_client_that_times_out_is_a_cancel_when_the_connection_ends():
     answered = threading.Event()

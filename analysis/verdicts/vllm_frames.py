@@ -172,6 +172,7 @@ class _RunFrames:
         self.trace = _trace_events(run)
         self.englog = _EngineLog(run, set(run.ledger["request_id"]) if not run.ledger.empty else set())
         self.reqs = requests_of(run.ledger, self.t0)
+        self.quiet_s = quiet_instants(self.reqs)  # of the ledger alone: the same for every target and pass
         self.evidence_gone, self.unaborted = _gone_at(run, self.stops, self.englog, self.trace, self.target_of)
         self.stopped = {s.request_id: (float(s.t_s), self.target_of(json.loads(s.data)))
                         for s in frame_rows(self.stops)}
@@ -260,7 +261,7 @@ class _RunFrames:
             self.frames[target] = _Frame(cols, inflight, solo, ends, not_entered, gone, assumed, self.reqs,
                                          self.reqs.per_row(englog.added, target, math.nan),
                                          self.reqs.per_row(englog.aborted, target, math.inf), _target_gaps(run, target),
-                                         self.reqs.ends(ends), _delivered(run, target), quiet_instants(self.reqs))
+                                         self.reqs.ends(ends), _delivered(run, target), self.quiet_s)
         return self.frames[target]
 
 

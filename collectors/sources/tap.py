@@ -49,15 +49,20 @@ LINE_BYTES = 256 * 1024  # an SSE line longer than this is not read for its fini
 _REQUEST_LINE = re.compile(rb"[A-Z]+ \S+ HTTP/1\.[01]")  # the first line of a head an id may be added to
 
 
-def asked_for(body: bytes) -> dict:
-    """What an OpenAI-style request body asks of the engine: model, stream, max_tokens (or
-    max_completion_tokens), n; None for each it does not say (a body that is not JSON, or cut at BODY_BYTES)."""
-    out = {"model": None, "stream": None, "max_tokens": None, "n": None}
+def request_doc(body: bytes) -> dict | None:
+    """An OpenAI-style request body as JSON; None for one that is not a JSON object (or cut at BODY_BYTES)."""
     try:
         doc = json.loads(body) if body else None
     except ValueError:
-        return out
-    if not isinstance(doc, dict):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def asked_for(doc: dict | None) -> dict:
+    """What a request body (request_doc) asks of the engine: model, stream, max_tokens (or max_completion_tokens),
+    n; None for each it does not say."""
+    out = {"model": None, "stream": None, "max_tokens": None, "n": None}
+    if doc is None:
         return out
     maxt = doc.get("max_tokens", doc.get("max_completion_tokens"))
     out.update(model=doc.get("model") if isinstance(doc.get("model"), str) else None,
@@ -69,15 +74,11 @@ def asked_for(body: bytes) -> dict:
     return out
 
 
-def choices_asked(body: bytes) -> int | None:
-    """How many choices the answer to an OpenAI-style body holds: its n (1 unless it says), times the prompts of a
-    batched completion (`prompt` a list of strings or of token lists); None where that cannot be told (not JSON, a
-    body cut at BODY_BYTES, an n that is not a whole number)."""
-    try:
-        doc = json.loads(body) if body else None
-    except ValueError:
-        return None
-    if not isinstance(doc, dict):
+def choices_asked(doc: dict | None) -> int | None:
+    """How many choices the answer to a request body (request_doc) holds: its n (1 unless it says), times the prompts
+    of a batched completion (`prompt` a list of strings or of token lists); None where that cannot be told (no body
+    read, an n that is not a whole number)."""
+    if doc is None:
         return None
     n = doc.get("n", 1)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -308,10 +309,10 @@ class _Http:
                     self._request_body += ev.data[: BODY_BYTES - len(self._request_body)]
             elif isinstance(ev, h11.EndOfMessage):
                 self.resp.send(h11.EndOfMessage())
-                body = bytes(self._request_body)
-                self.choices[self.seq] = choices_asked(body) if len(body) < BODY_BYTES else None
+                doc = request_doc(bytes(self._request_body))
+                self.choices[self.seq] = choices_asked(doc) if len(self._request_body) < BODY_BYTES else None
                 self.choices.pop(self.seq - 8, None)
-                out.append(("request_body", {"seq": self.seq, "request_id": self.ids.get(self.seq), **asked_for(body)}))
+                out.append(("request_body", {"seq": self.seq, "request_id": self.ids.get(self.seq), **asked_for(doc)}))
                 self._request_body = bytearray()
 
     def _responses(self) -> list[tuple[str, dict]]:
