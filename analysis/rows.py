@@ -21,4 +21,5 @@ def frame_rows(df: pd.DataFrame) -> list:
     if not len(df):
         return []
     row = _row_type(tuple(str(c) for c in df.columns))
-    return list(map(row._make, zip(*(df[c].to_numpy(dtype=object) for c in df.columns))))
+    # the frame as one object array: a column read through the frame costs tens of microseconds each
+    return list(map(row._make, df.to_numpy(dtype=object).tolist()))

@@ -190,21 +190,9 @@ _JSON_COLUMNS = ("targets", "engine", "cache", "settings", "stats")
 SAMPLE_COLUMNS = ["source", "target", "metric", "labels", "value", "wall_ns", "mono_ns", "duration_ns", "scrape_id"]
 
 
-def _arrow(path: Path, sql: str, params: tuple, own: sqlite3.Connection | None = None) -> pa.Table:
+def _arrow(path: Path, sql: str, params: tuple) -> pa.Table:
     """A query read straight into Arrow (ADBC): an hour at 20 Hz is about a million rows, which
-    sqlite3 would hand over as Python tuples, one second per million.
-
-    `own`: read through this sqlite3 connection instead. A reader in the recorder's own process (the
-    watch's live judge, load_window) must not use ADBC: ADBC links its own copy of SQLite, and two copies in
-    one process release each other's POSIX locks on the store and its WAL (sqlite.org/howtocorrupt.html,
-    2.2.1). Seen under a watch: rows the writer had committed were gone, then "database disk image is
-    malformed", once a bus error (tests/test_window.py). A window is small: tuples cost nothing there."""
-    if own is not None:
-        cur = own.execute(sql, params)
-        names = [d[0] for d in cur.description]
-        rows = cur.fetchall()
-        return pa.table({n: pa.array([r[i] for r in rows]) for i, n in enumerate(names)}) if rows else \
-            pa.table({n: pa.array([], type=pa.float64() if n == "value" else pa.int64()) for n in names})
+    sqlite3 would hand over as Python tuples, one second per million. Whole runs only: see _window_rows."""
     con = adbc_sqlite.connect(_ro_uri(Path(path)))
     try:
         cur = con.cursor()
@@ -222,20 +210,37 @@ def _arrow(path: Path, sql: str, params: tuple, own: sqlite3.Connection | None =
         con.close()
 
 
+def _frame(con: sqlite3.Connection, sql: str, params: tuple) -> pd.DataFrame:
+    """A query's rows as a frame: what pd.read_sql_query gives (its from_records, floats coerced), without its
+    pass over every column for dates, a third of a live judge's read of a window's events, gaps and ledger."""
+    cur = con.execute(sql, params)
+    return pd.DataFrame.from_records(cur.fetchall(), columns=[d[0] for d in cur.description], coerce_float=True)
+
+
+def _window_rows(con: sqlite3.Connection, sql: str, params: tuple, columns: int, dtype=np.int64) -> np.ndarray:
+    """A window's rows, numbers only, as one array (rows x `columns`), through the reader's own sqlite3
+    connection. A reader in the recorder's own process (the watch's live judge, load_window) must not use ADBC:
+    ADBC links its own copy of SQLite, and two copies in one process release each other's POSIX locks on the
+    store and its WAL (sqlite.org/howtocorrupt.html, 2.2.1). Seen under a watch: rows the writer had committed
+    were gone, then "database disk image is malformed", once a bus error (tests/test_window.py). A window is a
+    few thousand rows: tuples cost little there, and one array less than a table or a frame per column."""
+    return np.array(con.execute(sql, params).fetchall(), dtype=dtype).reshape(-1, columns)
+
+
 def _load_samples(con: sqlite3.Connection, path: Path, rid: int, only: list[str] | None,
                   scrapes: pd.DataFrame, scrape_ids: np.ndarray | None = None) -> pd.DataFrame:
-    """Samples joined to their series and scrape in pandas: SQLite hands over three numbers a row
+    """Samples joined to their series and scrape in numpy: SQLite hands over three numbers a row
     (the joined strings would cost more than the numbers)."""
     where, params = "run_id = ?", [rid]
     if only is not None:
         where += f" AND metric IN ({', '.join('?' for _ in only)})"
         params += only
-    series = pd.read_sql_query(f"SELECT id, source, target, metric, labels FROM series WHERE {where}", con,
-                               params=params)
-    if series.empty:
+    series = con.execute(f"SELECT id, source, target, metric, labels FROM series WHERE {where}", params).fetchall()
+    if not series:
         return pd.DataFrame({c: pd.Series(dtype=object if c in ("source", "target", "metric", "labels") else float)
                              for c in SAMPLE_COLUMNS})
-    ids = ", ".join(str(int(i)) for i in series["id"])
+    series_ids = np.array([row[0] for row in series], dtype=np.int64)
+    ids = ", ".join(str(int(i)) for i in series_ids)
     # through the series ids: the (run_id, series_id) index then reads only those samples. A window goes
     # through (run_id, scrape_id) instead, its cost its own length's, not the run's ("+" keeps the planner
     # off the series index, which would read every sample of those series)
@@ -243,14 +248,17 @@ def _load_samples(con: sqlite3.Connection, path: Path, rid: int, only: list[str]
         within = f"series_id IN ({ids})"
     else:  # the window's scrapes by id: a source's ids need not lie between another's
         within = f"scrape_id IN ({', '.join(str(int(i)) for i in scrape_ids)}) AND +series_id IN ({ids})"
-    tbl = _arrow(path, f"SELECT series_id, scrape_id, CAST(value AS REAL) AS value FROM samples "
-                       f"WHERE run_id = ? AND {within}", (rid,), own=None if scrape_ids is None else con)
-    series_id = tbl.column("series_id").to_numpy()
-    scrape_id = tbl.column("scrape_id").to_numpy()
-    value = tbl.column("value").to_numpy(zero_copy_only=False).astype(float)
-    at = pd.Index(series["id"]).get_indexer(series_id)
-    sc = scrapes.set_index("id")
-    pos = sc.index.get_indexer(scrape_id)
+    sql = f"SELECT series_id, scrape_id, CAST(value AS REAL) AS value FROM samples WHERE run_id = ? AND {within}"
+    if scrape_ids is None:
+        tbl = _arrow(path, sql, (rid,))
+        series_id = tbl.column("series_id").to_numpy()
+        scrape_id = tbl.column("scrape_id").to_numpy()
+        value = tbl.column("value").to_numpy(zero_copy_only=False).astype(float)
+    else:  # a window's rows as one float array (ids are exact in a double up to 2**53)
+        rows = _window_rows(con, sql, (rid,), 3, float)
+        series_id, scrape_id, value = rows[:, 0].astype(np.int64), rows[:, 1].astype(np.int64), rows[:, 2]
+    at = _positions(series_ids, series_id)
+    pos = _positions(scrapes["id"].to_numpy(), scrape_id)
     # a run being recorded grows between the reads (scrapes, series, then samples, each its own
     # snapshot): samples of scrapes or series written after those were read are left for the next read
     # (an index of -1 would silently take the last row, or fail on an empty table)
@@ -258,23 +266,35 @@ def _load_samples(con: sqlite3.Connection, path: Path, rid: int, only: list[str]
     if not known.all():
         series_id, scrape_id, value, at, pos = (a[known] for a in (series_id, scrape_id, value, at, pos))
 
-    def column(name: str) -> pd.Categorical:
+    def column(i: int) -> pd.Categorical:
         # categorical: a handful of distinct strings over millions of rows
-        codes, uniques = pd.factorize(series[name])
+        codes, uniques = pd.factorize(np.array([row[i] for row in series], dtype=object))
         return pd.Categorical.from_codes(codes[at], categories=uniques)
 
+    mono = scrapes["mono_ns"].to_numpy()[pos]
+    order = np.lexsort((scrape_id, mono))  # by time, then scrape: the order every reader expects
     out = pd.DataFrame({
-        "source": column("source"),
-        "target": column("target"),
-        "metric": column("metric"),
-        "labels": column("labels"),
+        "source": column(1),
+        "target": column(2),
+        "metric": column(3),
+        "labels": column(4),
         "value": value,
-        "wall_ns": sc["wall_ns"].to_numpy()[pos],
-        "mono_ns": sc["mono_ns"].to_numpy()[pos],
-        "duration_ns": sc["duration_ns"].to_numpy()[pos],
+        "wall_ns": scrapes["wall_ns"].to_numpy()[pos],
+        "mono_ns": mono,
+        "duration_ns": scrapes["duration_ns"].to_numpy()[pos],
         "scrape_id": scrape_id,
     })
-    return out.sort_values(["mono_ns", "scrape_id"], kind="stable").reset_index(drop=True)
+    return out.take(order).reset_index(drop=True)
+
+
+def _positions(keys: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """Where each of `wanted` stands in `keys` (unique), -1 where it is not there."""
+    if not len(keys):
+        return np.full(len(wanted), -1, dtype=np.intp)
+    order = np.argsort(keys, kind="stable")
+    at = np.searchsorted(keys, wanted, sorter=order).clip(max=len(keys) - 1)
+    hit = order[at]
+    return np.where(keys[hit] == wanted, hit, -1)
 
 
 _SCRAPE_COLUMNS = ["id", "source", "target", "tick", "wall_ns", "mono_ns", "duration_ns", "ok", "n_samples"]
@@ -288,24 +308,32 @@ def _no_scrapes() -> pd.DataFrame:
 def _load_scrapes(con: sqlite3.Connection, path: Path, rid: int, within: tuple[int, int] | None = None) -> pd.DataFrame:
     """Read per (source, target) as numbers: a string per row would be half the cost. `within`: only those
     started in [lo, hi] monotonic ns (the index on (run, source, target, mono_ns) finds them)."""
-    parts = []
     span, extra = ("", ()) if within is None else (" AND mono_ns BETWEEN ? AND ?", within)
     # a window's pairs from the series (a few rows), not the scrapes (a day at 20 Hz is millions): a source
     # that never answered has no series, and its failures are in the gaps
-    pairs = "series" if within is not None else "scrapes"
-    for source, target in con.execute(f"SELECT DISTINCT source, target FROM {pairs} WHERE run_id = ?", (rid,)):
-        tbl = _arrow(path, f"SELECT {', '.join(_SCRAPE_NUMBERS)} FROM scrapes WHERE run_id = ? AND source = ? "
-                           f"AND target = ?{span}", (rid, source, target, *extra), own=None if within is None else con)
-        part = pd.DataFrame({c: tbl.column(c).to_numpy() for c in _SCRAPE_NUMBERS})
-        part.insert(1, "source", source)
-        part.insert(2, "target", target)
-        parts.append(part)
-    if not parts:
+    pairs = con.execute(f"SELECT DISTINCT source, target FROM {'series' if within is not None else 'scrapes'} "
+                        "WHERE run_id = ?", (rid,)).fetchall()
+    if not pairs:
         return _no_scrapes()
-    out = pd.concat(parts, ignore_index=True)
-    for col in ("source", "target"):
-        out[col] = out[col].astype("category")
-    return out.sort_values(["mono_ns", "id"], kind="stable").reset_index(drop=True)
+    parts = []
+    for source, target in pairs:
+        sql = (f"SELECT {', '.join(_SCRAPE_NUMBERS)} FROM scrapes WHERE run_id = ? AND source = ? AND target = ?{span}",
+               (rid, source, target, *extra))
+        if within is None:
+            tbl = _arrow(path, *sql)
+            parts.append(np.column_stack([tbl.column(c).to_numpy() for c in _SCRAPE_NUMBERS]).astype(np.int64)
+                         if tbl.num_rows else np.empty((0, len(_SCRAPE_NUMBERS)), dtype=np.int64))
+        else:  # a window's few hundred rows: straight into one array, no Arrow table
+            parts.append(_window_rows(con, *sql, len(_SCRAPE_NUMBERS)))
+    rows = np.concatenate(parts)
+    pair = np.repeat(np.arange(len(pairs)), [len(part) for part in parts])
+    order = np.lexsort((rows[:, 0], rows[:, _SCRAPE_NUMBERS.index("mono_ns")]))  # by time, then id
+    rows, pair = rows[order], pair[order]
+    out = {c: rows[:, i] for i, c in enumerate(_SCRAPE_NUMBERS)}
+    for i, col in ((0, "source"), (1, "target")):
+        codes, uniques = pd.factorize(np.array([p[i] for p in pairs], dtype=object))
+        out[col] = pd.Categorical.from_codes(codes[pair], categories=uniques)
+    return pd.DataFrame({c: out[c] for c in _SCRAPE_COLUMNS})
 
 
 def load_run(path: str | Path, run: str | int = "latest", metrics: Iterable[str] | None = None) -> Run:
@@ -353,20 +381,11 @@ def _load_run(path: str | Path, rid: int, only: list[str] | None,
                       "ledger": (" AND (sent_mono_ns IS NULL OR sent_mono_ns <= ?) "
                                  "AND (closed_mono_ns IS NULL OR closed_mono_ns >= ?)", (hi, back))}
         scrapes = _load_scrapes(con, path, rid, span)
-        gaps = pd.read_sql_query(
-            "SELECT source, target, kind, start_wall_ns, start_mono_ns, end_mono_ns, ticks, detail "
-            f"FROM gaps WHERE run_id = ?{within['gaps'][0]} ORDER BY start_mono_ns",
-            con,
-            params=(rid, *within["gaps"][1]),
-        )
-        events = pd.read_sql_query(
-            f"SELECT request_id, kind, wall_ns, mono_ns, data FROM events WHERE run_id = ?{within['events'][0]} "
-            "ORDER BY mono_ns",
-            con,
-            params=(rid, *within["events"][1]),
-        )
-        ledger = pd.read_sql_query(f"SELECT * FROM ledger WHERE run_id = ?{within['ledger'][0]}", con,
-                                   params=(rid, *within["ledger"][1]))
+        gaps = _frame(con, "SELECT source, target, kind, start_wall_ns, start_mono_ns, end_mono_ns, ticks, detail "
+                      f"FROM gaps WHERE run_id = ?{within['gaps'][0]} ORDER BY start_mono_ns", (rid, *within["gaps"][1]))
+        events = _frame(con, "SELECT request_id, kind, wall_ns, mono_ns, data FROM events "
+                        f"WHERE run_id = ?{within['events'][0]} ORDER BY mono_ns", (rid, *within["events"][1]))
+        ledger = _frame(con, f"SELECT * FROM ledger WHERE run_id = ?{within['ledger'][0]}", (rid, *within["ledger"][1]))
         ids = None if span is None else scrapes["id"].to_numpy()
         samples = _load_samples(con, path, rid, only, scrapes, ids)
     if extra_ledger is not None and not extra_ledger.empty:

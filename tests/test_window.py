@@ -73,13 +73,14 @@ def test_a_windows_samples_are_read_through_the_scrape_index_not_the_whole_run(s
     import runstore.reader as reader
 
     sent = []
-    real = reader._arrow
-    monkeypatch.setattr(reader, "_arrow", lambda path, q, params=(), own=None: sent.append((q, params, own))
-                        or real(path, q, params, own))
+    real = reader._window_rows
+    monkeypatch.setattr(reader, "_window_rows", lambda con, q, params, *a: sent.append((q, params, con))
+                        or real(con, q, params, *a))
+    monkeypatch.setattr(reader, "_arrow", lambda *a: pytest.fail("a window read through ADBC"))
     part = load_window(store, "latest", 60.0, 66.0)
     (query, params, own), = [(q, p, o) for q, p, o in sent if "FROM samples" in q]
     # through the reader's own sqlite3 connection, not ADBC (test_windows_read_in_the_recorders_own_process...)
-    assert isinstance(own, sqlite3.Connection) and all(o is not None for q, p, o in sent)
+    assert isinstance(own, sqlite3.Connection)
     with sqlite3.connect(store) as con:
         plan = " ".join(r[3] for r in con.execute("EXPLAIN QUERY PLAN " + query, params))
     assert "USING INDEX samples_scrape" in plan, plan
