@@ -122,6 +122,9 @@ class Evidence:
     stopped_at: the component of the path where the cancel stopped (the taps of `record --hop` saw its
         client side close, and its upstream stay open past the grace); None where it did not stop at a hop
     path: the cancel's way through the taps in one sentence (analysis/hops.py); None without taps
+    client_left_s: where the client side closed, s since the run started, where the user_stop timepoint is the
+        page's Stop click instead (analysis/page_stops.py): what the grace and the ghosts' ages count from; None
+        where the user_stop is that close itself
     rule_fields: the values the rule's sentence is filled with, by name (docs/rules.md lists them per rule:
         after_s, late_s, how, samples, ...): the figures of `why` as data; None for a rule with none
     assumes: the assumptions the verdict rests on where the evidence alone does not decide (codes of
@@ -168,6 +171,7 @@ class Evidence:
     buffer_kept_bytes: float | None = None
     stopped_at: str | None = None
     path: str | None = None
+    client_left_s: float | None = None
     rule_fields: dict | None = None
     assumes: list | None = None
     rule: str | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from dataclasses import dataclass
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from runstore.errors import StoreError
 
 MATRIX_SCENARIOS = "disconnect,chat,nonstream_timeout"  # stream, chat stream, a non-streaming client timeout
 ENGINE_HOP = "engine"  # the tap in front of the engine
+RELAY_SERVES_NOT = {"chat"}  # the scenarios the relay app has no route for (it serves /v1/completions)
 
 
 def matrix(
@@ -24,7 +26,9 @@ def matrix(
                                                 "every one installed here). Known: nginx, nginx-ignore-abort, haproxy, "
                                                 "haproxy-abortonclose, caddy, apache, envoy, traefik, litellm, "
                                                 "vllm-router; apps: app-fastapi, app-base-http-middleware, "
-                                                "app-pure-asgi-middleware, app-background-task."),
+                                                "app-pure-asgi-middleware, app-background-task; vLLM's own server with a --middleware: "
+                                                "vllm-middleware-class, vllm-middleware-function; cancelwatch's relay app: "
+                                                "cancelwatch-relay."),
     target: Optional[str] = typer.Option(None, help="A vLLM you run (started with --enable-log-requests; give its "
                                          "log with --engine-log); default: the embedded engine, started for the "
                                          "matrix and stopped after."),
@@ -102,6 +106,8 @@ def _chosen(gw_mod, names: list[str] | None) -> list:
 def _record_row(g, gw_mod, target: str, engine_log: Path | None, store: Path, scenario: str, free_port):
     """One configuration's run: its gateway started (and stopped), `cancelwatch record` through the taps.
     Returns (run id, the running gateway or None)."""
+    if g is not None and g.engine:
+        return _record_engine_row(g, store, scenario, free_port)
     tap_engine = free_port()
     hops = []
     running = None
@@ -132,3 +138,47 @@ def _record_row(g, gw_mod, target: str, engine_log: Path | None, store: Path, sc
     from runstore.reader import list_runs
 
     return int(list_runs(store)["id"].max()), running
+
+
+@dataclass
+class _EngineRow:
+    """What an engine row keeps of what ran, as a started gateway's Running does."""
+
+    version: str
+    config_text: str
+
+
+def _record_engine_row(g, store: Path, scenario: str, free_port):
+    """A row that is an engine of its own (vLLM's API server with a --middleware): started on the embedded engine's
+    model with the row's files importable, `cancelwatch record` through a tap in front of it, stopped after."""
+    from collectors.engines import lifecycle
+    from collectors.engines import vllm_server as engine_mod
+
+    work = (home_dir() / "matrix" / g.name).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = g.config(work, 0, 0)
+    for name, text in cfg.files.items():
+        (work / name).write_text(text)
+    try:
+        state = engine_mod.start(home_dir(), free_port(), extra_args=cfg.argv, pythonpath=work, relay=g.relay)
+    except lifecycle.EngineError as exc:
+        raise fail(f"{g.name} did not start: {exc}") from None
+    tap = free_port()
+    if g.relay:  # the relay app serves completions only: its row has no cell of a chat scenario
+        scenario = ",".join(s for s in scenario.split(",") if s.strip() not in RELAY_SERVES_NOT) or scenario
+    args = [sys.executable, "-m", "cancelwatch", "record", "--target", f"http://127.0.0.1:{tap}", "--metrics-url",
+            state.url, "--scenario", scenario, "--store", str(store), "--name", f"matrix {g.name}",
+            "--hop", f"{g.name}=127.0.0.1:{tap},{state.url}"]
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, env=dict(os.environ))
+    finally:
+        lifecycle.stop(home_dir(), state.port)
+    if done.returncode not in (0, 1):
+        last = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or ["no output"]
+        raise fail(f"recording through {g.name} failed: {last[0][:300]}")
+    from runstore.reader import list_runs
+
+    # what ran: the middleware's source and the flags the server was started with (the relay: its command)
+    ran = "\n".join(cfg.files.values()) + f"\n# {' '.join(state.command[1:] if g.relay else ['vllm serve ...', *cfg.argv])}\n"
+    return int(list_runs(store)["id"].max()), _EngineRow(g.version(g.binary()), ran)
+

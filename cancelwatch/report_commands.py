@@ -57,6 +57,15 @@ def print_report(doc: dict, verdicts: list[CancelVerdict]) -> None:
         out.print(f"ghosts: {len(held)} leaked request(s) still in the engine at the last sample: "
                   + ", ".join(f"{g['request_id']} ({g['age_s']:.0f} s since its client left)" for g in held),
                   highlight=False)
+    pages = [v for v in verdicts if (v.sources.get("user_stop") or {}).get("source") == "page"]
+    if doc.get("page_reports"):  # where the first timepoint came from: a page's Stop click, or the client's close
+        out.print(f"user stop: {len(pages)} of {len(verdicts)} cancel(s) timed by their page's Stop click "
+                  f"({', '.join(v.request_id[-8:] for v in pages) or 'none'}); the others by the client side's close",
+                  highlight=False)
+    for r in doc.get("page_reports") or []:
+        if not r["used"]:
+            out.print(f"note: a page's report of a Stop (task {r['task_id']}, request {r['request_id']}) is kept, "
+                      f"not used: {r['note']}", highlight=False)
     for note in doc.get("engine_log_notes") or []:  # what to know of the engine log before the verdicts
         out.print(f"note: {note}", highlight=False)
     for a in doc.get("assumptions") or []:  # what the verdicts rest on, where the run's own evidence says otherwise

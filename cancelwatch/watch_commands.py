@@ -32,8 +32,8 @@ class WatchMetrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
-        self.requests = Counter("cancelwatch_watched_requests", "Requests that passed the watch's tap",
-                                registry=self.registry)
+        self.requests = Counter("cancelwatch_watched_requests", "Requests through the watch's tap that asked the "
+                                "engine for work", registry=self.registry)
         self.cancels = Counter("cancelwatch_watched_cancels", "Cancels real clients made, judged, by verdict and rule",
                                ["verdict", "rule"], registry=self.registry)
         self.refused = Counter("cancelwatch_watched_refused", "Connections past --max-connections, answered 503 "
@@ -57,9 +57,9 @@ class WatchMetrics:
     def observe(self, verdicts) -> None:
         for v in verdicts:
             self.cancels.labels(verdict=v.verdict, rule=v.rule or "").inc()
-            lat = v.latency_ms("user_stop", "left_scheduler")
-            if v.verdict == "released" and lat is not None:
-                self.release.observe(lat / 1000.0)
+            left = v.timepoints.get("left_scheduler")  # from the client's leaving, not a page's click before it
+            if v.verdict == "released" and left is not None:
+                self.release.observe(max(left - v.client_left_s(), 0.0))
             paid = v.evidence.tokens_after_client_left
             if paid is not None:
                 self.paid.labels(attribution=v.evidence.tokens_after_client_left_is).inc(paid)
@@ -124,6 +124,7 @@ async def _watch_loop(tap, ledger, writer, judge: LiveJudge, stop: threading.Eve
                       metrics: WatchMetrics | None, scheduler) -> None:
     """Pass the tap's events through the ledger into the run; judge each cancel as its grace ends. At the
     end: the tap closed, every open request's row written, the last cancels sampled through their grace."""
+    from collectors.recording.watch_ledger import engine_work
     from runstore.records import EventRecord
 
     upstream = _UpstreamWord(metrics)
@@ -136,7 +137,8 @@ async def _watch_loop(tap, ledger, writer, judge: LiveJudge, stop: threading.Eve
                 continue
             if rec.kind == "user_stop":
                 judge.add(rec.request_id, (rec.mono_ns - judge.t0_ns) / 1e9)
-            elif rec.kind == "tap_request" and metrics is not None:
+            elif rec.kind == "tap_request" and metrics is not None and engine_work(rec.data.get("method"),
+                                                                                  rec.data.get("path")):
                 metrics.requests.inc()
             upstream.saw(rec)
         ledger.handed_out(records, time.monotonic_ns())  # read after the last put
@@ -186,19 +188,27 @@ def watch(
     no_request_id: bool = typer.Option(False, "--no-request-id", help="Pass every byte unchanged: no X-Request-Id "
                                        "is added to requests that come without one (the engine's log then cannot "
                                        "name them)."),
+    upstream_name: str = typer.Option("watch", help="What --upstream is (nginx, litellm, app), as the hop traces "
+                                      "name it."),
+    hop: Optional[list[str]] = typer.Option(None, help="A tap in front of a component behind --upstream, as "
+                                            "NAME=LISTEN,UPSTREAM_URL, in order from the client (repeat): each "
+                                            "cancel is traced hop by hop."),
 ):
     """Watch real traffic: judge every cancel real clients make, live."""
     from collectors.families import family_for_target, refused_command
-    from collectors.recording.session import PreflightError, RecordSettings, parse_targets, record, scheduler_reader
+    from collectors.recording.session import (PreflightError, RecordSettings, hop_sources, parse_targets, record,
+                                              scheduler_reader)
     from collectors.recording.vllm_session import build_vllm_sources
     from collectors.recording.watch_ledger import WatchLedger
     from collectors.sources.prometheus_api import parse_duration
-    from collectors.sources.tap import TapError, TapSource, parse_hop
+    from collectors.sources.tap import TapError, TapSource, check_chain, parse_hop
     from runstore.errors import StoreError
     from runstore.records import DriveSettings
 
     engine_log_zone(engine_log_tz)
     _listen_address(listen, "--listen")
+    if metrics_listen:  # before anything listens
+        _listen_address(metrics_listen, "--metrics-listen")
     try:
         text = duration.strip()
         seconds = float(text) if text.replace(".", "", 1).isdigit() else parse_duration(text)
@@ -209,9 +219,16 @@ def watch(
     if max_connections < 1:
         raise fail(f"--max-connections {max_connections}: give a bound of 1 or more, e.g. --max-connections 1024")
     try:
-        hop = parse_hop(f"watch={listen},{upstream}")
+        own = parse_hop(f"{upstream_name}={listen},{upstream}")
     except TapError as exc:
-        raise fail(str(exc).replace("--hop watch: ", "").replace("--hop", "--upstream")) from None
+        raise fail(str(exc).replace(f"--hop {upstream_name}: ", "").replace("--hop name", "--upstream-name")
+                   .replace("--hop", "--upstream")) from None
+    try:
+        behind = [parse_hop(h) for h in hop or []]
+        check_chain([own, *behind])
+    except TapError as exc:
+        raise fail(str(exc)) from None
+    hop = own
     family = family_for_target(metrics_url or upstream)
     if refused := refused_command(family, "watch"):
         raise fail(refused)
@@ -222,7 +239,7 @@ def watch(
     ids = None if no_request_id else REQUEST_ID_PREFIX
     settings = RecordSettings(
         targets=targets, store=store, hz=hz, duration_s=None, nvml=nvml, name=name or f"watch {listen}",
-        home=home_dir(), engine_log=engine_log, engine_log_tz=engine_log_tz,
+        home=home_dir(), engine_log=engine_log, engine_log_tz=engine_log_tz, hops=[own, *behind] if behind else [],
         drive=DriveSettings(driven_target=hop.upstream, scenarios=["watched"], grace_s=grace),
         watch={"listen": hop.listen_url, "upstream": hop.upstream, "max_connections": max_connections,
                "request_ids": f"added where the client sent none ({REQUEST_ID_PREFIX}...)" if ids else "off"})
@@ -241,6 +258,13 @@ def watch(
     import analysis.watching  # noqa: F401
     import runstore.reader  # noqa: F401
 
+    try:
+        taps = hop_sources(behind)  # listening before the watch's own: its upstream may reach them at once
+    except PreflightError as exc:
+        for s in sources:
+            s.close()
+        raise fail(str(exc)) from None
+    sources += taps  # the sampler owns them from here: it closes them when the run ends
     tap = TapSource(hop, request_ids=ids, max_connections=max_connections)
     problem = tap.check()
     try:
@@ -251,7 +275,7 @@ def watch(
     except TapError as exc:
         for s in sources:
             s.close()
-        raise fail(str(exc).replace("--hop watch: cannot listen", "--listen: cannot listen")) from None
+        raise fail(str(exc).replace(f"--hop {hop.name}: cannot listen", "--listen: cannot listen")) from None
     metrics = WatchMetrics() if metrics_listen else None
     server = None
     if metrics is not None:
@@ -292,6 +316,8 @@ def watch(
         result = record(settings, sources, facts, driver_factory=driver)
     except StoreError as exc:
         tap.close()
+        for t in taps:  # the run never started: the sampler that owns them closed nothing
+            t.close()
         raise fail(str(exc)) from None
     finally:
         if server is not None:

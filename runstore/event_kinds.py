@@ -208,6 +208,15 @@ _TAP_KINDS = (
                   ("client_gone", "after a client's FIN: whether its socket was closed (the bytes passed after "
                                   "the FIN met a reset), not half-closed and reading (None: no FIN, or not known)"),
                   *BODY_DATA)),
+    EventKind("page_stop", (TAP,),
+              "a page reported its user's Stop (a POST to /cancelwatch/stop on its way to the app): the page's word, "
+              "read by the tap (analysis/page_stops.py)",
+              "the request the page says it stopped (its X-Request-Id; None: not said)", (
+                  *TAP_DATA, ("seq", "the report's index on its connection"),
+                  ("task_id", "the page's own id for the answer it stopped (its front end's task id)"),
+                  ("clicked_wall_ms", "the Stop click, ms since 1970 on the page's clock"),
+                  ("sent_wall_ms", "the report's sending, ms since 1970 on the page's clock"),
+                  ("why", "why the report cannot be read (not JSON); None where it can"))),
     EventKind("tap_unparsed", (TAP,), "a tap cannot read the connection as HTTP/1.1: it passes it on untouched",
               "None", (*TAP_DATA, ("why", "why, in words (`encrypted: no request id` for TLS)"))),
     EventKind("tap_refused", (TAP,),

@@ -69,6 +69,10 @@ COMMAND_LINE_ONLY = {
     "--metrics-listen 127.0.0.1:9465":
         {"listen": "127.0.0.1:9000", "upstream": "http://vllm-gateway:8000", "metrics_url": "http://vllm:8000",
          "metrics_listen": "127.0.0.1:9465"},
+    "cancelwatch watch --listen 127.0.0.1:9000 --upstream http://127.0.0.1:8080 --upstream-name nginx "
+    "--hop app=127.0.0.1:9001,http://127.0.0.1:8300 --hop vllm=127.0.0.1:9002,http://127.0.0.1:8000":
+        {"listen": "127.0.0.1:9000", "upstream": "http://127.0.0.1:8080", "upstream_name": "nginx",
+         "hop": ["app=127.0.0.1:9001,http://127.0.0.1:8300", "vllm=127.0.0.1:9002,http://127.0.0.1:8000"]},
 }
 
 # given, but not run by a test, and why

@@ -115,3 +115,29 @@ def test_where_no_engine_log_is_available_the_run_says_so(tmp_path, metrics_serv
     assert [s.path for s in sources if isinstance(s, EngineLogSource)] == [str(own)]
     for s in sources:
         s.close()
+
+
+def test_an_embedded_engine_started_without_the_request_log_is_not_followed(tmp_path, metrics_server, monkeypatch):
+    """The embedded engine's log is followed for its per-request lines only where it writes them: started without
+    --enable-log-requests (vLLM's default, the relay app), the run says so instead of reading a log that names no
+    request (every verdict would be log_names_no_requests)."""
+    from types import SimpleNamespace
+
+    from collectors.recording import vllm_session
+
+    server = metrics_server(FIXTURES / "vllm" / "0.32" / "idle.txt")
+    log = tmp_path / "engine.log"
+    log.write_text("")
+    for command, followed in ((["python", "-m", "vllm.entrypoints.openai.api_server", "--enable-log-requests"], True),
+                              (["python", "-m", "collectors.engines.relay_app", "--model", "m"], False)):
+        state = SimpleNamespace(pid=1, model="m", shape={}, command=command, log_path=str(log))
+        monkeypatch.setattr(vllm_session, "embedded_engine_for", lambda url, home, state=state: state)
+        sources, facts = build_sources(RecordSettings(targets=[Target("t0", server.url)], nvml="off", home=tmp_path,
+                                                      pids=[1]))
+        got = [s for s in sources if isinstance(s, EngineLogSource)]
+        if followed:
+            assert facts["engine_log"] == {"t0": {"path": str(log)}} and len(got) == 1, facts
+        else:
+            assert facts["engine_log"] == {"t0": {"off": vllm_session.NO_REQUEST_LINES}} and not got, facts
+        for s in sources:
+            s.close()

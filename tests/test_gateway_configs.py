@@ -16,7 +16,7 @@ import pytest
 from collectors.engines import gateways as gw_mod
 from tests.conftest import free_port
 
-NAMES = list(gw_mod.GATEWAYS)
+NAMES = [name for name, g in gw_mod.GATEWAYS.items() if not g.engine]  # an engine row has no upstream to proxy
 
 
 class _Ok(http.server.BaseHTTPRequestHandler):
@@ -131,3 +131,20 @@ def test_a_gateway_that_is_not_installed_is_named_with_how_to_install_it(monkeyp
     assert exc.value.exit_code == 2
     with pytest.raises(gw_mod.GatewayError, match="Envoy is not installed here: make matrix installs it"):
         gw_mod.start(missing, Path("unused"), free_port(), free_port())
+
+
+def test_an_app_that_does_not_start_is_one_line_and_nothing_is_left_running(tmp_path):
+    """An app asked for a variant it has not exits at its start: one line naming the fix, nothing listening; the
+    matrix turns the GatewayError into that line and exit 2 (matrix_commands)."""
+    import dataclasses
+
+    broken = dataclasses.replace(gw_mod.GATEWAYS["app-fastapi"], name="app-broken", config=gw_mod._app("nonsense"))
+    if broken.binary() is None:
+        pytest.skip(f"the apps run in the embedded engine's venv: {broken.install}")
+    port = free_port()
+    with pytest.raises(gw_mod.GatewayError) as exc:
+        gw_mod.start(broken, tmp_path / "app", port, free_port())
+    said = str(exc.value)
+    assert "\n" not in said and "app-broken exited at start" in said, said
+    assert "CANCELWATCH_APP_KIND='nonsense' is no app here: use one of plain, base_http" in said, said
+    assert not gw_mod._listening(port)

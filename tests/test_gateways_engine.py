@@ -251,23 +251,51 @@ def test_where_the_taps_end_the_engines_own_evidence_says_whether_the_cancel_cam
         print(f"{c['scenario']}: {c['verdict']}, {c['evidence']['path']}")
 
 
+def matrix_of(engine, engine_home: Path, tmp_path: Path, gateways: list[str], scenarios: str) -> tuple[str, dict]:
+    """`cancelwatch matrix` of these rows against the shared engine: its Markdown, and per (row, scenario) its
+    (version, passed on, verdict)."""
+    out = tmp_path / "docs"
+    res = cli("matrix", "--target", engine.url, "--engine-log", engine.log_path,
+              *[a for g in gateways for a in ("--gateway", g)], "--scenario", scenarios, "--out", str(out),
+              "--store", str(tmp_path / "matrix.db"), home=engine_home, timeout=1500)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    md = (out / "matrix.md").read_text()
+    cells = {(r[0].strip("| "), r[3]): (r[1], r[4], r[7].rstrip(" |")) for r in
+             (line.split(" | ") for line in md.splitlines()) if r[0].strip("| ") in gateways}
+    return md, cells
+
+
 def test_the_apps_people_write_are_measured_in_the_matrix(engine, engine_home, tmp_path):
     """Two apps of the matrix's apps part (collectors/engines/apps.py), each started by the matrix on loopback with a
     tap in front: a FastAPI route relaying with httpx passes a stream's disconnect on (Starlette ends the response,
     closing the generator closes the upstream stream) but keeps a non-streaming request its client gave up on (its
     handler awaits the engine's whole answer); an app that reads upstream in a background task keeps both, and the
     trace names it. Each row names its versions."""
-    out = tmp_path / "docs"
-    res = cli("matrix", "--target", engine.url, "--engine-log", engine.log_path, "--gateway", "app-fastapi",
-              "--gateway", "app-background-task", "--scenario", "disconnect,nonstream_timeout", "--out", str(out),
-              "--store", str(tmp_path / "matrix.db"), home=engine_home, timeout=1500)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    md = (out / "matrix.md").read_text()
-    rows = {(r[0].strip("| "), r[3]): (r[4], r[7].rstrip(" |")) for r in
-            (line.split(" | ") for line in md.splitlines() if line.startswith("| app-"))}
+    md, cells = matrix_of(engine, engine_home, tmp_path, ["app-fastapi", "app-background-task"],
+                          "disconnect,nonstream_timeout")
+    rows = {key: (passed, verdict) for key, (_, passed, verdict) in cells.items()}
     assert re.search(r"\| app-fastapi \| FastAPI \d+\.\d+\.\d+, Starlette \d+\.\d+\.\d+", md), md
     assert "class LogLine(BaseHTTPMiddleware)" in md  # the app's source, kept with the row
     assert rows[("app-fastapi", "disconnect")] == ("yes", "released"), md
     assert rows[("app-fastapi", "nonstream_timeout")] == ("no (stopped at app-fastapi)", "leaked"), md
     for scenario in ("disconnect", "nonstream_timeout"):
         assert rows[("app-background-task", scenario)] == ("no (stopped at app-background-task)", "leaked"), md
+
+
+def test_vllms_own_server_with_a_middleware_is_measured_in_the_matrix(engine, engine_home, tmp_path):
+    """vLLM's API server started with `--middleware` (collectors/engines/vllm_middleware.py), the two ways vLLM takes
+    one: a BaseHTTPMiddleware subclass, and a function Starlette wraps in one. Each row starts an engine of its own
+    with the middleware importable, a tap in front of it; the verdict is the engine's evidence, as measured here
+    (Starlette 1.10 passes a stream's disconnect through BaseHTTPMiddleware)."""
+    md, cells = matrix_of(engine, engine_home, tmp_path, ["vllm-middleware-class", "vllm-middleware-function"],
+                          "disconnect")
+    for name in ("vllm-middleware-class", "vllm-middleware-function"):
+        version, passed, verdict = cells[(name, "disconnect")]
+        assert re.fullmatch(r"vLLM \d+\.\d+\.\d+\S*, FastAPI \d+\.\d+\.\d+, Starlette \d+\.\d+\.\d+", version), rows
+        assert (passed, verdict) == ("yes", "released"), md
+    assert "class LogLine(BaseHTTPMiddleware)" in md and "--middleware cw_middleware.log_line" in md, md
+    # each middleware ran in its engine (its lines are in that engine's log), and each engine was stopped after
+    logs = "".join(p.read_text(errors="replace") for p in engine_home.rglob("*.log"))
+    assert "LogLine: POST /v1/completions -> 200" in logs and "log_line: POST /v1/completions -> 200" in logs
+    from collectors.engines import lifecycle
+    assert [s.port for s in lifecycle.all_states(engine_home) if lifecycle.is_alive(s)] == [engine.port]

@@ -176,7 +176,8 @@ def test_a_stored_runs_ghosts_under_steady_leaking_leave_with_the_count():
     verdicts = [SimpleNamespace(request_id=f"c{i}", verdict="leaked", rule="no_abort_still_there", scenario="watch",
                                 timepoints={"user_stop": stop, "left_scheduler": None},
                                 evidence=SimpleNamespace(grace_s=2.0, tokens_after_client_left=None,
-                                                         tokens_after_client_left_is=None))
+                                                         tokens_after_client_left_is=None),
+                                client_left_s=lambda stop=stop: stop)
                 for i, (stop, _, leaked) in enumerate(cancels) if leaked]
     run = SimpleNamespace(info={"targets": [{"label": "t0", "url": "http://127.0.0.1:1"}]})
     rows = replayed(run, verdicts, lambda run, target: reading).set_index("request_id")

@@ -479,3 +479,21 @@ def test_the_answer_is_whole_once_every_choice_it_holds_has_finished_and_no_soon
     # a marker cut across three reads is read once the line is whole
     line = b'data: {"choices": [{"index": 0, "text": "w", "finish_reason" :  "stop"}]}\n\n'
     assert _exchange(body(n=2), [line[:40], line[40:44], line[44:], _ev(1, "stop")]) == [False, False, False, True]
+
+
+def test_only_requests_that_ask_the_engine_for_work_are_rows():
+    """A page, /v1/models, a health check, a page's report of its Stop and the tokenizer's endpoints take no place in
+    the engine: no rows, and a client leaving one is no cancel; POSTs that schedule work and vLLM's Realtime API are
+    rows (a request whose method the tap did not say too)."""
+    led = WatchLedger("t0")
+    asked = [("GET", "/"), ("GET", "/v1/models"), ("GET", "/health"), ("POST", "/cancelwatch/stop"),
+             ("POST", "/tokenize?x=1"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions?stream=1"),
+             ("GET", "/v1/realtime"), (None, None)]
+    out = []
+    for conn, (method, path) in enumerate(asked):
+        data = {"conn": conn, "seq": 0, **({"method": method, "path": path} if method else {})}
+        out += led.feed([EventRecord("tap_request", 0, conn, f"r{conn}", data),
+                         EventRecord("tap_closed", 0, conn + 1, f"r{conn}", {"conn": conn, "seq": 0, "side": "client",
+                                                                            "how": "rst", "open_seq": 0})])
+    assert sorted(r.request_id for r in rows(out)) == ["r5", "r6", "r7", "r8"], rows(out)
+    assert led.requests == 4 and led.passed == 5 and led.cancels == 4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -432,30 +433,41 @@ def test_finished_entries_and_tombstones_are_pruned_but_running_ones_kept(loop, 
     loop.run_until_complete(go())
 
 
-def test_a_client_that_goes_away_from_relay_app_is_aborted_and_its_iterator_closed(loop, llm):
-    """A real HTTP client disconnects mid-stream from relay_app under uvicorn: Starlette cancels the
-    streaming task through anyio, which cancels every later await in that scope; the abort still runs
-    (retried after an injected failure) and the engine's iterator is still closed."""
+@contextlib.asynccontextmanager
+async def serving(llm, relay):
+    """relay_app around `llm` and `relay` under uvicorn on a free loopback port: its completions URL."""
     import socket
 
-    import httpx
     import uvicorn
 
     from collectors.engines.relay_app import build_app
 
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(llm, "tiny", relay=relay), host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="off"))
+    running = asyncio.create_task(server.serve())
+    try:
+        assert await until(lambda: server.started), f"uvicorn not started within {ENGINE_WAIT_S:.0f} s"
+        yield f"http://127.0.0.1:{port}/v1/completions"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(running, ENGINE_WAIT_S)
+
+
+def test_a_client_that_goes_away_from_relay_app_is_aborted_and_its_iterator_closed(loop, llm):
+    """A real HTTP client disconnects mid-stream from relay_app under uvicorn: Starlette cancels the
+    streaming task through anyio, which cancels every later await in that scope; the abort still runs
+    (retried after an injected failure) and the engine's iterator is still closed."""
+    import httpx
+
     async def go():
         eng = TrackedEngine(llm, abort_failures=1)
         relay, events = make_relay(eng, abort_retry_s=0.01)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(build_app(llm, "tiny", relay=relay), host="127.0.0.1", port=port,
-                                               log_level="warning", lifespan="off"))
-        serving = asyncio.create_task(server.serve())
-        try:
-            assert await until(lambda: server.started), f"uvicorn not started within {ENGINE_WAIT_S:.0f} s"
+        async with serving(llm, relay) as url:
             async with httpx.AsyncClient(timeout=30) as client:
-                async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
+                async with client.stream("POST", url,
                                          json={"model": "tiny", "prompt": prompt(60), "max_tokens": 2000,
                                                "ignore_eos": True},
                                          headers={"X-Request-Id": "chosen-by-client", "X-Owner": "alice"}) as resp:
@@ -474,7 +486,30 @@ def test_a_client_that_goes_away_from_relay_app_is_aborted_and_its_iterator_clos
             assert eng.aborts == [engine_id, engine_id] and not eng.in_engine(engine_id)
             assert await until(lambda: eng.streams[-1].closed), "the engine's iterator was never closed"
             assert ("abort_returned", rid) in events
-        finally:
-            server.should_exit = True
-            await asyncio.wait_for(serving, ENGINE_WAIT_S)
+    loop.run_until_complete(go())
+
+
+def test_a_non_streaming_client_that_gives_up_on_relay_app_is_aborted(loop, llm):
+    """`"stream": false`: relay_app answers with one JSON body once the engine is done, and watches the client while
+    it works: a client that times out before has its request aborted (a handler that only awaited the answer would
+    keep it running for nobody); one that waits gets the whole answer."""
+    import httpx
+
+    async def go():
+        eng = TrackedEngine(llm)
+        relay, _ = make_relay(eng, abort_retry_s=0.01)
+        async with serving(llm, relay) as url:
+            async with httpx.AsyncClient(timeout=30) as client:
+                whole = await client.post(url, json={"model": "tiny", "prompt": prompt(10), "max_tokens": 8,
+                                                     "ignore_eos": True, "stream": False})
+                assert whole.status_code == 200 and whole.json()["choices"][0]["finish_reason"] == "length", whole.text
+                with pytest.raises(httpx.ReadTimeout):
+                    await client.post(url, json={"model": "tiny", "prompt": prompt(60), "max_tokens": 5000,
+                                                 "ignore_eos": True, "stream": False}, timeout=1.0)
+            rid = next(r for r in relay.entries if relay.status(r)["state"] != "completed")
+            assert await until(lambda: relay.status(rid)["abort_ok"] is not None), relay.status(rid)
+            st = relay.status(rid)
+            assert st["state"] == "cancelled" and st["abort"] == "sent", st
+            assert not eng.in_engine(st["engine_request_id"])
+            assert await until(lambda: eng.streams[-1].closed), "the engine's iterator was never closed"
     loop.run_until_complete(go())

@@ -80,6 +80,12 @@ class CancelVerdict:
     def source_reason(self, point: str) -> str | None:
         return (self.sources.get(point) or {}).get("reason")
 
+    def client_left_s(self) -> float:
+        """Where the client side closed, s since the run started: what the grace counts from. The user_stop
+        timepoint, unless that is a page's Stop click (Evidence.client_left_s)."""
+        left = self.evidence.client_left_s
+        return self.timepoints["user_stop"] if left is None else left
+
     def sources_text(self) -> str:
         """Where each timepoint came from, in words: `engine abort: engine log · app received: none (no
         app on this path) · ...`."""
@@ -104,9 +110,9 @@ def run_grace_s(run: Run) -> float:
 
 
 # what each timepoint rests on, in every table and JSON: where its value came from
-SOURCES = ("engine_log", "relay", "client", "samples", "tap")
+SOURCES = ("engine_log", "relay", "client", "samples", "tap", "page")
 SOURCE_LABELS = {"engine_log": "engine log", "relay": "relay (in the app)", "client": "client",
-                 "samples": "scheduler samples", "tap": "tap (a socket close)"}
+                 "samples": "scheduler samples", "tap": "tap (a socket close)", "page": "page (its Stop click)"}
 # app_received from a tap in front of an app: the app's connection went, not a receipt it acknowledged
 TAP_RECEIVED = "the app's connection from its client closed"
 NO_APP = "no app on this path"

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import pandas as pd
 
 from analysis.ghosts import EngineReading, ghost_records
-from analysis.hops import app_received, hop_story, hop_traces, stopped_at
+from analysis.hops import app_received, hop_story, hop_traces, run_hops, stopped_at
+from analysis.page_stops import page_stops, report_rows, standing_reports, user_stop_source
 from analysis.summary import sampling_stats
 from analysis.verdicts.core import TAP_RECEIVED, CancelVerdict, run_assumptions, run_grace_s
 from analysis.verdicts.ghost_list import ghost_table
@@ -75,7 +76,30 @@ def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None
     grace_s = run_grace_s(run) if grace_s is None else grace_s
     verdicts = FAMILIES[family_of(run)].judge(run, grace_s, metrics_target)
     with_hops(run, verdicts, grace_s)
+    with_page_stops(run, verdicts)
     return verdicts
+
+
+def with_page_stops(run: Run, verdicts: list[CancelVerdict]) -> None:
+    """Each cancel's user_stop on its page's word, where its page reported the Stop click and the report holds
+    (analysis/page_stops.py); else, in a run with page reports, why it rests on the client side's close. The
+    verdict is judged as before, from the client side's close, which its evidence keeps (client_left_s): a page's
+    word times the click, it decides nothing."""
+    reports = page_stops(run, [h.get("name") for h in run_hops(run)])
+    if not reports:
+        return
+    standing = standing_reports(reports)
+    led = run.ledger.set_index("request_id")["sent_mono_ns"] if not run.ledger.empty else pd.Series(dtype=float)
+    t0 = run.info["started_mono_ns"]
+    for v in verdicts:
+        sent = led.get(v.request_id)
+        t_sent = None if sent is None or pd.isna(sent) else (float(sent) - t0) / 1e9
+        t_close = v.timepoints["user_stop"]
+        t_click, source = user_stop_source(standing.get(v.request_id), t_close, t_sent, v.evidence.grace_s, True)
+        if t_click is not None:
+            v.timepoints["user_stop"], v.evidence.client_left_s = t_click, t_close
+        if source is not None:
+            v.sources["user_stop"] = source
 
 
 def engine_reading(run: Run, target: str | None) -> EngineReading | None:
@@ -127,6 +151,9 @@ def report_document(run: Run, grace_s: float | None = None, verdicts: list[Cance
         # a watch sends nothing of its own: no neighbour to keep going, its traffic is the users'
         "neighbours_ok": None if watch else neighbours_ok(run),
         "watch": None if not watch else {**watch, "requests": len(run.ledger)},
+        # a page's word on its Stop clicks (analysis/page_stops.py): each report, used or why not
+        "page_reports": report_rows(page_stops(run, [h.get("name") for h in run_hops(run)]),
+                                    {v.request_id: v.sources.get("user_stop") or {} for v in verdicts}),
         "sampling": json.loads(stats.to_json(orient="records")) if not stats.empty else [],
         "family": family,
         "cancels": [v.as_json() for v in verdicts],

@@ -22,7 +22,7 @@ def ghost_table(run, verdicts, in_engine) -> pd.DataFrame:
     for v in verdicts:
         if v.verdict != "leaked":
             continue
-        stop, left = v.timepoints["user_stop"], v.timepoints.get("left_scheduler")
+        stop, left = v.client_left_s(), v.timepoints.get("left_scheduler")
         by = None
         if v.rule in LEFT_BY_RULES:  # when it had left by: which of the lost requests left first, the count says
             left, by = None, left

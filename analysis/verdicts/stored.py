@@ -22,6 +22,7 @@ _ROOT = Path(__file__).resolve().parents[2]
 # on, and what hands them the run (the reader, the records' settings)
 _RULE_FILES = ("analysis/verdicts/*.py", "analysis/bounds.py", "analysis/rows.py", "analysis/evidence.py",
                "analysis/hops.py", "analysis/ghosts.py", "analysis/series.py", "analysis/watching.py",
+               "analysis/page_stops.py",
                "runstore/reader.py", "runstore/records.py")
 
 

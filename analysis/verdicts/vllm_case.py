@@ -869,7 +869,7 @@ def _case(run: Run, frame: _Frame, englog: _EngineLog, trace: dict, same: dict, 
     t_probe = first_probe_s(same, cancel_ns, t0)
     abort_source = "engine_log" if t_log_abort is not None else "relay"
     sources = _sources(app_src if t_app is not None else None, abort_source if t_abort is not None else None,
-                       has_log, t_probe is not None)
+                       has_log, t_probe is not None, data.get("scenario") == WATCHED_SCENARIO)
     terminal = None if lrow is None else lrow["terminal_state"]
     completed = terminal == "completed" and t_abort is None
     t_ref = _release_from(t_abort, (lrow["closed_mono_ns"] - t0) / 1e9 if completed and lrow is not None else None,
@@ -907,14 +907,18 @@ def _case(run: Run, frame: _Frame, englog: _EngineLog, trace: dict, same: dict, 
                     ends_s=frame.ends_s.copy(), delivered=frame.delivered, quiet_s=frame.quiet_s)
 
 
-def _sources(app: str | None, abort: str | None, has_log: bool, probe: bool) -> dict:
-    """Each timepoint's source, or why it has none."""
+# a watch sends nothing of its own: no probe measures when the freed capacity was handed out again
+WATCHED_REUSE = "a watch sends no probe: when the freed capacity was handed out again is not measured"
+
+
+def _sources(app: str | None, abort: str | None, has_log: bool, probe: bool, watched: bool) -> dict:
+    """Each timepoint's source, or why it has none (`watched`: a watch's cancel, which no probe follows)."""
     return {
         "user_stop": ("client", None),
         "app_received": (app, None) if app else (None, NO_APP),
         "engine_abort": (abort, None) if abort else (None, "no abort in the engine log" if has_log else NO_LOG),
         "left_scheduler": (None, "not seen in the samples"),
-        "reusable": ("client", None) if probe else (None, "no probe got a first token"),
+        "reusable": ("client", None) if probe else (None, WATCHED_REUSE if watched else "no probe got a first token"),
     }
 
 

@@ -10,6 +10,10 @@ vLLM's own dependencies there); which variant, and where the engine is, come fro
   background     the upstream read handed to a background task that fills a queue the response streams from:
                  the client leaving ends the response, never the task
 
+Every variant also serves the chat page cancelwatch ships (chat.html, beside this file) at `/`: a real browser's Stop
+starts a cancel there, and the page reports the click with a POST to /cancelwatch/stop, which the app answers (204)
+and the taps on the way read (analysis/page_stops.py).
+
 Nothing here decides what the matrix finds: each row's verdict is measured on the engine's evidence.
 """
 
@@ -18,13 +22,18 @@ from __future__ import annotations
 import asyncio
 import os
 
+from pathlib import Path
+
 import httpx
 from fastapi import FastAPI, Request
 from starlette.middleware.base import BaseHTTPMiddleware
-from starlette.responses import StreamingResponse
+from starlette.responses import HTMLResponse, Response, StreamingResponse
 
 UPSTREAM = os.environ.get("CANCELWATCH_APP_UPSTREAM", "http://127.0.0.1:8000")
 KIND = os.environ.get("CANCELWATCH_APP_KIND", "plain")
+KINDS = ("plain", "base_http", "pure_asgi", "background")
+if KIND not in KINDS:  # an app that would run as another than asked must not start: its row would say the wrong thing
+    raise SystemExit(f"CANCELWATCH_APP_KIND={KIND!r} is no app here: use one of {', '.join(KINDS)}")
 PASSED = ("content-type", "x-request-id", "authorization")  # the request headers the app sends on
 
 app = FastAPI()
@@ -54,6 +63,21 @@ async def _upstream(request: Request) -> httpx.Response:
     headers = {k: v for k, v in request.headers.items() if k.lower() in PASSED}
     sent = client.build_request(request.method, request.url.path, content=await request.body(), headers=headers)
     return await client.send(sent, stream=True)
+
+
+PAGE = Path(__file__).with_name("chat.html")
+
+
+@app.get("/")
+async def page():
+    return HTMLResponse(PAGE.read_text())
+
+
+@app.post("/cancelwatch/stop")
+async def page_stop(request: Request):
+    # the page's word on its Stop: the taps in front read it on its way here; the app has only to take it
+    await request.body()
+    return Response(status_code=204)
 
 
 @app.api_route("/{path:path}", methods=["GET", "POST"])

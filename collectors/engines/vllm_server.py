@@ -191,11 +191,13 @@ def start(
     cpu_cores: float | None = None,
     vllm_log_format: bool = False,
     log_requests: bool = True,
+    pythonpath: Path | None = None,
 ) -> EngineState:
     """Start the engine and wait for /health. Raises PortBusy when the port is taken. `cpu_cores`: the CPU
     time the whole engine may use (a cgroup quota, see cpu_limit.py): a slow engine on demand.
     `vllm_log_format`: log as vLLM does on its own (whole seconds, no year), as an engine a user starts.
-    `log_requests=False`: no per-request lines, vLLM's default."""
+    `log_requests=False`: no per-request lines, vLLM's default. `pythonpath`: a folder the server imports from (a
+    --middleware of extra_args)."""
     home = Path(home).resolve()
     home.mkdir(parents=True, exist_ok=True)
     shape = shape or EngineShape()
@@ -212,6 +214,8 @@ def start(
     env = dict(os.environ)
     if relay:
         env["PYTHONPATH"] = str(PROJECT_ROOT)  # collectors.engines.relay_app
+    elif pythonpath is not None:
+        env["PYTHONPATH"] = str(Path(pythonpath).resolve())
     if not gpu and not vllm_log_format:
         # a GPU user's vllm may predate the formatter fields used here: it keeps its own format
         config = home / "vllm-logging.json"

@@ -19,6 +19,11 @@ NO_ENGINE_LOG = ("no engine log: the target is not cancelwatch's embedded engine
                  "(the log of a vLLM started with --enable-log-requests)")
 
 
+LOGS_REQUESTS = "--enable-log-requests"  # the flag without which vLLM logs no per-request lines
+NO_REQUEST_LINES = ("no engine log: the embedded engine was started without --enable-log-requests (vLLM's default, "
+                    "or the relay app): its log names no requests")
+
+
 def embedded_engine_for(url: str, home: Path) -> lifecycle.EngineState | None:
     parsed = urlparse(url)
     if parsed.hostname not in ("127.0.0.1", "localhost") or parsed.port is None:
@@ -38,6 +43,7 @@ def build_vllm_sources(settings: RecordSettings, nvml_module=None) -> tuple[list
     engine_facts: dict = {"targets": {}}
     pids = list(settings.pids)
     logs: dict[str, str] = {}  # target label -> the engine log followed for it
+    quiet: dict[str, str] = {}  # target label -> why its embedded engine's log is not followed
     for t in settings.targets:
         t.family = VLLM_FAMILY  # these sources read vLLM's /metrics: the target is a vLLM server
         src = VllmMetricsSource(t.source_url, t.label)
@@ -61,10 +67,13 @@ def build_vllm_sources(settings: RecordSettings, nvml_module=None) -> tuple[list
             })
             if not settings.pids:
                 pids.append(state.pid)
-            logs[t.label] = state.log_path
+            if LOGS_REQUESTS in state.command:
+                logs[t.label] = state.log_path
+            else:
+                quiet[t.label] = NO_REQUEST_LINES
     if settings.engine_log is not None:
         logs = {settings.targets[0].label: str(settings.engine_log)}
-    engine_facts["engine_log"] = {t.label: {"off": NO_ENGINE_LOG} for t in settings.targets}
+    engine_facts["engine_log"] = {t.label: {"off": quiet.get(t.label, NO_ENGINE_LOG)} for t in settings.targets}
     for label, path in logs.items():
         log = EngineLogSource(path, target=label, tz=settings.engine_log_tz)
         problem = log.check()

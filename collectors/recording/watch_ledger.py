@@ -1,5 +1,5 @@
 """The ledger of real traffic, built from what a tap saw (`cancelwatch watch`): one row per request that
-passed the tap, and for each request its client gave up on, the cancel's events (`user_stop`,
+passed the tap asking the engine for work (engine_work), and for each request its client gave up on, the cancel's events (`user_stop`,
 `client_closed`), so that a watched cancel is judged by the same rules as a scripted one.
 
 A request is a cancel when its client closed or reset the connection before the response ended. A
@@ -20,6 +20,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 
+from collectors.sources.tap import PAGE_STOP_PATH
 from runstore.records import WATCHED_SCENARIO, EventRecord, LedgerRecord
 
 SCENARIO = WATCHED_SCENARIO  # every watched request's ledger scenario: real traffic, one stream of it
@@ -47,6 +48,25 @@ class _Open:
     ended_ns: int | None = None  # its response passed to its end after the client's FIN
 
 
+# POSTs of vLLM's server that schedule nothing (they answer from the tokenizer or change the server's state), and a
+# page's report of a Stop: no ledger rows
+NO_ENGINE_WORK = frozenset({PAGE_STOP_PATH, "/tokenize", "/detokenize", "/v1/load_lora_adapter",
+                            "/v1/unload_lora_adapter", "/reset_prefix_cache", "/sleep", "/wake_up"})
+# a GET that does: vLLM's Realtime API, a WebSocket upgraded from a GET, runs engine requests
+ENGINE_GETS = frozenset({"/v1/realtime"})
+
+
+def engine_work(method: str | None, path: str | None) -> bool:
+    """Whether a request asks the engine for work it schedules: vLLM schedules POSTs (completions, chat,
+    responses, embeddings, ...), but for NO_ENGINE_WORK, and the Realtime API's GET; any other GET (a page,
+    /v1/models, /health, /metrics) holds no place in it, and is no ledger row. A request whose method the tap did
+    not say counts."""
+    route = (path or "").split("?")[0]
+    if route in ENGINE_GETS:
+        return True
+    return method in (None, "POST") and route not in NO_ENGINE_WORK
+
+
 class WatchLedger:
     """Tap events in, ledger rows and cancel events out. `metrics_target`: the label of the scheduler the
     cancels are judged against (the events carry it, as the drivers' do)."""
@@ -57,6 +77,7 @@ class WatchLedger:
         self._ids: dict[str, None] = {}  # the latest ID_MEMORY request ids, oldest first (an ordered set)
         self._held: dict[int, tuple] = {}  # conn -> the request held for its connection's end
         self.requests = 0
+        self.passed = 0  # requests that ask the engine for no work (a page, /v1/models, a page's report): no rows
         self.cancels = 0  # how many cancels were decided
         self._recent: deque[tuple[int, LedgerRecord]] = deque()  # (handed out at, row) of rows just written
 
@@ -104,6 +125,9 @@ class WatchLedger:
         if kind == "tap_connection_end" and d.get("conn") in self._held:
             key = self._held[d.get("conn")]
         if kind == "tap_request":
+            if not engine_work(d.get("method"), d.get("path")):
+                self.passed += 1
+                return []
             return self._request(ev, key)
         o = self._open.get(key)
         if o is None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import math
 import re
 import socket
 import struct
@@ -56,6 +57,35 @@ def request_doc(body: bytes) -> dict | None:
     except ValueError:
         return None
     return doc if isinstance(doc, dict) else None
+
+
+# where a page reports its user's Stop (the chat page of collectors/engines/apps.py posts here, and the app answers
+# it): a tap on the way reads the report as evidence (analysis/page_stops.py)
+PAGE_STOP_PATH = "/cancelwatch/stop"
+PAGE_TEXT = 200  # a report's ids, at most this many characters each
+
+
+def page_report(doc: dict | None) -> dict:
+    """What a page's report (request_doc of its body) says: the request it stopped, its task id, the click's and
+    the report's wall times on the page's clock (ms since 1970); `why` where it cannot be read."""
+    if doc is None:
+        return {"why": "not a JSON object"}
+
+    def text(key):
+        v = doc.get(key)
+        return v[:PAGE_TEXT] if isinstance(v, str) else None
+
+    def ms(key):  # a finite float (an int too large for one, NaN or a bool is no time)
+        v = doc.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return None
+        try:
+            v = float(v)
+        except OverflowError:
+            return None
+        return v if math.isfinite(v) else None
+    return {"named": text("request_id"), "task_id": text("task_id"), "clicked_wall_ms": ms("clicked_wall_ms"),
+            "sent_wall_ms": ms("sent_wall_ms")}
 
 
 def asked_for(doc: dict | None) -> dict:
@@ -225,6 +255,7 @@ class _Http:
         # or a finish_reason for each of its choices), the indices of the choices finished]
         self.body: dict[int, list] = {}
         self.choices: dict[int, int | None] = {}  # seq -> the choices its answer holds (choices_asked)
+        self.reports: dict[int, bool] = {}  # seq -> whether it is a page's report of a Stop (PAGE_STOP_PATH)
         self._line = b""  # the response's SSE line still being read (its finish_reason is read once it is whole)
         self._request_body = bytearray()  # the body of the request being read, up to BODY_BYTES
         self._sse_tail = b""  # the end of the last response chunk: an SSE line split between two reads
@@ -294,6 +325,8 @@ class _Http:
                 headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in ev.headers}
                 rid = headers.get("x-request-id")
                 self.ids[self.seq] = rid
+                self.reports[self.seq] = ev.method == b"POST" and ev.target.split(b"?")[0] == PAGE_STOP_PATH.encode()
+                self.reports.pop(self.seq - 8, None)
                 # h11 sends HTTP/1.1 only: an HTTP/1.0 request (nginx's default upstream) is fed to the response
                 # side as 1.1 closing the connection, which is how a 1.0 exchange is framed
                 fed = [(k, v) for k, v in ev.headers if k != b"connection"] + [(b"connection", b"close")] \
@@ -313,6 +346,9 @@ class _Http:
                 self.choices[self.seq] = choices_asked(doc) if len(self._request_body) < BODY_BYTES else None
                 self.choices.pop(self.seq - 8, None)
                 out.append(("request_body", {"seq": self.seq, "request_id": self.ids.get(self.seq), **asked_for(doc)}))
+                if self.reports.get(self.seq):
+                    out.append(("page_stop", {"seq": self.seq, **page_report(
+                        doc if len(self._request_body) < BODY_BYTES else None)}))
                 self._request_body = bytearray()
 
     def _responses(self) -> list[tuple[str, dict]]:
@@ -540,6 +576,10 @@ class TapSource(Source):
             elif what == "request_body":
                 self._event("tap_request_body", flow, at_ns, d["request_id"], seq=d["seq"], model=d["model"],
                             stream=d["stream"], max_tokens=d["max_tokens"], n=d["n"])
+            elif what == "page_stop":
+                self._event("page_stop", flow, at_ns, d.get("named"), seq=d["seq"], task_id=d.get("task_id"),
+                            clicked_wall_ms=d.get("clicked_wall_ms"), sent_wall_ms=d.get("sent_wall_ms"),
+                            why=d.get("why"))
             else:
                 self._event("tap_unparsed", flow, at_ns, why=d["why"])
 

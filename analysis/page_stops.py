@@ -1,0 +1,165 @@
+"""A page's own word on its user's Stop: the report a page sends when its Stop button is pressed (its front-end
+task id, the request it stopped, the click's time on its own clock), read by a tap on its way to the app
+(runstore/event_kinds.py: page_stop). The first timepoint then rests on the click, not on the socket close the
+taps saw it cause. A page's word is evidence, never trusted over the server's: a report that cannot be placed on
+the run's clock, names no cancel or a request id more than one request had, or comes twice is kept, with a note,
+and the stop stays the client side's (the tap's close). It times the click, and nothing else: the verdict, its
+grace and the ghosts' ages stay on the client side's close (Evidence.client_left_s).
+
+The click is placed by the page's own interval from the click to sending the report (both on its clock), back
+from the instant the tap read the report (the run's clock): a page's clock may be anywhere, its intervals are
+its own. Its clock against the run's, at the report, only says whether to believe it at all."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import pandas as pd
+
+from runstore.reader import Run
+
+PAGE_STOP = "page_stop"  # the event kind a tap writes for a page's report
+# a page sends its report as the click's handler runs: one sent longer after its click than this is not the
+# click's (a page stalled, a report replayed)
+REPORT_WITHIN_S = 5.0
+# a page's clock against the run's at the report (its wall time sent, against the tap's wall time read): past
+# this, a clock that far off is not believed to time anything
+PAGE_CLOCK_S = 2.0
+# the click causes the close the taps see: a click placed after it, past this (two clocks read ms apart, the
+# report's own delivery), is not this stop's
+CLICK_AFTER_CLOSE_S = 0.05
+# and the close follows the click at once (fetch's abort closes the connection): a click placed longer before
+# it than this did not cause it
+CLICK_BEFORE_CLOSE_S = 5.0
+
+
+@dataclass
+class PageStop:
+    """One report: the request it names, the page's task id, the tap that read it, where the click lies on the
+    run's clock (None: it cannot be placed), the instant the tap read the report, and why it is not used (None:
+    usable, as far as the report alone tells)."""
+
+    request_id: str | None
+    task_id: str | None
+    hop: str | None
+    t_report: float
+    t_click: float | None
+    note: str | None = None
+
+
+def _number(v) -> float | None:
+    """A finite number of a report, or None (a bool, a string, an int too large for a float, NaN)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _read(rid, t_s: float, wall_ns, d: dict) -> PageStop:
+    """One report as the tap read it, placed on the run's clock or noted."""
+    task = d.get("task_id")
+    stop = PageStop(None if rid is None or pd.isna(rid) else str(rid), None if task is None else str(task)[:200],
+                    d.get("hop"), float(t_s), None)
+    clicked, sent = _number(d.get("clicked_wall_ms")), _number(d.get("sent_wall_ms"))
+    if d.get("why"):
+        stop.note = f"its report could not be read ({d['why']})"
+    elif clicked is None or sent is None:
+        stop.note = "its report has no click time (clicked_wall_ms and sent_wall_ms, ms since 1970)"
+    elif not 0 <= sent - clicked <= REPORT_WITHIN_S * 1000:
+        stop.note = f"it reported its click {(sent - clicked) / 1000:+.1f} s after it: not the click's report"
+    elif abs(float(wall_ns) / 1e6 - sent) > PAGE_CLOCK_S * 1000:
+        stop.note = (f"its clock is {(sent - float(wall_ns) / 1e6) / 1000:+.1f} s from the run's: a clock that far "
+                     "off times nothing")
+    else:
+        stop.t_click = stop.t_report - (sent - clicked) / 1000
+    return stop
+
+
+def page_stops(run: Run, hops: list[str] | None = None) -> list[PageStop]:
+    """Every page report of the run in the order the taps read them, each placed on the run's clock or noted.
+    Every tap on the way reads the same report: per request named, the reports of the tap nearest the page that
+    read one (`hops`: the run's taps in order from the client). Of a request's reports the first usable one
+    stands; the others are noted."""
+    ev = run.events
+    if ev.empty or not (ev["kind"] == PAGE_STOP).any():
+        return []
+    rows = ev[ev["kind"] == PAGE_STOP]
+    read = [_read(rid, t, w, json.loads(d) if isinstance(d, str) else (d or {}))
+            for rid, t, w, d in zip(rows["request_id"], rows["t_s"], rows["wall_ns"], rows["data"])]
+    order = {h: i for i, h in enumerate(hops or [])}
+    nearest: dict[str | None, int] = {}
+    for r in read:
+        nearest[r.request_id] = min(nearest.get(r.request_id, len(order)), order.get(r.hop, len(order)))
+    out = [r for r in read if order.get(r.hop, len(order)) == nearest[r.request_id]]
+    stopped = set(ev.loc[ev["kind"] == "user_stop", "request_id"].dropna())
+    # a request id the ledger holds more than once (the watch renames a reuse `id~xxxxxx`): which one a page
+    # stopped, its id cannot say
+    reused = {str(rid).split("~")[0] for rid in run.ledger.get("request_id", pd.Series(dtype=object)).dropna()
+              if "~" in str(rid)} if not run.ledger.empty else set()
+    for r in out:
+        if r.note is None and r.request_id not in stopped:
+            r.note = "it names no cancel of the run (an unknown task or request id)"
+        elif r.note is None and r.request_id in reused:
+            r.note = "more than one request had its request id: which one it stopped is not known"
+    standing: set[str | None] = set()
+    for r in out:
+        if r.note is None and r.request_id in standing:
+            r.note = "the page reported this stop again: the first report stands"
+        elif r.note is None:
+            standing.add(r.request_id)
+    return out
+
+
+def standing_reports(reports: list[PageStop]) -> dict[str, PageStop]:
+    """Request id -> the report that speaks for its stop: its first usable one, else its first."""
+    out: dict[str, PageStop] = {}
+    for r in reports:
+        if r.request_id is not None and (r.request_id not in out or (out[r.request_id].note and not r.note)):
+            out[r.request_id] = r
+    return out
+
+
+def user_stop_source(stop: PageStop | None, t_close: float, t_sent: float | None, grace_s: float,
+                     any_reports: bool) -> tuple[float | None, dict | None]:
+    """For a cancel whose client side closed at `t_close` (the server side's stop), its request sent at `t_sent`:
+    the click's instant and the user_stop's source where the page's word holds; else (None, the source that
+    stays, with why) where the run has page reports; else (None, None). A report read past the grace is not used:
+    the live judge, whose window ends there, could not have read it."""
+    if stop is not None and stop.note is None and stop.t_click is not None:
+        before = t_close - stop.t_click
+        if not -CLICK_AFTER_CLOSE_S <= before <= CLICK_BEFORE_CLOSE_S:
+            stop.note = (f"its click lies {before:+.2f} s before the close it would have caused: its word is kept, "
+                         "not used")
+        elif t_sent is not None and stop.t_click < t_sent:
+            stop.note = f"its click lies {t_sent - stop.t_click:.2f} s before the request was sent"
+        elif stop.t_report > t_close + grace_s:
+            stop.note = f"it was read {stop.t_report - t_close:.1f} s after the close, past the grace"
+        else:
+            return stop.t_click, {"source": "page", "reason": f"the page's Stop click (task {stop.task_id}), "
+                                                            f"{1000 * before:.0f} ms before its connection closed"}
+    if stop is not None:
+        return None, {"source": "client", "reason": f"the page's report is not used: {stop.note}"}
+    if any_reports:
+        return None, {"source": "client", "reason": "the page sent no report of this stop: the client side's close"}
+    return None, None
+
+
+def report_rows(reports: list[PageStop], user_stops: dict[str, dict]) -> list[dict]:
+    """The run's page reports for its report: each with whether it timed its cancel's stop (`used`) and, where
+    not, why. `user_stops`: request id -> the user_stop source its verdict gave (with_page_stops)."""
+    out, used_one = [], set()
+    for r in reports:
+        source = user_stops.get(r.request_id or "") or {}
+        used = source.get("source") == "page" and r.note is None and r.request_id not in used_one
+        note = None if used else r.note or (source.get("reason") or "").removeprefix(
+            "the page's report is not used: ") or "its cancel was not judged"
+        if used:
+            used_one.add(r.request_id)
+        out.append({"request_id": r.request_id, "task_id": r.task_id, "hop": r.hop, "t_report": r.t_report,
+                    "t_click": r.t_click, "used": used, "note": note})
+    return out
