@@ -14,6 +14,7 @@ from cancelwatch.console import (
     ENGINE_LOG_HELP,
     ENGINE_LOG_TZ_HELP,
     engine_log_zone,
+    err,
     fail,
     home_dir,
     model_listing_error,
@@ -21,7 +22,7 @@ from cancelwatch.console import (
     print_store_error,
 )
 from cancelwatch.live_judge import judging, recording_judge
-from cancelwatch.report_commands import judged_run, print_report, report_exit
+from cancelwatch.report_commands import FORMAT_HELP, checked_format, judged_run, print_as, report_exit
 from collectors.engines import lifecycle
 from collectors.engines import vllm_server as engine_mod
 from collectors.recording.session import (
@@ -74,6 +75,7 @@ def record_cmd(
                                             "NAME=LISTEN,UPSTREAM_URL (NAME: the component it feeds); repeat in "
                                             "order from the client, and point the previous component (or "
                                             "--target) at LISTEN. Or [[hop]] tables in the scenario file."),
+    format_: str = typer.Option("table", "--format", help=FORMAT_HELP),
 ):
     """Run scripted cancels while sampling; one run holds samples, ledger and events. Prints the report."""
     import httpx
@@ -87,6 +89,7 @@ def record_cmd(
         strip_userinfo,
     )
 
+    fmt = checked_format(format_)  # before anything is sent
     given_target = target
     try:
         target, basic = split_userinfo(target)  # user:password@ is sent, never stored
@@ -122,7 +125,7 @@ def record_cmd(
     hops = taps_of(hop or [], scenario)
     if family.name != VLLM_FAMILY:
         return RECORDERS[family.name](family, scenarios, target, metrics_url, http_url, hz, nvml, store, name, pid,
-                                      lost_after, engine_log, grace)
+                                      lost_after, engine_log, grace, fmt)
 
     from collectors.cancels.load import served_model
     from collectors.recording.session import discover_targets
@@ -224,7 +227,7 @@ def record_cmd(
         close_all(taps)  # a run that never started
         if "state" in relay_state:  # also after Ctrl-C or a lost target
             lifecycle.stop(home_dir(), relay_state["state"].port)
-    report_recorded(store, result, grace)
+    report_recorded(store, result, grace, fmt)
 
 
 def counted_clients(sampler, target: str):
@@ -259,7 +262,7 @@ def close_all(sources: list) -> None:
 
 def record_triton(family, scenarios: list, target: str, metrics_url: str | None, http_url: str | None, hz: float,
                   nvml: str, store: Path, name: str | None, pid: list[int] | None, lost_after: float,
-                  engine_log: Path | None, grace: float) -> None:
+                  engine_log: Path | None, grace: float, fmt: str = "table") -> None:
     """`record` against Triton: the Triton scenarios over gRPC (and HTTP for the timeout case)."""
     from collectors.recording.triton_session import endpoints
 
@@ -286,7 +289,7 @@ def record_triton(family, scenarios: list, target: str, metrics_url: str | None,
         raise fail(str(exc)) from None
     except StoreError as exc:
         raise fail(str(exc)) from None
-    report_recorded(store, result, grace)
+    report_recorded(store, result, grace, fmt)
 
 
 # the command-line wiring of each family's recording other than vLLM's (above); what it wires (sources, driver,
@@ -314,8 +317,9 @@ def seconds(value: str, option: str) -> float:
         raise fail(f"{option} {value!r} is not a duration: write e.g. 2s, 1.5 or 500ms") from None
 
 
-def report_recorded(store: Path, result, grace: float) -> None:
-    """After `record`: the run's verdicts as the table, then exit with the recording's failure code, else
+def report_recorded(store: Path, result, grace: float, fmt: str = "table") -> None:
+    """After `record`: the run's verdicts as the table (or `fmt`: report_commands.FORMATS), then exit with the
+    recording's failure code, else
     the report's (0 accepted, 1 not). A run longer than RECORDED_LONG_S is reported from its overview and the
     verdicts its live judge kept (those it had not judged yet, each on its own window), never read whole."""
     from analysis.long_runs import RECORDED_LONG_S
@@ -323,7 +327,8 @@ def report_recorded(store: Path, result, grace: float) -> None:
 
     recorded, verdicts = judged_run(store, result.run_id, grace, keep=True, long_run_s=RECORDED_LONG_S)
     doc = report_document(recorded, verdicts=verdicts)
-    print_report(doc, verdicts)
+    print_as(fmt, recorded, doc, verdicts)
     print_store_error(result.stats)
-    out.print(f"run {result.run_id} {result.status} -> {store}")
+    # the machine formats keep stdout theirs: where the run went is said on stderr
+    (out if fmt == "table" else err).print(f"run {result.run_id} {result.status} -> {store}")
     raise typer.Exit(result.exit_code if result.exit_code else report_exit(doc))

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
+from rich.console import Console
 from rich.table import Table
 
 from cancelwatch.console import DEFAULT_STORE, err, fail, out
@@ -24,27 +25,64 @@ def report_exit(doc: dict) -> int:
     return 0 if accepted(doc) else EXIT_FAILED
 
 
+FORMATS = ("table", "json", "csv")
+FORMAT_HELP = ("table: the cancels as a table (in a log or a pipe, each cancel's reason on a line of its own under "
+               "it); json: the report document (as --json); csv: one row per cancel, the dashboard's cancel table.")
+
+
+def checked_format(value: str) -> str:
+    """--format, checked before any work: one line naming the choices."""
+    if value not in FORMATS:
+        raise fail(f"--format {value!r}: use one of {', '.join(FORMATS)}, e.g. --format csv")
+    return value
+
+
+def print_as(fmt: str, run, doc: dict, verdicts: list[CancelVerdict]) -> None:
+    """The report of `run` in one of FORMATS: the table (print_report), the document as JSON, or the cancels as CSV
+    (analysis/cancel_table.py: the columns the dashboard's cancel table shows)."""
+    import json
+
+    if fmt == "json":
+        print(json.dumps(doc, indent=1, default=str))
+    elif fmt == "csv":
+        from analysis.cancel_table import cancel_table
+
+        sys.stdout.write(cancel_table(run, verdicts).to_csv(index=False))
+    else:
+        print_report(doc, verdicts)
+
+
 def print_report(doc: dict, verdicts: list[CancelVerdict]) -> None:
     """The cancels as a table (latency columns named as in the dashboard's cancel table), then the
-    neighbours' outcome; `doc` is the run's report_document, `verdicts` the cancels it was made of."""
+    neighbours' outcome; `doc` is the run's report_document, `verdicts` the cancels it was made of. Where the
+    output is no terminal (a log, a pipe), each cancel's reason is a line under the table instead of a column: a
+    sentence wrapped in a column took six lines a cancel."""
     from analysis.ghosts import IN_ENGINE
     from analysis.verdicts import LATENCIES, STOP_TO_ABORT, latency_label
 
     # the latencies a reader needs at a glance; the app's own point, where there is one, is in --json
     shown = (STOP_TO_ABORT, *LATENCIES[2:])
     colours = {"released": "green", "leaked": "red", "stale_gauge": "yellow", "inconclusive": "magenta"}
+    inline = out.is_terminal
     table = Table(title=f"run {doc['run_id']} ({doc['status']}): cancels")
     for col in ("scenario", "request", "phase", "verdict", *(latency_label(a, b) for a, b in shown),
-                "engine abort from", "why"):
+                "engine abort from", *(("why",) if inline else ())):
         table.add_column(col)
+    reasons = []
     for v in verdicts:
         lat = (v.latency_ms(a, b) for a, b in shown)
         fmt = ["" if x is None else f"{x:.0f}" for x in lat]
         why = v.evidence.why or v.evidence.race or ""
         abort_from = v.source_label("engine_abort") or v.source_reason("engine_abort")
         table.add_row(v.scenario, v.request_id[-8:], v.phase_at_cancel,
-                      f"[{colours.get(v.verdict, 'white')}]{v.verdict}[/]", *fmt, abort_from or "", why)
-    out.print(table)
+                      f"[{colours.get(v.verdict, 'white')}]{v.verdict}[/]", *fmt, abort_from or "",
+                      *((why,) if inline else ()))
+        if why and not inline:
+            reasons.append(f"  {v.request_id[-8:]}: {why}")
+    # in a log, the table as wide as its cells: a column cut to a width no reader has is text lost
+    out.print(table, width=None if inline else Console(width=10_000).measure(table).maximum)
+    for line in reasons:
+        out.print(line, highlight=False, markup=False, soft_wrap=True)
     paid = [(v.evidence.tokens_after_client_left, v.evidence.tokens_after_client_left_is) for v in verdicts
             if v.evidence.tokens_after_client_left is not None]
     if paid:  # what the leaks cost: the engine's own tokens, not what the clients were sent
@@ -106,7 +144,8 @@ def write_protocol(r, doc: dict, protocol_out: Path) -> None:
 
 
 def report(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFAULT_STORE),
-           as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+           as_json: bool = typer.Option(False, "--json", help="Print the report as JSON (--format json)."),
+           format_: str = typer.Option("table", "--format", help=FORMAT_HELP),
            grace: float | None = typer.Option(None, help="Grace window in s; default: the run's own."),
            html_out: Path | None = typer.Option(None, "--html", help="Also write a self-contained HTML report "
                                                    "(the dashboard's figures, opens offline) to this file."),
@@ -118,6 +157,7 @@ def report(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFAU
 
     from analysis.verdicts import report_document
 
+    fmt = "json" if as_json else checked_format(format_)
     if html_out is not None:
         _check_html_folder(html_out)
     if context_len <= 0:
@@ -135,10 +175,7 @@ def report(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFAU
         except OSError as exc:
             raise fail(f"cannot write {html_out} ({exc.strerror}): choose a writable path for --html") from None
         print(f"wrote {html_out}", file=sys.stderr)
-    if as_json:
-        print(json.dumps(doc, indent=1, default=str))
-    else:
-        print_report(doc, verdicts)
+    print_as(fmt, r, doc, verdicts)
     if protocol_out is not None:
         # after the report: a protocol that cannot be written loses nothing else
         sys.stdout.flush()
