@@ -128,16 +128,21 @@ def _record_row(g, gw_mod, target: str, engine_log: Path | None, store: Path, sc
     if engine_log is not None:
         args += ["--engine-log", str(engine_log)]
     try:
-        done = subprocess.run(args, capture_output=True, text=True, env=dict(os.environ))
+        return _recorded(args, store, g.name if g else "no gateway"), running
     finally:
         if running is not None:
             gw_mod.stop(running)
+
+
+def _recorded(args: list[str], store: Path, through: str) -> int:
+    """`cancelwatch record` as `args` say: the id of the run it wrote; one line and exit 2 where it failed."""
+    done = subprocess.run(args, capture_output=True, text=True, env=dict(os.environ))
     if done.returncode not in (0, 1):  # 1: a cancel not released, which is what a matrix is for
         last = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or ["no output"]
-        raise fail(f"recording through {g.name if g else 'no gateway'} failed: {last[0][:300]}")
+        raise fail(f"recording through {through} failed: {last[0][:300]}")
     from runstore.reader import list_runs
 
-    return int(list_runs(store)["id"].max()), running
+    return int(list_runs(store)["id"].max())
 
 
 @dataclass
@@ -170,15 +175,10 @@ def _record_engine_row(g, store: Path, scenario: str, free_port):
             state.url, "--scenario", scenario, "--store", str(store), "--name", f"matrix {g.name}",
             "--hop", f"{g.name}=127.0.0.1:{tap},{state.url}"]
     try:
-        done = subprocess.run(args, capture_output=True, text=True, env=dict(os.environ))
+        run_id = _recorded(args, store, g.name)
     finally:
         lifecycle.stop(home_dir(), state.port)
-    if done.returncode not in (0, 1):
-        last = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or ["no output"]
-        raise fail(f"recording through {g.name} failed: {last[0][:300]}")
-    from runstore.reader import list_runs
-
     # what ran: the middleware's source and the flags the server was started with (the relay: its command)
     ran = "\n".join(cfg.files.values()) + f"\n# {' '.join(state.command[1:] if g.relay else ['vllm serve ...', *cfg.argv])}\n"
-    return int(list_runs(store)["id"].max()), _EngineRow(g.version(g.binary()), ran)
+    return run_id, _EngineRow(g.version(g.binary()), ran)
 

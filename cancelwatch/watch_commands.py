@@ -124,22 +124,21 @@ async def _watch_loop(tap, ledger, writer, judge: LiveJudge, stop: threading.Eve
                       metrics: WatchMetrics | None, scheduler) -> None:
     """Pass the tap's events through the ledger into the run; judge each cancel as its grace ends. At the
     end: the tap closed, every open request's row written, the last cancels sampled through their grace."""
-    from collectors.recording.watch_ledger import engine_work
     from runstore.records import EventRecord
 
     upstream = _UpstreamWord(metrics)
 
     def feed() -> None:
+        before = ledger.requests
         records = ledger.feed(tap.take_events())
+        if metrics is not None:  # the ledger's own count: the requests that asked the engine for work (engine_work)
+            metrics.requests.inc(ledger.requests - before)
         for rec in records:
             writer.put(rec)
             if not isinstance(rec, EventRecord):
                 continue
             if rec.kind == "user_stop":
                 judge.add(rec.request_id, (rec.mono_ns - judge.t0_ns) / 1e9)
-            elif rec.kind == "tap_request" and metrics is not None and engine_work(rec.data.get("method"),
-                                                                                  rec.data.get("path")):
-                metrics.requests.inc()
             upstream.saw(rec)
         ledger.handed_out(records, time.monotonic_ns())  # read after the last put
 
