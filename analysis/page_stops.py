@@ -8,7 +8,11 @@ grace and the ghosts' ages stay on the client side's close (Evidence.client_left
 
 The click is placed by the page's own interval from the click to sending the report (both on its clock), back
 from the instant the tap read the report (the run's clock): a page's clock may be anywhere, its intervals are
-its own. Its clock against the run's, at the report, only says whether to believe it at all."""
+its own. Its clock against the run's, at the report, only says whether to believe it at all.
+
+An app's word on its receipt is read the same way (runstore/event_kinds.py: app_receipt): an app that sees its
+client leave before the answer's end reports it upstream, toward the engine, and a tap behind it reads it. The
+second timepoint then rests on the app's own word, not on its connection closing at the tap in front of it."""
 
 from __future__ import annotations
 
@@ -21,6 +25,9 @@ import pandas as pd
 from runstore.reader import Run
 
 PAGE_STOP = "page_stop"  # the event kind a tap writes for a page's report
+APP_RECEIPT = "app_receipt"  # and for an app's report of its client leaving
+# each report's kind -> the field of the instant it reports, and that instant in words
+SAID = {PAGE_STOP: ("clicked_wall_ms", "click"), APP_RECEIPT: ("received_wall_ms", "receipt")}
 # a page sends its report as the click's handler runs: one sent longer after its click than this is not the
 # click's (a page stalled, a report replayed)
 REPORT_WITHIN_S = 5.0
@@ -61,36 +68,43 @@ def _number(v) -> float | None:
     return f if math.isfinite(f) else None
 
 
-def _read(rid, t_s: float, wall_ns, d: dict) -> PageStop:
-    """One report as the tap read it, placed on the run's clock or noted."""
+def _read(rid, t_s: float, wall_ns, d: dict, kind: str = PAGE_STOP) -> PageStop:
+    """One report as the tap read it, placed on the run's clock or noted (`t_click`: the instant it reports, a
+    page's click or an app's receipt)."""
+    key, what = SAID[kind]
     task = d.get("task_id")
     stop = PageStop(None if rid is None or pd.isna(rid) else str(rid), None if task is None else str(task)[:200],
                     d.get("hop"), float(t_s), None)
-    clicked, sent = _number(d.get("clicked_wall_ms")), _number(d.get("sent_wall_ms"))
+    said, sent = _number(d.get(key)), _number(d.get("sent_wall_ms"))
     if d.get("why"):
         stop.note = f"its report could not be read ({d['why']})"
-    elif clicked is None or sent is None:
-        stop.note = "its report has no click time (clicked_wall_ms and sent_wall_ms, ms since 1970)"
-    elif not 0 <= sent - clicked <= REPORT_WITHIN_S * 1000:
-        stop.note = f"it reported its click {(sent - clicked) / 1000:+.1f} s after it: not the click's report"
+    elif said is None or sent is None:
+        stop.note = f"its report has no {what} time ({key} and sent_wall_ms, ms since 1970)"
+    elif not 0 <= sent - said <= REPORT_WITHIN_S * 1000:
+        stop.note = f"it reported its {what} {(sent - said) / 1000:+.1f} s after it: not the {what}'s report"
     elif abs(float(wall_ns) / 1e6 - sent) > PAGE_CLOCK_S * 1000:
         stop.note = (f"its clock is {(sent - float(wall_ns) / 1e6) / 1000:+.1f} s from the run's: a clock that far "
                      "off times nothing")
     else:
-        stop.t_click = stop.t_report - (sent - clicked) / 1000
+        stop.t_click = stop.t_report - (sent - said) / 1000
     return stop
 
 
-def page_stops(run: Run, hops: list[str] | None = None) -> list[PageStop]:
+def app_receipts(run: Run, hops: list[str] | None = None) -> list[PageStop]:
+    """Every app's report of its client leaving, as page_stops reads a page's (`t_click`: the receipt)."""
+    return page_stops(run, hops, APP_RECEIPT)
+
+
+def page_stops(run: Run, hops: list[str] | None = None, kind: str = PAGE_STOP) -> list[PageStop]:
     """Every page report of the run in the order the taps read them, each placed on the run's clock or noted.
     Every tap on the way reads the same report: per request named, the reports of the tap nearest the page that
     read one (`hops`: the run's taps in order from the client). Of a request's reports the first usable one
-    stands; the others are noted."""
+    stands; the others are noted. `kind`: an app's reports instead (app_receipts)."""
     ev = run.events
-    if ev.empty or not (ev["kind"] == PAGE_STOP).any():
+    if ev.empty or not (ev["kind"] == kind).any():
         return []
-    rows = ev[ev["kind"] == PAGE_STOP]
-    read = [_read(rid, t, w, json.loads(d) if isinstance(d, str) else (d or {}))
+    rows = ev[ev["kind"] == kind]
+    read = [_read(rid, t, w, json.loads(d) if isinstance(d, str) else (d or {}), kind)
             for rid, t, w, d in zip(rows["request_id"], rows["t_s"], rows["wall_ns"], rows["data"])]
     order = {h: i for i, h in enumerate(hops or [])}
     nearest: dict[str | None, int] = {}
@@ -110,7 +124,7 @@ def page_stops(run: Run, hops: list[str] | None = None) -> list[PageStop]:
     standing: set[str | None] = set()
     for r in out:
         if r.note is None and r.request_id in standing:
-            r.note = "the page reported this stop again: the first report stands"
+            r.note = f"the {'page' if kind == PAGE_STOP else 'app'} reported this stop again: the first report stands"
         elif r.note is None:
             standing.add(r.request_id)
     return out
@@ -168,3 +182,27 @@ def report_rows(reports: list[PageStop], user_stops: dict[str, dict]) -> list[di
         out.append({"request_id": r.request_id, "task_id": r.task_id, "hop": r.hop, "t_report": r.t_report,
                     "t_click": r.t_click, "used": used, "note": note})
     return out
+
+
+# an app sees its client leave after the client side closed (the first tap saw it first); its receipt is placed
+# late by its report's delivery, early only by its wall clock's whole milliseconds
+RECEIPT_BEFORE_CLOSE_S = 0.005
+
+
+def app_received_source(receipt: PageStop | None, t_close: float, grace_s: float) -> tuple[float | None, dict | None]:
+    """For a cancel whose client side closed at `t_close`: the app's receipt and the app_received source where the
+    app's report (app_receipts) holds; else (None, why it is not used); (None, None) where the app sent none. A
+    receipt read past the grace is not used: the live judge, whose window ends there, could not have read it."""
+    if receipt is None:
+        return None, None
+    if receipt.note is None and receipt.t_click is not None:
+        after = receipt.t_click - t_close
+        if after < -RECEIPT_BEFORE_CLOSE_S:
+            receipt.note = f"its receipt lies {-after:.3f} s before the client side closed: its word is kept, not used"
+        elif receipt.t_report > t_close + grace_s:
+            receipt.note = f"it was read {receipt.t_report - t_close:.1f} s after the close, past the grace"
+        else:
+            return max(receipt.t_click, t_close), {
+                "source": "app", "reason": f"the app's own word: it saw its client leave {1000 * max(after, 0):.0f} "
+                                           "ms after the client side closed"}
+    return None, {"source": None, "reason": f"the app's report is not used: {receipt.note}"}

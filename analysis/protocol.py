@@ -72,7 +72,8 @@ POINT_TEXT = {
     "left_scheduler": "first scheduler sample at or after the abort where running + waiting is no more than the "
                       "client's in-flight requests and, for a request that held KV, KV usage fell below its level "
                       "at the stop",
-    "reusable": "the probe sent after the cancel got its first token: the freed capacity was handed out again",
+    "reusable": "the probe sent after the cancel got its first token (in a watch, a request queued behind it): the "
+                "freed capacity was handed out again",
 }
 GAUGE_NAMES = {"requests_running": "running", "requests_waiting": "waiting"}
 NOT_RECORDED = "not recorded"

@@ -217,6 +217,14 @@ _TAP_KINDS = (
                   ("clicked_wall_ms", "the Stop click, ms since 1970 on the page's clock"),
                   ("sent_wall_ms", "the report's sending, ms since 1970 on the page's clock"),
                   ("why", "why the report cannot be read (not JSON); None where it can"))),
+    EventKind("app_receipt", (TAP,),
+              "an app reported that its client left before the answer's end (a POST to /cancelwatch/received it sends "
+              "upstream): the app's own word on receiving the cancel, read by a tap behind it (analysis/page_stops.py)",
+              "the request the app says its client left (its X-Request-Id; None: not said)", (
+                  *TAP_DATA, ("seq", "the report's index on its connection"),
+                  ("received_wall_ms", "the app seeing its client leave, ms since 1970 on the app's clock"),
+                  ("sent_wall_ms", "the report's sending, ms since 1970 on the app's clock"),
+                  ("why", "why the report cannot be read (not JSON); None where it can"))),
     EventKind("tap_unparsed", (TAP,), "a tap cannot read the connection as HTTP/1.1: it passes it on untouched",
               "None", (*TAP_DATA, ("why", "why, in words (`encrypted: no request id` for TLS)"))),
     EventKind("tap_refused", (TAP,),

@@ -10,7 +10,7 @@ import pandas as pd
 
 from analysis.page_stops import CLICK_AFTER_CLOSE_S, PAGE_CLOCK_S, page_stops
 from analysis.verdicts import judge_run, report_document
-from tests.test_hops import HOPS, both_hops, closed, run_with
+from tests.test_hops import HOPS, both_hops, closed, run_with, through
 from tests.test_verdicts import T0
 
 WALL0 = 1_790_000_000_000_000_000  # run_with's started_wall_ns: a page's clock agreeing with the run's reads this at 0
@@ -115,3 +115,61 @@ def test_a_later_good_report_stands_where_the_first_cannot_be_used_and_each_tap_
     _, v = judged(report("tg", 1.99, clicked_before_s=0.03, hop="vllm"))
     assert v.sources["user_stop"]["source"] == "page", v.sources
 
+
+
+def receipt(rid: str | None, at: float, seen_before_s: float = 0.002, clock_off_s: float = 0.0,
+            raw: dict | None = None, conn: int = 7) -> list[dict]:
+    """An app's report that its client left, sent upstream and read by the tap `vllm` at `at` (run s): the app saw
+    it `seen_before_s` before it sent the report, its clock `clock_off_s` from the run's. The report passes the tap
+    as a POST of its own, with no X-Request-Id."""
+    sent_ms = (WALL0 / 1e6) + 1000 * (at + clock_off_s)
+    data = raw if raw is not None else {"received_wall_ms": sent_ms - 1000 * seen_before_s, "sent_wall_ms": sent_ms,
+                                        "why": None}
+    return [{"request_id": None, "kind": "tap_request", "mono_ns": T0 + int(at * 1e9), "wall_ns": WALL0 + int(at * 1e9),
+             "t_s": at - 0.0005, "data": json.dumps({"hop": "vllm", "conn": conn, "seq": 0, "method": "POST",
+                                                     "path": "/cancelwatch/received"})},
+            {"request_id": rid, "kind": "app_receipt", "mono_ns": T0 + int(at * 1e9), "wall_ns": WALL0 + int(at * 1e9),
+             "t_s": at, "data": json.dumps({"hop": "vllm", "conn": conn, "seq": 0, **data})}]
+
+
+def test_an_apps_own_word_on_its_receipt_times_the_second_point_and_changes_no_verdict():
+    _, plain = judged()
+    assert plain.sources["app_received"]["source"] == "tap"
+    run, v = judged(*receipt("tg", 2.012, seen_before_s=0.004))
+    assert v.sources["app_received"]["source"] == "app", v.sources["app_received"]
+    assert abs(v.timepoints["app_received"] - 2.008) < 1e-6
+    assert "the app's own word: it saw its client leave 8 ms after the client side closed" == \
+        v.sources["app_received"]["reason"]
+    assert (v.verdict, v.rule) == (plain.verdict, plain.rule) and v.timepoints["user_stop"] == 2.0
+    # the report is no request of the run's: no hop matched it, the ledger's requests kept their steps
+    assert [(h.hop, h.matched) for h in v.hops] == [(h.hop, h.matched) for h in plain.hops]
+
+
+def test_an_apps_report_that_cannot_hold_is_noted_and_the_taps_reading_stays():
+    cases = {
+        "before the close": (receipt("tg", 1.9), "its receipt lies 0.102 s before the client side closed"),
+        "past the grace": (receipt("tg", 4.5, seen_before_s=2.4), "after the close, past the grace"),
+        "clock": (receipt("tg", 2.01, clock_off_s=PAGE_CLOCK_S + 3), "its clock is +5.0 s from the run's"),
+        "no time": (receipt("tg", 2.01, raw={"why": None}), "its report has no receipt time"),
+        "late": (receipt("tg", 2.01, seen_before_s=7.0), "it reported its receipt +7.0 s after it"),
+        "unknown": (receipt("nobody", 2.01), None),
+    }
+    for name, (bad, note) in cases.items():
+        _, v = judged(*bad)
+        src = v.sources["app_received"]
+        assert src["source"] == "tap" and v.timepoints["app_received"] == 2.0, (name, src)
+        if note is None:  # names no cancel: nothing said of this one
+            assert src["reason"] == "the app's connection from its client closed", (name, src)
+        else:
+            assert note in src["reason"] and src["reason"].startswith("the app's connection"), (name, src)
+
+
+def test_a_report_passing_a_tap_is_never_taken_for_a_request_matched_by_time():
+    # a tap before vLLM that sees no ids (a gateway dropped them) matches requests by time: an app's report, which
+    # comes with none, must not stand in for the next request there
+    base = [*through("nginx", 1, "nb", 0.1), *through("vllm", 1, None, 0.102), *through("nginx", 2, "tg", 0.5)]
+    run = run_with([*base, *receipt(None, 0.5018, conn=5), *through("vllm", 2, None, 0.502),
+                    closed("nginx", 2, "tg", 2.0), closed("vllm", 2, None, 2.001)])
+    v = judge_run(run)[0]
+    vllm = next(h for h in v.hops if h.hop == "vllm")
+    assert vllm.conn == 2 and vllm.matched == "time", v.hops

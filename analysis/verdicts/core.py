@@ -110,9 +110,10 @@ def run_grace_s(run: Run) -> float:
 
 
 # what each timepoint rests on, in every table and JSON: where its value came from
-SOURCES = ("engine_log", "relay", "client", "samples", "tap", "page")
+SOURCES = ("engine_log", "relay", "client", "samples", "tap", "page", "app", "queued")
 SOURCE_LABELS = {"engine_log": "engine log", "relay": "relay (in the app)", "client": "client",
-                 "samples": "scheduler samples", "tap": "tap (a socket close)", "page": "page (its Stop click)"}
+                 "samples": "scheduler samples", "tap": "tap (a socket close)", "page": "page (its Stop click)",
+                 "app": "app (its own word)", "queued": "a request queued behind it (its first token)"}
 # app_received from a tap in front of an app: the app's connection went, not a receipt it acknowledged
 TAP_RECEIVED = "the app's connection from its client closed"
 NO_APP = "no app on this path"

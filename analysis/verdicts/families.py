@@ -14,7 +14,8 @@ import pandas as pd
 
 from analysis.ghosts import EngineReading, ghost_records
 from analysis.hops import app_received, hop_story, hop_traces, run_hops, stopped_at
-from analysis.page_stops import page_stops, report_rows, standing_reports, user_stop_source
+from analysis.page_stops import (app_received_source, app_receipts, page_stops, report_rows, standing_reports,
+                                 user_stop_source)
 from analysis.summary import sampling_stats
 from analysis.verdicts.core import TAP_RECEIVED, CancelVerdict, run_assumptions, run_grace_s
 from analysis.verdicts.ghost_list import ghost_table
@@ -76,8 +77,30 @@ def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None
     grace_s = run_grace_s(run) if grace_s is None else grace_s
     verdicts = FAMILIES[family_of(run)].judge(run, grace_s, metrics_target)
     with_hops(run, verdicts, grace_s)
+    with_app_receipts(run, verdicts)
     with_page_stops(run, verdicts)
     return verdicts
+
+
+def with_app_receipts(run: Run, verdicts: list[CancelVerdict]) -> None:
+    """Each cancel's app_received on its app's own word, where the app reported seeing its client leave and the
+    report holds (analysis/page_stops.py): it replaces the tap's reading of the app's connection closing (an app
+    that noticed late says so). A report not used is noted in the source's reason; the verdict is unchanged."""
+    reports = app_receipts(run, [h.get("name") for h in run_hops(run)])
+    if not reports:
+        return
+    standing = standing_reports(reports)
+    for v in verdicts:
+        if (v.sources.get("app_received") or {}).get("source") == "relay":
+            continue  # the relay app's own reading already
+        t_app, source = app_received_source(standing.get(v.request_id), v.timepoints["user_stop"], v.evidence.grace_s)
+        if t_app is not None:
+            v.timepoints["app_received"] = t_app
+            v.sources["app_received"] = source
+        elif source is not None:
+            was = v.sources.get("app_received") or {}
+            v.sources["app_received"] = {"source": was.get("source"), "reason": "; ".join(
+                r for r in (was.get("reason"), source["reason"]) if r)}
 
 
 def with_page_stops(run: Run, verdicts: list[CancelVerdict]) -> None:

@@ -2,13 +2,16 @@
 
 Timepoints of a cancel, in seconds since the run started, each with the source it rests on:
   user_stop      the client's action (client; in timeout mode, the moment its timeout fired)
-  app_received   the relay app saw the cancel for the id it issued (relay); null on paths with no app
+  app_received   the relay app saw the cancel for the id it issued (relay), an app reported seeing its client
+                 leave (app: analysis/page_stops.py), or the tap in front of an app saw its connection close (tap);
+                 null on paths with no app
   engine_abort   the engine's own `Aborted request` log line for this id (engine_log), or the relay's
                  abort() returning (relay); null without an engine log. Never a client stamp.
   left_scheduler first refreshed sample at or after the abort where the server's running+waiting is no
                  more than the ledger's in-flight requests and, for a request the gauges counted while
                  it held KV, KV usage is below its level at the stop (samples)
-  reusable       the probe's first token: the freed capacity was handed out again (client)
+  reusable       the probe's first token: the freed capacity was handed out again (client); in a watch, the
+                 first token of a request queued behind it (queued: analysis/verdicts/reuse.py)
 
 Verdicts: released (left_scheduler within the grace window after the abort); leaked (the engine log
 shows no abort while the request stayed in the engine after the stop, even when it then ran to its
@@ -42,10 +45,12 @@ from analysis.verdicts.core import (
 )
 from analysis.verdicts.paid_tokens import tokens_after_left
 from analysis.verdicts.requests import in_between
+from analysis.verdicts.reuse import queued_behind
 from analysis.verdicts.vllm_case import VllmCase, _case, _three_without
 from analysis.verdicts.vllm_frames import _RunFrames
 from analysis.verdicts.vllm_log import NAMES_NO_REQUESTS, _app_answers, _events
 from runstore.reader import Run
+from runstore.records import WATCHED_SCENARIO
 
 VLLM = "vllm"
 
@@ -95,6 +100,8 @@ def _judge_all(run: Run, grace_s: float, frames: _RunFrames) -> list[CancelVerdi
         case.ev.lagging_clients = lagged or None
         case.ev.log_named_as = englog.ids.renamed_as(target, rid)
         verdict = judge(case, EVIDENCE_RULES)
+        if scenario == WATCHED_SCENARIO:  # no probe: a request queued behind it shows the capacity handed out
+            queued_behind(case, verdict)
         if verdict.verdict == "leaked":  # what the leak cost: the tokens made for nobody
             paid_for_nobody(case)
         out.append(verdict)

@@ -14,6 +14,11 @@ Every variant also serves the chat page cancelwatch ships (chat.html, beside thi
 starts a cancel there, and the page reports the click with a POST to /cancelwatch/stop, which the app answers (204)
 and the taps on the way read (analysis/page_stops.py).
 
+Each variant gives its own word on receiving a cancel: where its client leaves before the answer's end, the code
+that streams the answer reports it with a POST to /cancelwatch/received, sent upstream (the engine answers it 404;
+a tap behind the app reads it). The background variant reports it too, and its task reads on: the app received the
+cancel and did not pass it on.
+
 Nothing here decides what the matrix finds: each row's verdict is measured on the engine's evidence.
 """
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 from pathlib import Path
 
@@ -66,6 +72,33 @@ async def _upstream(request: Request) -> httpx.Response:
 
 
 PAGE = Path(__file__).with_name("chat.html")
+RECEIPT_PATH = "/cancelwatch/received"  # collectors/sources/tap.py: APP_RECEIPT_PATH (this file runs on its own)
+
+
+def _client_left(request: Request) -> None:
+    """Report, upstream, that this request's client left before its answer's end: its id, when the app saw it and
+    when the report went (wall ms; the interval between them on the monotonic clock). Sent from a task of its own:
+    the streaming code it is called from is being cancelled. The report is evidence, never a reason to fail."""
+    rid = request.headers.get("x-request-id")
+    if not rid:
+        return
+    seen, wall_ms = time.monotonic(), time.time() * 1000
+
+    async def report():
+        body = {"request_id": rid, "received_wall_ms": wall_ms,
+                "sent_wall_ms": wall_ms + (time.monotonic() - seen) * 1000}
+        try:
+            await client.post(RECEIPT_PATH, json=body, timeout=5.0)
+        except httpx.HTTPError:
+            pass
+    _keep(asyncio.get_running_loop().create_task(report()))
+
+
+def _keep(task: asyncio.Task) -> None:
+    """Hold a task until it is done (the loop keeps only weak references to tasks)."""
+    app.state.tasks = getattr(app.state, "tasks", set())
+    app.state.tasks.add(task)
+    task.add_done_callback(app.state.tasks.discard)
 
 
 @app.get("/")
@@ -95,20 +128,24 @@ async def relay(path: str, request: Request):
                 await upstream.aclose()
                 await queue.put(None)
 
-        app.state.tasks = getattr(app.state, "tasks", set())
-        task = asyncio.create_task(pump())
-        app.state.tasks.add(task)
-        task.add_done_callback(app.state.tasks.discard)
+        _keep(asyncio.create_task(pump()))
 
         async def from_queue():
-            while (chunk := await queue.get()) is not None:
-                yield chunk
+            try:
+                while (chunk := await queue.get()) is not None:
+                    yield chunk
+            except (asyncio.CancelledError, GeneratorExit):  # its client left: the task reads on
+                _client_left(request)
+                raise
         return StreamingResponse(from_queue(), status_code=upstream.status_code, media_type=media)
 
     async def chunks():
         try:
             async for chunk in upstream.aiter_raw():
                 yield chunk
+        except (asyncio.CancelledError, GeneratorExit):  # its client left (an upstream that failed is no cancel)
+            _client_left(request)
+            raise
         finally:
             await upstream.aclose()
     return StreamingResponse(chunks(), status_code=upstream.status_code, media_type=media)

@@ -20,7 +20,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 
-from collectors.sources.tap import PAGE_STOP_PATH
+from collectors.sources.tap import APP_RECEIPT_PATH, PAGE_STOP_PATH
 from runstore.records import WATCHED_SCENARIO, EventRecord, LedgerRecord
 
 SCENARIO = WATCHED_SCENARIO  # every watched request's ledger scenario: real traffic, one stream of it
@@ -50,7 +50,7 @@ class _Open:
 
 # POSTs of vLLM's server that schedule nothing (they answer from the tokenizer or change the server's state), and a
 # page's report of a Stop: no ledger rows
-NO_ENGINE_WORK = frozenset({PAGE_STOP_PATH, "/tokenize", "/detokenize", "/v1/load_lora_adapter",
+NO_ENGINE_WORK = frozenset({PAGE_STOP_PATH, APP_RECEIPT_PATH, "/tokenize", "/detokenize", "/v1/load_lora_adapter",
                             "/v1/unload_lora_adapter", "/reset_prefix_cache", "/sleep", "/wake_up"})
 # a GET that does: vLLM's Realtime API, a WebSocket upgraded from a GET, runs engine requests
 ENGINE_GETS = frozenset({"/v1/realtime"})

@@ -62,12 +62,18 @@ def request_doc(body: bytes) -> dict | None:
 # where a page reports its user's Stop (the chat page of collectors/engines/apps.py posts here, and the app answers
 # it): a tap on the way reads the report as evidence (analysis/page_stops.py)
 PAGE_STOP_PATH = "/cancelwatch/stop"
+# where an app reports that its client left before the answer's end (collectors/engines/apps.py posts it upstream,
+# toward the engine, which need not answer it): a tap behind the app reads the app's own word on its receipt
+APP_RECEIPT_PATH = "/cancelwatch/received"
+# each report a tap reads: its path -> the event kind it writes and the field holding the instant reported
+REPORTS = {PAGE_STOP_PATH: ("page_stop", "clicked_wall_ms"), APP_RECEIPT_PATH: ("app_receipt", "received_wall_ms")}
 PAGE_TEXT = 200  # a report's ids, at most this many characters each
 
 
-def page_report(doc: dict | None) -> dict:
-    """What a page's report (request_doc of its body) says: the request it stopped, its task id, the click's and
-    the report's wall times on the page's clock (ms since 1970); `why` where it cannot be read."""
+def page_report(doc: dict | None, at: str = "clicked_wall_ms") -> dict:
+    """What a report (request_doc of its body) says: the request it names, the page's task id, the reported
+    instant (`at`: a page's click, an app's receipt) and the report's sending, wall times on the reporter's clock
+    (ms since 1970); `why` where it cannot be read."""
     if doc is None:
         return {"why": "not a JSON object"}
 
@@ -84,8 +90,7 @@ def page_report(doc: dict | None) -> dict:
         except OverflowError:
             return None
         return v if math.isfinite(v) else None
-    return {"named": text("request_id"), "task_id": text("task_id"), "clicked_wall_ms": ms("clicked_wall_ms"),
-            "sent_wall_ms": ms("sent_wall_ms")}
+    return {"named": text("request_id"), "task_id": text("task_id"), at: ms(at), "sent_wall_ms": ms("sent_wall_ms")}
 
 
 def asked_for(doc: dict | None) -> dict:
@@ -255,7 +260,7 @@ class _Http:
         # or a finish_reason for each of its choices), the indices of the choices finished]
         self.body: dict[int, list] = {}
         self.choices: dict[int, int | None] = {}  # seq -> the choices its answer holds (choices_asked)
-        self.reports: dict[int, bool] = {}  # seq -> whether it is a page's report of a Stop (PAGE_STOP_PATH)
+        self.reports: dict[int, str | None] = {}  # seq -> the report it is (a REPORTS path), None: no report
         self._line = b""  # the response's SSE line still being read (its finish_reason is read once it is whole)
         self._request_body = bytearray()  # the body of the request being read, up to BODY_BYTES
         self._sse_tail = b""  # the end of the last response chunk: an SSE line split between two reads
@@ -325,7 +330,8 @@ class _Http:
                 headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in ev.headers}
                 rid = headers.get("x-request-id")
                 self.ids[self.seq] = rid
-                self.reports[self.seq] = ev.method == b"POST" and ev.target.split(b"?")[0] == PAGE_STOP_PATH.encode()
+                route = ev.target.split(b"?")[0].decode("latin-1")
+                self.reports[self.seq] = route if ev.method == b"POST" and route in REPORTS else None
                 self.reports.pop(self.seq - 8, None)
                 # h11 sends HTTP/1.1 only: an HTTP/1.0 request (nginx's default upstream) is fed to the response
                 # side as 1.1 closing the connection, which is how a 1.0 exchange is framed
@@ -347,8 +353,9 @@ class _Http:
                 self.choices.pop(self.seq - 8, None)
                 out.append(("request_body", {"seq": self.seq, "request_id": self.ids.get(self.seq), **asked_for(doc)}))
                 if self.reports.get(self.seq):
-                    out.append(("page_stop", {"seq": self.seq, **page_report(
-                        doc if len(self._request_body) < BODY_BYTES else None)}))
+                    kind, at = REPORTS[self.reports[self.seq]]
+                    out.append((kind, {"seq": self.seq, **page_report(
+                        doc if len(self._request_body) < BODY_BYTES else None, at)}))
                 self._request_body = bytearray()
 
     def _responses(self) -> list[tuple[str, dict]]:
@@ -579,6 +586,10 @@ class TapSource(Source):
             elif what == "page_stop":
                 self._event("page_stop", flow, at_ns, d.get("named"), seq=d["seq"], task_id=d.get("task_id"),
                             clicked_wall_ms=d.get("clicked_wall_ms"), sent_wall_ms=d.get("sent_wall_ms"),
+                            why=d.get("why"))
+            elif what == "app_receipt":
+                self._event("app_receipt", flow, at_ns, d.get("named"), seq=d["seq"],
+                            received_wall_ms=d.get("received_wall_ms"), sent_wall_ms=d.get("sent_wall_ms"),
                             why=d.get("why"))
             else:
                 self._event("tap_unparsed", flow, at_ns, why=d["why"])

@@ -1,0 +1,75 @@
+"""A watch's fifth timepoint (analysis/verdicts/reuse.py) on hand-built runs: a watch sends no probe, so `reusable`
+stands on a watched request queued behind the cancel while the engine was full, let in once the cancel left; where
+nothing waited, or another request left the engine in the meantime, it stays open and says why. The real engine
+and browser: test_page_stop_browser.py."""
+
+from __future__ import annotations
+
+import json
+
+from analysis.verdicts import judge_run
+from runstore.records import WATCHED_SCENARIO
+from tests.test_verdicts import T0, build_run, steady_gen
+
+ns = lambda s: T0 + int(s * 1e9)  # noqa: E731
+LEFT_S = 2.05  # the cancel is out of the scheduler by the sample at 2.05 (the one at 2.0 still holds it)
+
+
+def watched(first_s: float = 2.07, waiting=lambda t: 1.0 if t < LEFT_S else 0.0, finished=lambda t: 0.0,
+            other_close_s=None):
+    """nb and tg run; q, sent at 1.0, waits until the cancel of tg leaves and gets its first token at `first_s`.
+    `other_close_s`: another watched request (ot, in the engine since 0.2) closes then, a cancel the ledger saw."""
+    count = lambda t: (3.0 if t < LEFT_S else 2.0 if t < 3.0 else 1.0) + (  # noqa: E731
+        1.0 if other_close_s is not None and t < other_close_s else 0.0)
+    more = [{"request_id": "q", "scenario": "s", "role": "target", "n": 1, "sent_mono_ns": ns(1.0),
+             "first_token_mono_ns": ns(first_s), "closed_mono_ns": ns(3.0), "cancel_mono_ns": None,
+             "terminal_state": "completed"}]
+    if other_close_s is not None:
+        more.append({"request_id": "ot", "scenario": "s", "role": "target", "n": 1, "sent_mono_ns": ns(0.2),
+                     "first_token_mono_ns": ns(0.3), "closed_mono_ns": ns(other_close_s), "cancel_mono_ns": None,
+                     "terminal_state": "completed"})
+    run = build_run(count, lambda t: 0.5 if t < LEFT_S else 0.3, steady_gen, extra_ledger=more, waiting=waiting,
+                    finished=finished, engine_log=[("engine_added", "nb", 0.1), ("engine_added", "tg", 0.5),
+                                                   ("engine_added", "q", 1.0), ("engine_aborted", "tg", 2.002),
+                                                   *([("engine_added", "ot", 0.2)] if other_close_s else [])])
+    run.ledger["scenario"] = WATCHED_SCENARIO
+    stop = run.events["kind"] == "user_stop"
+    run.events.loc[stop, "data"] = [json.dumps({**json.loads(d), "scenario": WATCHED_SCENARIO})
+                                    for d in run.events.loc[stop, "data"]]
+    return next(v for v in judge_run(run) if v.request_id == "tg")
+
+
+def test_a_request_queued_behind_the_cancel_and_let_in_once_it_left_times_the_fifth_point():
+    v = watched()
+    assert v.verdict == "released" and abs(v.timepoints["left_scheduler"] - LEFT_S) < 1e-9, v.evidence
+    assert abs(v.timepoints["reusable"] - 2.07) < 1e-6 and v.sources["reusable"]["source"] == "queued", v.sources["reusable"]
+    assert v.sources["reusable"]["reason"] == ("request q waited behind it (1 waiting) and got its first token "
+                                               "70 ms after the stop")
+
+
+def test_with_nothing_waiting_the_fifth_point_stays_open_and_says_why():
+    v = watched(waiting=lambda t: 0.0)
+    assert v.timepoints["reusable"] is None and v.sources["reusable"]["source"] is None
+    assert v.sources["reusable"]["reason"].startswith("no request was waiting for the engine when it left (0 waiting")
+
+
+def test_another_request_leaving_meanwhile_leaves_whose_place_it_took_open():
+    # another watched request ended between the last sample holding the cancel and q's first token: the engine
+    # counted its end, and its client closed
+    v = watched(other_close_s=2.03, finished=lambda t: 0.0 if t < 2.03 else 1.0)
+    assert v.verdict == "released" and abs(v.timepoints["left_scheduler"] - LEFT_S) < 1e-9, v.evidence
+    assert v.timepoints["reusable"] is None, v.sources["reusable"]
+    assert "but an end of the engine's own, ot left the engine in the meantime" in v.sources["reusable"]["reason"]
+    # its client's close alone
+    v = watched(other_close_s=2.03)
+    assert v.timepoints["reusable"] is None and "but ot left the engine in the meantime" in v.sources["reusable"]["reason"]
+    # an engine that does not count its ends may have ended one
+    v = watched(finished=None)
+    assert v.timepoints["reusable"] is None and "an end its counter did not read" in v.sources["reusable"]["reason"]
+
+
+def test_a_waiting_request_let_in_before_the_cancel_left_or_after_the_grace_is_not_its_reuse():
+    for first in (1.9, 2.05 + 5.0):
+        v = watched(first_s=first)
+        assert v.timepoints["reusable"] is None, (first, v.sources["reusable"])
+        assert v.sources["reusable"]["reason"].startswith("the first watched request waiting behind it"), first
