@@ -116,13 +116,14 @@ class _Tap:
     ends: dict  # (conn, seq) -> t_s
 
 
-# a page's or an app's report to cancelwatch (analysis/page_stops.py) passes a tap as a request: it is none
+# a page's or an app's report to cancelwatch (analysis/page_stops.py) passes a tap as a request: it is none, read
+# or not (a body cut short, a path the tap's table does not hold: collectors/sources/tap.py REPORTS)
 REPORTS = ("page_stop", "app_receipt")
+REPORT_PATHS = "/cancelwatch/"
 
 
 def _taps(run: Run) -> dict[str, _Tap]:
-    ev = run.events
-    ev = ev[ev["kind"].isin(("tap_request", "tap_closed", "tap_response_end", *REPORTS))] if len(ev) else ev
+    ev = run.events_of("tap_request", "tap_closed", "tap_response_end", *REPORTS)
     rows = {"tap_request": [], "tap_closed": [], "tap_response_end": [], **{k: [] for k in REPORTS}}
     for kind, rid, t, raw in zip(ev["kind"], ev["request_id"], ev["t_s"], ev["data"]) if len(ev) else ():
         d = json.loads(raw) if isinstance(raw, str) else (raw or {})
@@ -132,7 +133,8 @@ def _taps(run: Run) -> dict[str, _Tap]:
     for hop in {r[0] for rs in rows.values() for r in rs}:
         reqs = pd.DataFrame([(t, rid, d.get("conn"), d.get("seq"), d.get("method"))
                              for h, rid, t, d in rows["tap_request"]
-                             if h == hop and (h, d.get("conn"), d.get("seq")) not in reports],
+                             if h == hop and (h, d.get("conn"), d.get("seq")) not in reports
+                             and REPORT_PATHS not in str(d.get("path") or "")],
                             columns=["t_s", "request_id", "conn", "seq", "method"]).sort_values("t_s")
         closes: dict = {}
         for h, _, t, d in rows["tap_closed"]:

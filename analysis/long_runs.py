@@ -36,7 +36,7 @@ def stops(run: Run) -> pd.DataFrame:
     ev = run.events
     if ev.empty:
         return pd.DataFrame(columns=["request_id", "t_s"])
-    s = ev[ev["kind"] == "user_stop"].dropna(subset=["request_id"])
+    s = run.events_of("user_stop").dropna(subset=["request_id"])
     return s.drop_duplicates("request_id")[["request_id", "t_s"]].sort_values("t_s", kind="stable")
 
 
@@ -49,8 +49,7 @@ def long_run_verdicts(run: Run, stored_rows: pd.DataFrame, window: Callable[[flo
     grace_s = own if grace_s is None else grace_s
     kept = usable(stored_rows) if grace_s == own else {}  # stored as judged with the run's own grace
     out, seen = [], {}
-    ev = run.events
-    ends = sorted(ev[ev["kind"] == "scenario_end"]["t_s"]) if not ev.empty else []
+    ends = sorted(run.events_of("scenario_end")["t_s"])
     for rid, t_stop in frame_rows(stops(run)):
         v = kept.get(rid)
         if v is None:

@@ -100,10 +100,9 @@ def page_stops(run: Run, hops: list[str] | None = None, kind: str = PAGE_STOP) -
     Every tap on the way reads the same report: per request named, the reports of the tap nearest the page that
     read one (`hops`: the run's taps in order from the client). Of a request's reports the first usable one
     stands; the others are noted. `kind`: an app's reports instead (app_receipts)."""
-    ev = run.events
-    if ev.empty or not (ev["kind"] == kind).any():
+    rows = run.events_of(kind)
+    if rows.empty:
         return []
-    rows = ev[ev["kind"] == kind]
     read = [_read(rid, t, w, json.loads(d) if isinstance(d, str) else (d or {}), kind)
             for rid, t, w, d in zip(rows["request_id"], rows["t_s"], rows["wall_ns"], rows["data"])]
     order = {h: i for i, h in enumerate(hops or [])}
@@ -111,7 +110,7 @@ def page_stops(run: Run, hops: list[str] | None = None, kind: str = PAGE_STOP) -
     for r in read:
         nearest[r.request_id] = min(nearest.get(r.request_id, len(order)), order.get(r.hop, len(order)))
     out = [r for r in read if order.get(r.hop, len(order)) == nearest[r.request_id]]
-    stopped = set(ev.loc[ev["kind"] == "user_stop", "request_id"].dropna())
+    stopped = set(run.events_of("user_stop")["request_id"].dropna())
     # a request id the ledger holds more than once (the watch renames a reuse `id~xxxxxx`): which one a page
     # stopped, its id cannot say
     reused = {str(rid).split("~")[0] for rid in run.ledger.get("request_id", pd.Series(dtype=object)).dropna()
@@ -189,10 +188,13 @@ def report_rows(reports: list[PageStop], user_stops: dict[str, dict]) -> list[di
 RECEIPT_BEFORE_CLOSE_S = 0.005
 
 
-def app_received_source(receipt: PageStop | None, t_close: float, grace_s: float) -> tuple[float | None, dict | None]:
+def app_received_source(receipt: PageStop | None, t_close: float, grace_s: float,
+                        passed_on: float | None = None) -> tuple[float | None, dict | None]:
     """For a cancel whose client side closed at `t_close`: the app's receipt and the app_received source where the
     app's report (app_receipts) holds; else (None, why it is not used); (None, None) where the app sent none. A
-    receipt read past the grace is not used: the live judge, whose window ends there, could not have read it."""
+    receipt read past the grace is not used: the live judge, whose window ends there, could not have read it.
+    `passed_on`: where the cancel was seen past the app (its upstream closing at the tap behind it, the engine's
+    abort): the app had it by then, and a receipt placed later by its report's delivery is put there."""
     if receipt is None:
         return None, None
     if receipt.note is None and receipt.t_click is not None:
@@ -201,6 +203,11 @@ def app_received_source(receipt: PageStop | None, t_close: float, grace_s: float
             receipt.note = f"its receipt lies {-after:.3f} s before the client side closed: its word is kept, not used"
         elif receipt.t_report > t_close + grace_s:
             receipt.note = f"it was read {receipt.t_report - t_close:.1f} s after the close, past the grace"
+        elif passed_on is not None and receipt.t_click > passed_on:
+            return max(passed_on, t_close), {
+                "source": "app", "reason": f"the app's own word: it saw its client leave, at the latest when the "
+                                           f"cancel was seen past it (its report was read "
+                                           f"{1000 * (receipt.t_report - passed_on):.0f} ms after)"}
         else:
             return max(receipt.t_click, t_close), {
                 "source": "app", "reason": f"the app's own word: it saw its client leave {1000 * max(after, 0):.0f} "

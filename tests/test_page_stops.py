@@ -135,12 +135,18 @@ def receipt(rid: str | None, at: float, seen_before_s: float = 0.002, clock_off_
 def test_an_apps_own_word_on_its_receipt_times_the_second_point_and_changes_no_verdict():
     _, plain = judged()
     assert plain.sources["app_received"]["source"] == "tap"
-    run, v = judged(*receipt("tg", 2.012, seen_before_s=0.004))
+    # the tap behind the app (vllm) saw it close its upstream at 2.001: the app saw its client leave before
+    run, v = judged(*receipt("tg", 2.0009, seen_before_s=0.0005))
     assert v.sources["app_received"]["source"] == "app", v.sources["app_received"]
-    assert abs(v.timepoints["app_received"] - 2.008) < 1e-6
-    assert "the app's own word: it saw its client leave 8 ms after the client side closed" == \
+    assert abs(v.timepoints["app_received"] - 2.0004) < 1e-6
+    assert "the app's own word: it saw its client leave 0 ms after the client side closed" == \
         v.sources["app_received"]["reason"]
     assert (v.verdict, v.rule) == (plain.verdict, plain.rule) and v.timepoints["user_stop"] == 2.0
+    # a report delivered late places the receipt late: it is at the cancel's passing on, at the latest
+    _, late = judged(*receipt("tg", 2.012, seen_before_s=0.004))
+    assert late.sources["app_received"]["source"] == "app" and abs(late.timepoints["app_received"] - 2.001) < 1e-6
+    assert "at the latest when the cancel was seen past it (its report was read 11 ms after)" in \
+        late.sources["app_received"]["reason"]
     # the report is no request of the run's: no hop matched it, the ledger's requests kept their steps
     assert [(h.hop, h.matched) for h in v.hops] == [(h.hop, h.matched) for h in plain.hops]
 
@@ -168,8 +174,10 @@ def test_a_report_passing_a_tap_is_never_taken_for_a_request_matched_by_time():
     # a tap before vLLM that sees no ids (a gateway dropped them) matches requests by time: an app's report, which
     # comes with none, must not stand in for the next request there
     base = [*through("nginx", 1, "nb", 0.1), *through("vllm", 1, None, 0.102), *through("nginx", 2, "tg", 0.5)]
-    run = run_with([*base, *receipt(None, 0.5018, conn=5), *through("vllm", 2, None, 0.502),
-                    closed("nginx", 2, "tg", 2.0), closed("vllm", 2, None, 2.001)])
-    v = judge_run(run)[0]
-    vllm = next(h for h in v.hops if h.hop == "vllm")
-    assert vllm.conn == 2 and vllm.matched == "time", v.hops
+    # read as a report, or only as a request to its path (its body cut short: no report event)
+    for report in (receipt(None, 0.5018, conn=5), receipt(None, 0.5018, conn=5)[:1]):
+        run = run_with([*base, *report, *through("vllm", 2, None, 0.502),
+                        closed("nginx", 2, "tg", 2.0), closed("vllm", 2, None, 2.001)])
+        v = judge_run(run)[0]
+        vllm = next(h for h in v.hops if h.hop == "vllm")
+        assert vllm.conn == 2 and vllm.matched == "time", v.hops

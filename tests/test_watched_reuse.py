@@ -16,22 +16,25 @@ LEFT_S = 2.05  # the cancel is out of the scheduler by the sample at 2.05 (the o
 
 
 def watched(first_s: float = 2.07, waiting=lambda t: 1.0 if t < LEFT_S else 0.0, finished=lambda t: 0.0,
-            other_close_s=None):
+            other_close_s=None, q_sent_s: float = 1.0, q_n: int = 1, other_abort_s=None, gen=steady_gen):
     """nb and tg run; q, sent at 1.0, waits until the cancel of tg leaves and gets its first token at `first_s`.
     `other_close_s`: another watched request (ot, in the engine since 0.2) closes then, a cancel the ledger saw."""
-    count = lambda t: (3.0 if t < LEFT_S else 2.0 if t < 3.0 else 1.0) + (  # noqa: E731
+    count = lambda t: (3.0 if t < LEFT_S else 2.0 if t < 3.0 else 1.0) - (t < q_sent_s) + (  # noqa: E731
         1.0 if other_close_s is not None and t < other_close_s else 0.0)
-    more = [{"request_id": "q", "scenario": "s", "role": "target", "n": 1, "sent_mono_ns": ns(1.0),
+    more = [{"request_id": "q", "scenario": "s", "role": "target", "n": q_n, "sent_mono_ns": ns(q_sent_s),
              "first_token_mono_ns": ns(first_s), "closed_mono_ns": ns(3.0), "cancel_mono_ns": None,
              "terminal_state": "completed"}]
     if other_close_s is not None:
+        cancelled = other_abort_s is not None
         more.append({"request_id": "ot", "scenario": "s", "role": "target", "n": 1, "sent_mono_ns": ns(0.2),
-                     "first_token_mono_ns": ns(0.3), "closed_mono_ns": ns(other_close_s), "cancel_mono_ns": None,
-                     "terminal_state": "completed"})
-    run = build_run(count, lambda t: 0.5 if t < LEFT_S else 0.3, steady_gen, extra_ledger=more, waiting=waiting,
+                     "first_token_mono_ns": ns(0.3), "closed_mono_ns": ns(other_close_s),
+                     "cancel_mono_ns": ns(other_close_s) if cancelled else None,
+                     "terminal_state": "cancelled" if cancelled else "completed"})
+    run = build_run(count, lambda t: 0.5 if t < LEFT_S else 0.3, gen, extra_ledger=more, waiting=waiting,
                     finished=finished, engine_log=[("engine_added", "nb", 0.1), ("engine_added", "tg", 0.5),
-                                                   ("engine_added", "q", 1.0), ("engine_aborted", "tg", 2.002),
-                                                   *([("engine_added", "ot", 0.2)] if other_close_s else [])])
+                                                   ("engine_added", "q", q_sent_s), ("engine_aborted", "tg", 2.002),
+                                                   *([("engine_added", "ot", 0.2)] if other_close_s else []),
+                                                   *([("engine_aborted", "ot", other_abort_s)] if other_abort_s else [])])
     run.ledger["scenario"] = WATCHED_SCENARIO
     stop = run.events["kind"] == "user_stop"
     run.events.loc[stop, "data"] = [json.dumps({**json.loads(d), "scenario": WATCHED_SCENARIO})
@@ -72,4 +75,31 @@ def test_a_waiting_request_let_in_before_the_cancel_left_or_after_the_grace_is_n
     for first in (1.9, 2.05 + 5.0):
         v = watched(first_s=first)
         assert v.timepoints["reusable"] is None, (first, v.sources["reusable"])
-        assert v.sources["reusable"]["reason"].startswith("the first watched request waiting behind it"), first
+        assert v.sources["reusable"]["reason"] == ("request q, the first waiting behind it, did not get its first "
+                                                   "token between its leaving and the grace's end"), first
+
+
+def test_a_request_that_waited_only_between_two_steps_shows_no_full_engine():
+    # q came at 1.995, waiting at one sample only (a request between two engine steps): nothing says the engine
+    # had no room for it
+    v = watched(q_sent_s=1.995, waiting=lambda t: 1.0 if 1.995 <= t < LEFT_S else 0.0)
+    assert v.timepoints["reusable"] is None, v.sources["reusable"]
+    assert v.sources["reusable"]["reason"].startswith("request q waited 5 ms with the engine stepping 0 time(s)")
+    # an engine that made no token while q waited (stalled): no step showed it full either
+    v = watched(gen=lambda t: 100.0 if t < 2.5 else 100 + 20 * t)
+    assert v.timepoints["reusable"] is None and "too briefly to show the engine was full" in \
+        v.sources["reusable"]["reason"], v.sources["reusable"]
+
+
+def test_a_waiter_of_two_sequences_is_the_one_let_in():
+    # q asks for two sequences: both waiting (the gauge counts sequences), q is still the one let in
+    v = watched(q_n=2, waiting=lambda t: 2.0 if t < LEFT_S else 0.0)
+    assert v.sources["reusable"]["source"] == "queued", v.sources["reusable"]
+    assert v.sources["reusable"]["reason"].startswith("request q waited behind it (2 waiting)")
+
+
+def test_another_cancel_aborted_in_between_leaves_whose_place_it_took_open():
+    # ot's client closed before the last sample holding tg, its abort line after it: it left in the meantime
+    v = watched(other_close_s=1.995, other_abort_s=2.01)
+    assert v.timepoints["reusable"] is None, v.sources["reusable"]
+    assert "but ot left the engine in the meantime" in v.sources["reusable"]["reason"], v.sources["reusable"]

@@ -93,7 +93,9 @@ def with_app_receipts(run: Run, verdicts: list[CancelVerdict]) -> None:
     for v in verdicts:
         if (v.sources.get("app_received") or {}).get("source") == "relay":
             continue  # the relay app's own reading already
-        t_app, source = app_received_source(standing.get(v.request_id), v.timepoints["user_stop"], v.evidence.grace_s)
+        receipt = standing.get(v.request_id)
+        t_app, source = app_received_source(receipt, v.timepoints["user_stop"], v.evidence.grace_s,
+                                            _passed_app(v, receipt.hop if receipt is not None else None))
         if t_app is not None:
             v.timepoints["app_received"] = t_app
             v.sources["app_received"] = source
@@ -101,6 +103,15 @@ def with_app_receipts(run: Run, verdicts: list[CancelVerdict]) -> None:
             was = v.sources.get("app_received") or {}
             v.sources["app_received"] = {"source": was.get("source"), "reason": "; ".join(
                 r for r in (was.get("reason"), source["reason"]) if r)}
+
+
+def _passed_app(v: CancelVerdict, reader: str | None) -> float | None:
+    """Where the cancel was first seen past the app whose report the tap `reader` read: that tap seeing the app
+    close its upstream, or the engine's abort."""
+    names = [h.hop for h in v.hops]
+    app = v.hops[names.index(reader) - 1] if reader in names and names.index(reader) > 0 else None
+    seen = [t for t in (app.passed_s if app is not None else None, v.timepoints.get("engine_abort")) if t is not None]
+    return min(seen) if seen else None
 
 
 def with_page_stops(run: Run, verdicts: list[CancelVerdict]) -> None:

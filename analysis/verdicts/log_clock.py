@@ -78,7 +78,7 @@ def log_evidence(run: Run) -> tuple[dict[str | None, LogClock], LogIds]:
     ev, ledger = run.events, run.ledger
     if ev.empty or ledger.empty:
         return {}, LogIds(run, [])
-    added = ev[ev["kind"] == "engine_added"]
+    added = run.events_of("engine_added")
     if added.empty:
         return {}, LogIds(run, [])
     t0 = run.info["started_mono_ns"]

@@ -56,8 +56,8 @@ def requests_of(ledger: pd.DataFrame, t0_ns: int) -> Requests:
     def text(col: str) -> np.ndarray:  # a missing value (None, NaN, pd.NA) as None
         if col not in ledger:
             return np.full(len(ledger), None, dtype=object)
-        values = ledger[col].astype(object)
-        return values.where(values.notna(), None).to_numpy(dtype=object)
+        values = ledger[col].to_numpy(dtype=object)
+        return np.where(pd.isna(values), None, values)
 
     ids = ledger["request_id"].to_numpy(dtype=object) if "request_id" in ledger else np.array([], dtype=object)
     seqs = ledger["n"].to_numpy(dtype=float, na_value=np.nan) if "n" in ledger else np.ones(len(ledger))

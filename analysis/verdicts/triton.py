@@ -92,7 +92,7 @@ class _ServerLog:
         ev = run.events
         if ev.empty:
             return
-        for row in frame_rows(ev[ev["kind"].isin(["engine_added", "engine_aborted", "engine_finished"])]):
+        for row in frame_rows(run.events_of("engine_added", "engine_aborted", "engine_finished")):
             key = (row.kind, row.request_id)
             data = json.loads(row.data)
             self.at.setdefault(key, []).append(float(row.t_s))
@@ -148,8 +148,8 @@ def judge_triton(run: Run, grace_s: float, metrics_target: str | None = None) ->
     rows = {r["request_id"]: r for r in ledger.to_dict("records")}
     by_scenario = ledger_by_scenario(ledger)
     scrape_times = np.sort(run.series("requests_waiting", target=target)["t_s"].to_numpy(dtype=float))
-    stops = ev_all[ev_all["kind"] == "user_stop"]
-    missed = {r.request_id: json.loads(r.data) for r in frame_rows(ev_all[ev_all["kind"] == "trigger_missed"])}
+    stops = run.events_of("user_stop")
+    missed = {r.request_id: json.loads(r.data) for r in frame_rows(run.events_of("trigger_missed"))}
     # same-model targets stopped at one instant (one stop_stream): a release must show for each of them
     together: dict[tuple, int] = {}
     datas = [json.loads(d) for d in stops["data"]]
@@ -157,7 +157,7 @@ def judge_triton(run: Run, grace_s: float, metrics_target: str | None = None) ->
         key = (data.get("model"), round(float(stop.t_s), 4))
         together[key] = together.get(key, 0) + 1
     models = {r.request_id: json.loads(r.data).get("model")
-              for r in frame_rows(ev_all[ev_all["kind"] == "request_sent"])}
+              for r in frame_rows(run.events_of("request_sent"))}
     spans = {r: (row.get("sent_mono_ns"), row.get("closed_mono_ns")) for r, row in rows.items()}
     reqs = requests_of(ledger, t0)
     row_models = np.array([models.get(rid) for rid in reqs.ids], dtype=object)
@@ -474,7 +474,7 @@ def server_request_counts(run: Run) -> list[dict]:
     if ev.empty:
         return []
     sent: dict[str, int] = {}
-    for row in frame_rows(ev[ev["kind"] == "request_sent"]):
+    for row in frame_rows(run.events_of("request_sent")):
         model = json.loads(row.data).get("model")
         sent[model] = sent.get(model, 0) + 1
     targets = [t["label"] for t in run.info.get("targets", [])]

@@ -144,11 +144,15 @@ class VllmCase(Case):
         waiting at the last sample before the stop, the last W sequences to enter the engine by then (an
         n>1 request is n of them) were the waiting ones."""
         before = np.nonzero(self.baseline.before)[0]
-        if not len(before):
-            return False
-        t_b, w = float(self.sched["t_s"][before[-1]]), float(self.sched["waiting"][before[-1]])
+        return bool(len(before)) and self.rid in {self.reqs.ids[i] for i in self.waiters_at(int(before[-1]))}
+
+    def waiters_at(self, i: int) -> list[int]:
+        """The ledger rows waiting at sample `i` of the stretch, newest first. vLLM admits first come, first
+        served: with W sequences waiting there, the last W sequences to enter the engine by then (an n>1 request
+        is n of them) were the waiting ones; the oldest of them is the next let in."""
+        t_b, w = float(self.sched["t_s"][i]), float(self.sched["waiting"][i])
         if math.isnan(w) or w < 0.5:
-            return False
+            return []
         r, logged = self.reqs, ~np.isnan(self.added_s)
         # not sent, or (the log names this target's requests) another target's, is in none
         keep = ~np.isnan(r.sent) & (logged | (not self.englog.names_requests(self.target)))
@@ -156,14 +160,13 @@ class VllmCase(Case):
         t_out = np.where(np.isfinite(self.aborted_s), self.aborted_s, np.nan_to_num(r.closed, nan=math.inf))
         with np.errstate(invalid="ignore"):
             inside = np.nonzero(keep & (t_in <= t_b) & (t_b < t_out))[0]  # in the engine at that sample
-        entered = [(float(t_in[i]), r.ids[i], int(r.seqs[i])) for i in inside]
-        newest, seqs = set(), 0.0
-        for _, rid, n in sorted(entered, reverse=True):
+        newest, seqs = [], 0.0
+        for _, k in sorted(((float(t_in[k]), int(k)) for k in inside), reverse=True):
             if seqs >= w - 0.5:
                 break
-            newest.add(rid)
-            seqs += n
-        return self.rid in newest
+            newest.append(k)
+            seqs += float(r.seqs[k])
+        return newest
 
     def judged_beside_traffic(self) -> bool:
         return self.has_log and self.englog.names_requests(self.target)

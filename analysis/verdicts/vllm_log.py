@@ -35,10 +35,9 @@ def engine_log_notes(run: Run, clocks: dict[str | None, LogClock], ids: LogIds |
     (`clocks`: log_clocks of the run) the run moved or could not place (the report says them, and the
     protocol from it)."""
     logs = (run.info.get("engine") or {}).get("engine_log") or {}
-    ev = run.events
     notes = []
-    stops = int((ev["kind"] == "user_stop").sum()) if not ev.empty else 0
-    lines = ev[ev["kind"].isin(["engine_added", "engine_aborted"])] if not ev.empty else ev
+    stops = len(run.events_of("user_stop"))
+    lines = run.events_of("engine_added", "engine_aborted")
     lines_of = Counter((json.loads(d).get("target"), kind) for kind, d in zip(lines["kind"], lines["data"])) \
         if len(lines) else Counter()
     for target, entry in logs.items():
@@ -77,8 +76,7 @@ def engine_log_notes(run: Run, clocks: dict[str | None, LogClock], ids: LogIds |
 
 
 def _events(run: Run, kind: str) -> pd.DataFrame:
-    ev = run.events
-    return ev[ev["kind"] == kind] if not ev.empty else ev
+    return run.events_of(kind)
 
 
 class _EngineLog:
@@ -103,11 +101,11 @@ class _EngineLog:
         if ev.empty:
             return
         t0 = run.info["started_mono_ns"]
-        for row in frame_rows(ev[ev["kind"] == "engine_log_gap"]):
+        for row in frame_rows(run.events_of("engine_log_gap")):
             data = json.loads(row.data)
             self.losses.append((data.get("target"), (float(data.get("from_mono_ns") or t0) - t0) / 1e9,
                                 float(row.t_s), data.get("why")))
-        logged = ev[ev["kind"].isin(["engine_added", "engine_aborted"])]
+        logged = run.events_of("engine_added", "engine_aborted")
         for row in frame_rows(logged):
             data = json.loads(row.data)
             target = data.get("target")
@@ -270,11 +268,22 @@ def _scrape_spans(run: Run, target: str | None, times: np.ndarray) -> np.ndarray
     sc = run.scrapes
     if sc is None or sc.empty or not len(times):
         return np.zeros(len(times))
-    sc = sc[(sc["source"] == "vllm") & (sc["ok"] == 1)] if "source" in sc else sc[sc["ok"] == 1]
-    sc = sc[sc["target"] == target] if target is not None else sc
-    at = pd.Series(sc["duration_ns"].to_numpy(float) / 1e9, index=sc["t_s"].to_numpy(float).round(6))
-    at = at[~at.index.duplicated(keep="last")]  # as a dict built in row order keeps the last
-    return at.reindex(np.round(times.astype(float), 6)).fillna(0.0).to_numpy(float)
+    # in arrays: a frame's masks and a reindex cost a millisecond, and a watch judges every cancel on a window
+    mine = sc["ok"].to_numpy() == 1
+    if "source" in sc:
+        mine &= sc["source"].to_numpy(dtype=object) == "vllm"
+    if target is not None:
+        mine &= sc["target"].to_numpy(dtype=object) == target
+    at = np.round(sc["t_s"].to_numpy(float)[mine], 6)
+    took = sc["duration_ns"].to_numpy(float)[mine] / 1e9
+    if not len(at):
+        return np.zeros(len(times))
+    order = np.argsort(at, kind="stable")
+    at, took = at[order], took[order]
+    want = np.round(times.astype(float), 6)
+    # of a repeated instant the last row's, as a dict built in row order keeps it (the stable sort keeps row order)
+    i = np.clip(np.searchsorted(at, want, side="right") - 1, 0, None)
+    return np.nan_to_num(np.where(at[i] == want, took[i], 0.0), nan=0.0)
 
 
 def _outage_end(gaps: _Gaps, t_from: float, t_to: float) -> float:
