@@ -138,7 +138,42 @@ def plateau_walkthrough(review: ReviewRun, request_id: str | None = None) -> dic
         "story": memory_story(review.run, verdicts, chosen),
         "overview": memory_story(review.run, verdicts, None),
         "row": table[table["request_id"] == chosen.request_id] if chosen is not None else table.head(0),
+        "card": cancel_card(table[table["request_id"] == chosen.request_id]) if chosen is not None else None,
     }
+
+
+# the cancel table's columns as a reader who does not run engines reads them (the latencies keep their own
+# words: "user stop → engine abort (ms)")
+CARD_LABELS = {"request_id": "request", "scenario": "scenario", "phase": "where it was when stopped",
+               "verdict": "verdict", "stop_s": "stopped at (s into the run)", "hops (ms)": "hops on the way (ms)",
+               "neighbour": "the request running beside it", "probe": "the next request",
+               "why": "why", "evidence": "what it rests on"}
+NOTHING = "—"
+
+
+def cancel_card(row: pd.DataFrame) -> pd.DataFrame:
+    """One cancel of the cancel table as two columns a stakeholder reads: what, and its value in words; a dash
+    where the cancel's path has nothing (no app on the path, a point not reached); numbers rounded; the evidence
+    a point a line, whole."""
+    if len(row) != 1:
+        raise ValueError(f"a cancel card is one cancel's row, not {len(row)}")
+    out = []
+    for col, value in row.iloc[0].items():
+        if value is None or (isinstance(value, float) and np.isnan(value)) or value == "":
+            text = NOTHING
+        elif isinstance(value, float):
+            text = f"{value:,.1f}" if col != "stop_s" else f"{value:,.2f}"
+        else:
+            text = str(value).replace(" · ", "\n")
+        out.append({"": CARD_LABELS.get(col, col), "value": text})
+    return pd.DataFrame(out)
+
+
+def card_view(card: pd.DataFrame):
+    """The card as the notebook shows it: no index or header, its text wrapped where it breaks, left-aligned, the
+    run's own text (request ids, rule fields) escaped: shown, never run."""
+    return (card.style.hide(axis="index").hide(axis="columns").format(escape="html")
+            .set_properties(**{"white-space": "pre-wrap", "text-align": "left"}))
 
 
 def latency_histogram(runs: list[ReviewRun]) -> go.Figure:

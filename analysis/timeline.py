@@ -132,7 +132,8 @@ def _add_anatomy(fig: go.Figure, run: Run, a, x_range, max_points: int, row: int
             continue
         colour, shape = PART_STYLE[part]
         x, y = cut(a.parts[part])
-        fig.add_trace(go.Scatter(x=x, y=y / GiB, name=f"{a.name} {part}", mode="lines", stackgroup=f"anatomy {a.name}",
+        fig.add_trace(go.Scatter(x=x, y=y / GiB, name=f"{a.name} {part}", meta={"legend": "other memory" if part == "other" else part}, mode="lines",
+                                 stackgroup=f"anatomy {a.name}",
                                  line=dict(width=0.5, color=colour), fillcolor=colour,
                                  fillpattern=dict(shape=shape, fgcolor="#333333", size=6, solidity=0.15) if shape else None,
                                  legendgroup="memory", hoveron="points+fills",
@@ -140,9 +141,31 @@ def _add_anatomy(fig: go.Figure, run: Run, a, x_range, max_points: int, row: int
                       row=row, col=1)
     x, y = cut(total)
     fig.add_trace(go.Scatter(x=x, y=y / GiB, name=f"{a.name} {TOTAL_NAMES.get(a.kind, 'memory')}",
+                             meta={"legend": TOTAL_NAMES.get(a.kind, "memory")},
                              mode="lines", line=dict(color="#222222", width=2), legendgroup="memory",
                              hovertemplate="%{y:.3f} GiB<extra>%{fullData.name}</extra>"),
                   row=row, col=1)
+
+
+def _each_once(fig: go.Figure) -> None:
+    """One legend entry per kind of line (`meta.legend`: "used", "KV usage", "running", ...), however many
+    processes and targets draw one: each trace keeps its full name (`meta.name`, trace_name) in its hover, the
+    first of a kind names the entry, and the entry shows or hides them all."""
+    seen: set[str] = set()
+    for tr in fig.data:
+        label = tr.meta.get("legend") if isinstance(tr.meta, dict) else None
+        if label is None:
+            continue
+        full = tr.name
+        if tr.hovertemplate:
+            tr.hovertemplate = tr.hovertemplate.replace("%{fullData.name}", full)
+        tr.update(name=label, legendgroup=label, showlegend=label not in seen, meta={"legend": label, "name": full})
+        seen.add(label)
+
+
+def trace_name(tr) -> str | None:
+    """A timeline trace's full name (`KV usage t0`), where its legend entry names only its kind."""
+    return tr.meta.get("name", tr.name) if isinstance(tr.meta, dict) else tr.name
 
 
 def cancel_points(verdicts: list[CancelVerdict]) -> pd.DataFrame:
@@ -180,24 +203,28 @@ def timeline_figure(run: Run, verdicts: list[CancelVerdict], x_range: tuple[floa
             continue  # drawn as the anatomy's total line
         t, v = _prepare(run, tr, x_range, max_points)
         if role == "used":
-            fig.add_trace(go.Scatter(x=t, y=v / GiB, name=f"{tr.name} used", fill="tozeroy", mode="lines",
+            fig.add_trace(go.Scatter(x=t, y=v / GiB, name=f"{tr.name} used", meta={"legend": "used"},
+                                     fill="tozeroy", mode="lines",
                                      line=dict(color="#4c78a8", width=1), legendgroup="memory",
                                      hovertemplate="%{y:.3f} GiB<extra>%{fullData.name}</extra>"),
                           row=row["memory"], col=1)
         elif role == "reserved":
-            fig.add_trace(go.Scatter(x=t, y=v / GiB, name=f"{tr.name} + reserved by the driver", fill="tonexty",
+            fig.add_trace(go.Scatter(x=t, y=v / GiB, name=f"{tr.name} + reserved by the driver",
+                                     meta={"legend": "+ reserved by the driver"}, fill="tonexty",
                                      mode="lines", line=dict(color="#9ecae9", width=1), legendgroup="memory",
                                      hovertemplate="%{y:.3f} GiB<extra>%{fullData.name}</extra>"),
                           row=row["memory"], col=1)
         else:
-            fig.add_trace(go.Scatter(x=t, y=v / GiB, name=f"{tr.name} process memory", fill="tozeroy", mode="lines",
+            fig.add_trace(go.Scatter(x=t, y=v / GiB, name=f"{tr.name} process memory",
+                                     meta={"legend": "process memory"}, fill="tozeroy", mode="lines",
                                      line=dict(width=1), legendgroup="memory",
                                      hovertemplate="%{y:.3f} GiB<extra>%{fullData.name}</extra>"),
                           row=row["memory"], col=1)
 
     for tr in metric_traces(run, "kv_cache_usage_ratio"):
         t, v = _prepare(run, tr, x_range, max_points)
-        fig.add_trace(go.Scatter(x=t, y=100 * v, name=f"KV usage {tr.target}", mode="lines",
+        fig.add_trace(go.Scatter(x=t, y=100 * v, name=f"KV usage {tr.target}", meta={"legend": "KV usage"},
+                                 mode="lines",
                                  line=dict(color="#e45756", dash=dash.get(tr.target, "solid"), width=1.5),
                                  hovertemplate="%{y:.1f} %<extra>%{fullData.name}</extra>"),
                       row=row["kv"], col=1)
@@ -205,17 +232,20 @@ def timeline_figure(run: Run, verdicts: list[CancelVerdict], x_range: tuple[floa
                                          ("requests_waiting", "waiting", "#f58518", "dash")):
         for tr in metric_traces(run, metric):
             t, v = _prepare(run, tr, x_range, max_points)
-            fig.add_trace(go.Scatter(x=t, y=v, name=f"{label} {tr.target}", mode="lines", line_shape="hv",
+            fig.add_trace(go.Scatter(x=t, y=v, name=f"{label} {tr.target}", meta={"legend": label}, mode="lines",
+                                     line_shape="hv",
                                      line=dict(color=colour, dash=style, width=1.5),
                                      hovertemplate="%{y:.0f}<extra>%{fullData.name}</extra>"),
                           row=row["requests"], col=1)
     for tr in hit_rate_traces(run):
         t, v = _prepare(run, tr, x_range, max_points)
-        fig.add_trace(go.Scatter(x=t, y=100 * v, name=f"prefix hit rate {tr.target}", mode="lines",
+        fig.add_trace(go.Scatter(x=t, y=100 * v, name=f"prefix hit rate {tr.target}",
+                                 meta={"legend": "prefix hit rate"}, mode="lines",
                                  line=dict(color="#b279a2", dash=dash.get(tr.target, "solid"), width=1.5),
                                  hovertemplate="%{y:.0f} %<extra>%{fullData.name}</extra>"),
                       row=row["prefix"], col=1)
 
+    _each_once(fig)
     shapes = _add_cancels(fig, verdicts, row["cancels"], x_range, highlight) + _add_gaps(fig, run, x_range)
     _add_hops(fig, verdicts, row["cancels"], x_range)
     # set once: plotly re-validates every shape on each layout update, seconds for a long run

@@ -11,7 +11,7 @@ import pytest
 from analysis.anatomy import KV_FREE, KV_USED, OTHER, WEIGHTS, memory_anatomy
 from analysis.capacity import capacity, capacity_figure
 from analysis.facts import VIEW_METRICS, kv_pool
-from analysis.timeline import timeline_figure
+from analysis.timeline import timeline_figure, trace_name
 from analysis.traces import GiB, metric_traces
 from analysis.verdicts import judge_run
 from bench.synthetic import write_synthetic_run
@@ -71,7 +71,7 @@ def test_a_gap_in_the_kv_samples_stays_a_gap_in_the_pool_split(gappy):
 
 def test_the_timeline_stacks_the_parts_under_the_total_line(gappy):
     fig = timeline_figure(gappy, judge_run(gappy))
-    by_name = {t.name: t for t in fig.data}
+    by_name = {trace_name(t): t for t in fig.data}
     total = by_name["gpu gpu 0 used"]
     stack = [by_name[f"gpu gpu 0 {p}"] for p in (OTHER, KV_USED, KV_FREE)]
     assert all(t.stackgroup == "anatomy gpu gpu 0" for t in stack) and total.stackgroup is None

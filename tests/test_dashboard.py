@@ -45,6 +45,11 @@ def figure(at: AppTest, i: int = TIMELINE) -> dict:
     return json.loads(at.get("plotly_chart")[i].proto.spec)
 
 
+def full_name(trace: dict) -> str | None:
+    """A timeline trace's full name (analysis/timeline.py trace_name): its legend entry names only its kind."""
+    return (trace.get("meta") or {}).get("name", trace.get("name"))
+
+
 def values(arr):
     """A trace's x or y as plotly's JSON has it: a list, or a typed array ({"dtype", "bdata"})."""
 
@@ -84,7 +89,7 @@ def assert_every_section(at: AppTest, store: Path, run_id: str | int = "latest")
     bars = {t["name"] for t in figure(at, SUMMARY)["data"]}
     assert {"KV pool: used", "KV pool: free", "total (measured)"} <= bars, bars
     # the memory anatomy in the timeline: the parts stacked under the measured total
-    stacked = {t["name"] for t in figure(at)["data"] if t.get("stackgroup")}
+    stacked = {full_name(t) for t in figure(at)["data"] if t.get("stackgroup")}
     assert {n.split(" ", 1)[1] for n in stacked} >= {"KV pool: used", "KV pool: free", "other"}, stacked
     cap = {t["name"] for t in figure(at, CAPACITY)["data"]}
     assert cap == {"used at p95", "peak above p95", "free at peak"}
@@ -106,7 +111,7 @@ def assert_every_section(at: AppTest, store: Path, run_id: str | int = "latest")
         frames = per_scrape(run, metric)
         assert frames, metric
         for target, g in frames.items():
-            (trace,) = [t for t in data if t.get("name") == f"{name} {target}"]
+            (trace,) = [t for t in data if full_name(t) == f"{name} {target}"]
             assert np.nanmax(values(trace["y"])) == pytest.approx(scale * g["value"].max()), (metric, target)
     # the story beside it: the sentences for the chosen cancel, and its figure zoomed to that cancel
     story = pick_story_cancel(verdicts)
@@ -227,7 +232,7 @@ def test_a_long_run_opens_from_its_overview_and_stored_verdicts_and_zooms_at_ful
     assert any("drawn from the run's overview" in c.value for c in at.caption)
     table = next(d.value for d in at.dataframe if "verdict" in d.value.columns)
     assert list(table["verdict"]) == [v.verdict for v in verdicts]
-    (trace,) = [t for t in figure(at)["data"] if t.get("name") == "running t0"]
+    (trace,) = [t for t in figure(at)["data"] if full_name(t) == "running t0"]
     running = whole.series("requests_running")
     assert len(values(trace["y"])) < len(running) / 50  # two points per 10 s, not 20 a second
     assert np.nanmax(values(trace["y"])) == running["value"].max()
@@ -236,7 +241,7 @@ def test_a_long_run_opens_from_its_overview_and_stored_verdicts_and_zooms_at_ful
     at.selectbox(key="zoom").set_value(opts[5]).run()
     assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
     lo, hi = cancel_window(verdicts[4])
-    (trace,) = [t for t in figure(at)["data"] if t.get("name") == "running t0"]
+    (trace,) = [t for t in figure(at)["data"] if full_name(t) == "running t0"]
     inside = running[(running["t_s"] >= lo) & (running["t_s"] <= hi)]
     assert len(values(trace["y"])) == len(inside) > 100
 

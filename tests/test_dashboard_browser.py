@@ -92,7 +92,7 @@ def browser(tmp_path):
 # the page's figures, top to bottom: the summary bars, the timeline, the story's zoom, the capacity drawing
 TIMELINE = 1
 DRAWN = """() => Array.from(document.querySelectorAll('.js-plotly-plot')[1].querySelectorAll('g.trace.scatter'))
-    .map(g => ({name: g.__data__[0].trace.name, points: g.querySelectorAll('path.point').length,
+    .map(g => ({name: (g.__data__[0].trace.meta || {}).name || g.__data__[0].trace.name, points: g.querySelectorAll('path.point').length,
                 line: Array.from(g.querySelectorAll('path.js-line'))
                            .reduce((n, p) => n + (p.getAttribute('d') || '').length, 0)}))"""
 # the verdict table's cells as text: the grid paints a canvas and keeps an accessible table beside it.
@@ -157,6 +157,8 @@ def test_the_served_dashboard_shows_the_timeline_and_the_verdict_table(proxy_and
     head = rows[0]
     shown = [(r[head.index("request_id")], r[head.index("verdict")]) for r in rows[1:]]
     assert shown == [(v.request_id, v.verdict) for v in verdicts], rows
+    # a cell with nothing in it is blank or a dash, never a word for nothing
+    assert not [c for r in rows[1:] for c in r if c.lower() in ("none", "nan", "null", "<na>")], rows
     # and as a person sees it: the KV usage line in its colour on the page, and each verdict cell of the
     # table filled with the verdict's colour (a blank or failed page has none of either)
     page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)  # the summary on top

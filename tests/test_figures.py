@@ -17,7 +17,7 @@ from analysis.compare import compare_runs
 from analysis.anatomy import cancel_summary
 from analysis.explain import memory_story, pick_story_cancel
 from analysis.facts import VIEW_METRICS, kv_pool, run_facts
-from analysis.timeline import timeline_figure
+from analysis.timeline import timeline_figure, trace_name
 from analysis.verdicts import judge_run
 from bench.synthetic import write_synthetic_run
 from runstore.reader import load_run
@@ -56,7 +56,7 @@ def test_downsampling_keeps_every_cancel_and_bounds_each_trace(synthetic):
         if t.name and not t.name.startswith("cancel: ") and t.x is not None and len(t.x) > 1:
             assert len(t.x) <= 300 + 20, (t.name, len(t.x))  # the budget plus the gap breaks
     # downsampling keeps the extremes: the KV peak of the full series is still drawn
-    kv = next(t for t in fig.data if t.name == "KV usage t0")
+    kv = next(t for t in fig.data if trace_name(t) == "KV usage t0")
     full = run.samples[run.samples["metric"] == "kv_cache_usage_ratio"]["value"].max()
     assert math.isclose(np.nanmax(np.asarray(kv.y, dtype=float)), 100 * full, rel_tol=1e-9)
 
@@ -64,7 +64,7 @@ def test_downsampling_keeps_every_cancel_and_bounds_each_trace(synthetic):
 def test_gaps_are_drawn_as_gaps(synthetic):
     _, run, verdicts = synthetic
     fig = timeline_figure(run, verdicts)
-    kv = next(t for t in fig.data if t.name == "KV usage t0")
+    kv = next(t for t in fig.data if trace_name(t) == "KV usage t0")
     y = np.asarray(kv.y, dtype=float)
     x = np.asarray(kv.x, dtype=float)
     starts = run.gaps[run.gaps["source"] == "vllm"]["t_s"].to_numpy()
@@ -84,14 +84,14 @@ def test_memory_band_is_nvml_when_the_run_has_it(synthetic, tmp_path):
     _, run, verdicts = synthetic
     fig = timeline_figure(run, verdicts)
     assert "NVML" in fig.layout.annotations[0].text
-    names = [t.name for t in fig.data]
+    names = [trace_name(t) for t in fig.data]
     assert "gpu gpu 0 used" in names and "gpu gpu 0 + reserved by the driver" in names
     path = tmp_path / "cpu.db"
     write_synthetic_run(path, duration_s=60, cancels=3, nvml=False, filler_series=0, gaps=0)
     run2 = load_run(path, "latest", metrics=VIEW_METRICS)
     fig2 = timeline_figure(run2, judge_run(run2))
     assert "engine process memory" in fig2.layout.annotations[0].text
-    assert "engine process memory" in [t.name for t in fig2.data]
+    assert "engine process memory" in [trace_name(t) for t in fig2.data]
 
 
 def test_capacity_and_table_hold_the_runs_numbers(synthetic):
@@ -188,3 +188,27 @@ def test_the_shipped_sample_is_released_on_the_engines_own_abort_lines():
         assert v.sources["engine_abort"] == {"source": "engine_log", "reason": None}, v
         assert v.timepoints["engine_abort"] == aborted.loc[[v.request_id]].min()
         assert v.sources["app_received"] == {"source": None, "reason": "no app on this path"}
+
+
+def test_the_legend_names_each_kind_of_line_once_however_many_targets_draw_one():
+    # the sample run again with a second target and process beside it (the relay of `make demo`): every memory
+    # part, gauge and rate is drawn for each, and listed once
+    import pandas as pd
+    run = load_run(SAMPLE, "latest")
+    one = timeline_figure(run, judge_run(run))
+    twin = run.samples[run.samples["source"].isin(["vllm", "process"])].copy()
+    twin["target"] = twin["target"].astype(str).map({"t0": "relay", "engine": "relay"})
+    run.samples = pd.concat([run.samples, twin], ignore_index=True).sort_values("mono_ns", kind="stable")
+    run.info["targets"] = [*run.info["targets"], {"label": "relay", "url": "http://127.0.0.1:8300"}]
+    two = timeline_figure(run, judge_run(run))
+
+    def listed(fig):
+        return [t.name for t in fig.data if t.showlegend is not False]
+    assert len(listed(two)) == len(set(listed(two))) == len(listed(one)), (listed(one), listed(two))
+    assert {"running", "waiting", "KV usage", "prefix hit rate"} <= set(listed(two))
+    full = [trace_name(t) for t in two.data]
+    assert {"running t0", "running relay", "KV usage t0", "KV usage relay"} <= set(full), full
+    assert len(two.data) > len(one.data)
+    # each line still says whose it is where the reader points at it
+    kv = next(t for t in two.data if trace_name(t) == "KV usage relay")
+    assert "KV usage relay" in kv.hovertemplate and kv.legendgroup == "KV usage"

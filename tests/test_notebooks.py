@@ -116,6 +116,16 @@ def test_vram_plateau_on_a_recorded_run(tmp_path, proxy_and_direct_runs):
     assert res.returncode == 0, res.stderr
     assert not error_outputs(nb)
     assert "NOT released" in html  # run 1 went through the leaky proxy: its story is the leak
+    # its cancel as a card a stakeholder reads: each thing in words, a dash where the path has nothing, the evidence
+    # whole; no index, no NaN
+    card = next(o["data"]["text/html"] for c in nb.cells for o in c.get("outputs", [])
+                if "what it rests on" in o.get("data", {}).get("text/html", ""))
+    cells = [re.sub(r"<[^>]+>", "", c).strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", card, re.S)]
+    labels = cells[0::2]
+    assert labels[:4] == ["request", "scenario", "where it was when stopped", "verdict"], labels
+    assert not re.search(r"<th[ >]", card) and not any(c in ("NaN", "nan", "None") for c in cells), cells
+    rests_on = cells[labels.index("what it rests on") * 2 + 1]
+    assert "—" in cells and "rule: " in rests_on and "\nengine abort: " in rests_on, cells
 
 
 @pytest.mark.parametrize("args, says", [
@@ -161,6 +171,8 @@ def test_review_helpers():
         review.open_runs(str(SAMPLE), "1,1")
     walk = review.plateau_walkthrough(runs[0])
     assert walk["cancel"] is not None and len(walk["story"]) == 3 and len(walk["row"]) == 1
+    card = dict(zip(walk["card"][""], walk["card"]["value"]))
+    assert card["request"] == walk["cancel"].request_id and card["user stop → app received (ms)"] == "—", card
     with pytest.raises(StoreError):
         review.plateau_walkthrough(runs[0], "cw-not-there")
     assert json.loads(review.latency_histogram(runs).to_json())["data"][0]["name"] == runs[0].label
