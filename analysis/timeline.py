@@ -147,6 +147,36 @@ def _add_anatomy(fig: go.Figure, run: Run, a, x_range, max_points: int, row: int
                   row=row, col=1)
 
 
+def _add_memory(fig: go.Figure, run: Run, mem, x_range, max_points: int, row: int) -> None:
+    """The memory row: each process's anatomy stacked under its total where it has one, else its used, reserved
+    or process memory as measured."""
+    stacked = {a.name: a for a in memory_anatomy(run) if a.parts}
+    for a in stacked.values():
+        _add_anatomy(fig, run, a, x_range, max_points, row)
+    for role, tr in mem:
+        if role in ("used", "rss") and tr.name in stacked:
+            continue  # drawn as the anatomy's total line
+        t, v = _prepare(run, tr, x_range, max_points)
+        if role == "used":
+            fig.add_trace(go.Scatter(x=t, y=v / GiB, name=f"{tr.name} used", meta={"legend": "used"},
+                                     fill="tozeroy", mode="lines",
+                                     line=dict(color="#4c78a8", width=1), legendgroup="memory",
+                                     hovertemplate="%{y:.3f} GiB<extra>%{fullData.name}</extra>"),
+                          row=row, col=1)
+        elif role == "reserved":
+            fig.add_trace(go.Scatter(x=t, y=v / GiB, name=f"{tr.name} + reserved by the driver",
+                                     meta={"legend": "+ reserved by the driver"}, fill="tonexty",
+                                     mode="lines", line=dict(color="#9ecae9", width=1), legendgroup="memory",
+                                     hovertemplate="%{y:.3f} GiB<extra>%{fullData.name}</extra>"),
+                          row=row, col=1)
+        else:
+            fig.add_trace(go.Scatter(x=t, y=v / GiB, name=f"{tr.name} process memory",
+                                     meta={"legend": "process memory"}, fill="tozeroy", mode="lines",
+                                     line=dict(width=1), legendgroup="memory",
+                                     hovertemplate="%{y:.3f} GiB<extra>%{fullData.name}</extra>"),
+                          row=row, col=1)
+
+
 def _each_once(fig: go.Figure) -> None:
     """One legend entry per kind of line (`meta.legend`: "used", "KV usage", "running", ...), however many
     processes and targets draw one: each trace keeps its full name (`meta.name`, trace_name) in its hover, the
@@ -193,34 +223,7 @@ def timeline_figure(run: Run, verdicts: list[CancelVerdict], x_range: tuple[floa
     row = {name: i + 1 for i, name in enumerate(ROWS)}
     targets = scheduler_targets(run)
     dash = {t: TARGET_DASH[i % len(TARGET_DASH)] for i, t in enumerate(targets)}
-
-
-    stacked = {a.name: a for a in memory_anatomy(run) if a.parts}
-    for a in stacked.values():
-        _add_anatomy(fig, run, a, x_range, max_points, row["memory"])
-    for role, tr in mem:
-        if role in ("used", "rss") and tr.name in stacked:
-            continue  # drawn as the anatomy's total line
-        t, v = _prepare(run, tr, x_range, max_points)
-        if role == "used":
-            fig.add_trace(go.Scatter(x=t, y=v / GiB, name=f"{tr.name} used", meta={"legend": "used"},
-                                     fill="tozeroy", mode="lines",
-                                     line=dict(color="#4c78a8", width=1), legendgroup="memory",
-                                     hovertemplate="%{y:.3f} GiB<extra>%{fullData.name}</extra>"),
-                          row=row["memory"], col=1)
-        elif role == "reserved":
-            fig.add_trace(go.Scatter(x=t, y=v / GiB, name=f"{tr.name} + reserved by the driver",
-                                     meta={"legend": "+ reserved by the driver"}, fill="tonexty",
-                                     mode="lines", line=dict(color="#9ecae9", width=1), legendgroup="memory",
-                                     hovertemplate="%{y:.3f} GiB<extra>%{fullData.name}</extra>"),
-                          row=row["memory"], col=1)
-        else:
-            fig.add_trace(go.Scatter(x=t, y=v / GiB, name=f"{tr.name} process memory",
-                                     meta={"legend": "process memory"}, fill="tozeroy", mode="lines",
-                                     line=dict(width=1), legendgroup="memory",
-                                     hovertemplate="%{y:.3f} GiB<extra>%{fullData.name}</extra>"),
-                          row=row["memory"], col=1)
-
+    _add_memory(fig, run, mem, x_range, max_points, row["memory"])
     for tr in metric_traces(run, "kv_cache_usage_ratio"):
         t, v = _prepare(run, tr, x_range, max_points)
         fig.add_trace(go.Scatter(x=t, y=100 * v, name=f"KV usage {tr.target}", meta={"legend": "KV usage"},

@@ -52,8 +52,11 @@ def engine_cpu_cores() -> float | None:
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
-    """One red line on stderr naming the fix; raise what it returns."""
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    """One red line on stderr naming the fix; raise what it returns. The message is text, never markup: a path, an
+    option's value or `pip install 'cancelwatch[triton]'` keeps its brackets."""
+    from rich.markup import escape
+
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 

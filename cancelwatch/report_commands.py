@@ -13,6 +13,7 @@ from rich.table import Table
 from cancelwatch.console import DEFAULT_STORE, err, fail, out
 from collectors.recording.session import EXIT_FAILED
 from runstore.errors import StoreError
+from runstore.extras import missing
 
 if TYPE_CHECKING:
     from analysis.verdicts import CancelVerdict
@@ -159,6 +160,8 @@ def report(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFAU
 
     fmt = "json" if as_json else checked_format(format_)
     if html_out is not None:
+        if (need := missing("dashboard")) is not None:
+            raise fail(f"--html: {need}")
         _check_html_folder(html_out)
     if context_len <= 0:
         raise fail(f"--context-len {context_len}: give a positive number of tokens, e.g. --context-len 2048")
@@ -229,6 +232,8 @@ def notebook(name: str = typer.Argument(..., help="capacity_review, vram_plateau
              html_out: Path = typer.Option(..., "--html", help="Where to write the rendered HTML (no code cells)."),
              ipynb_out: Path | None = typer.Option(None, "--ipynb", help="Also keep the executed notebook.")):
     """Execute a notebook on runs with papermill and render it to HTML (plotly embedded, opens offline)."""
+    if (need := missing("notebooks")) is not None:
+        raise fail(need)
     import papermill as pm
 
     from notebooks.render import NOTEBOOKS, NotebookError, available, coerce, render

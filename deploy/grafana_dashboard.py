@@ -56,7 +56,7 @@ def build() -> Dashboard:
     return (
         Dashboard("cancelwatch: do cancels leave the engine?")
         .uid("cancelwatch")
-        .tags(["cancelwatch", "vllm"])
+        .tags(["cancelwatch"])
         .refresh("30s")
         .time("now-6h", "now")
         .with_variable(DatasourceVariable("datasource").label("Prometheus").type("prometheus"))

@@ -21,9 +21,15 @@ from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
-import tritonclient.grpc as grpcclient
-import tritonclient.grpc.aio as grpcaio
-from tritonclient.utils import InferenceServerException
+try:  # the [triton] extra: driving Triton's cancels needs its gRPC client, recording vLLM does not
+    import tritonclient.grpc as grpcclient
+    import tritonclient.grpc.aio as grpcaio
+    from tritonclient.utils import InferenceServerException
+except ImportError:  # resolve_triton refuses a Triton run in one line (runstore/extras.py)
+    grpcclient = grpcaio = None
+
+    class InferenceServerException(Exception):
+        """Stands in for tritonclient's where it is not installed: nothing raises it."""
 
 from collectors.cancels.streams import now_ns
 from runstore.records import LedgerRecord

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from collectors.cancels.runner import ScenarioRunner, until
 from collectors.cancels.streams import now_ns
 from collectors.cancels.triton_calls import CALL_OBJECTS, REQUEST_TIMEOUT_S, Calls, SharedStream, TritonRequest
+from runstore.extras import lacking
 from runstore.records import LedgerRecord
 
 IDLE_WAIT_S = 30.0
@@ -79,6 +80,8 @@ SUITE = list(TRITON_SCENARIOS)
 
 def resolve_triton(spec: str) -> list[TritonScenario]:
     """`triton` (the suite), a scenario name, or a comma-separated list of them."""
+    if (need := lacking("triton", ("tritonclient",), "Triton's gRPC cancels")) is not None:
+        raise ValueError(need)
     out: list[TritonScenario] = []
     for part in (p.strip() for p in spec.split(",") if p.strip()):
         if part in ("triton", "default"):
