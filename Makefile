@@ -10,7 +10,7 @@ PORT ?= 8000
 STORE ?= runs/cancelwatch.db
 DASHBOARD_PORT ?= 8501
 
-.PHONY: corpus venv engine-venv triton-venv demo-triton browser prometheus gateways gateways-all test test-fast demo bench clean engine-down sample-run dashboard lab fuzz matrix aiperf-venv test-aiperf
+.PHONY: docs corpus venv engine-venv triton-venv demo-triton browser prometheus gateways gateways-all test test-fast demo bench clean engine-down sample-run dashboard lab fuzz matrix aiperf-venv test-aiperf
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -172,6 +172,10 @@ sample-run: venv engine-venv
 
 dashboard: venv
 	$(VENV)/bin/streamlit run dashboard/app.py --server.port $(DASHBOARD_PORT)
+
+# The docs site (mkdocs.yml, docs/) into site/, warnings as errors; tests/test_docs.py builds it in make test
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 # JupyterLab on notebooks/, on 127.0.0.1 only, behind Jupyter's random token: open the URL it prints
 # (token included). With no run store yet the notebooks open on the sample run. Ctrl-C stops it.

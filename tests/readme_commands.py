@@ -12,13 +12,17 @@ import shlex
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-READMES = (ROOT / "README.md", ROOT / "dashboard" / "README.md", ROOT / "notebooks" / "README.md")
+# the README, the folders' READMEs and the docs site's pages that give commands (docs/, mkdocs.yml)
+READMES = (ROOT / "README.md", ROOT / "dashboard" / "README.md", ROOT / "notebooks" / "README.md",
+           *(ROOT / "docs" / page for page in ("engines.md", "fleet.md", "cli.md", "dashboard.md", "cancels.md",
+                                               "hops.md", "run-format.md", "development.md", "benchmarks.md")))
 
 # aimed at 127.0.0.1 or the embedded engines: run as written by the test named (file::function)
 RUN = {
     "make demo": "test_readme_commands_engine.py::test_make_demo_ends_in_the_page_with_its_runs",
     "make demo-triton": "test_readme_commands_engine.py::test_make_demo_triton_ends_in_the_page_with_its_run",
     "make dashboard": "test_readme_commands.py::test_make_dashboard_serves_the_page",
+    "make docs": "test_docs.py::test_the_docs_build_strict_and_list_every_page",
     "streamlit run dashboard/app.py": "test_readme_commands.py::test_the_console_script_serves_the_page_from_the_root",
     "streamlit run /path/to/dashboard/app.py":
         "test_readme_commands.py::test_the_page_started_from_another_folder_works_the_same",

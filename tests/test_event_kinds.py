@@ -278,9 +278,8 @@ def test_a_planted_writer_of_an_unknown_kind_is_caught(project_scan, tmp_path):
 
 
 def _readme_kinds() -> dict[str, tuple[set[str], set[str]]]:
-    """kind -> (writers, data fields) as the README's "What a run holds" lists them under `events`."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## What a run holds", 1)[1].split("\n## ", 1)[0]
+    """kind -> (writers, data fields) as docs/run-format.md ("What a run holds") lists them under `events`."""
+    section = (ROOT / "docs" / "run-format.md").read_text()
     events = section.split("- `events`:", 1)[1].split("\n- `", 1)[0]
     out = {}
     for item in re.split(r"\n  - ", events)[1:]:

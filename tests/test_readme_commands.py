@@ -203,13 +203,14 @@ def test_the_console_script_serves_the_page_from_the_root(browser, store_folder,
 @pytest.mark.browser
 def test_the_page_started_from_another_folder_works_the_same(browser, store_folder, tmp_path):
     """From another working directory with the script's full path: the same page, on 127.0.0.1, and the
-    README's URL (`?store=runs/cancelwatch.db&run=latest`) read from that directory's runs/."""
+    docs' URL (docs/dashboard.md: `?store=runs/cancelwatch.db&run=latest`) read from that directory's runs/."""
     port = free_port()
     argv = [str(VENV_BIN / "streamlit"), "run", str(ROOT / "dashboard" / "app.py"), "--server.port", str(port)]
     # no store folder named: the page reads ./runs of the directory it was started in
     proc = start_page(argv, tmp_path, {"CANCELWATCH_STORE_DIR": ""}, port, "streamlit run /path/to/app.py")
     try:
-        url = next(c for c in Path(ROOT / "README.md").read_text().splitlines() if "?store=" in c and "8501" in c)
+        url = next(c for c in Path(ROOT / "docs" / "dashboard.md").read_text().splitlines()
+                   if "?store=" in c and "8501" in c)
         url = url.lstrip("# ").replace("8501", str(port))
         assert url.endswith("/?store=runs/cancelwatch.db&run=latest"), url
         assert_page_shows_the_run(browser, url, store_folder / "cancelwatch.db", 1, tmp_path / "elsewhere.png")
