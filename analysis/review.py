@@ -3,6 +3,7 @@ VRAM-plateau walk-through. The notebooks hold narrative and calls only."""
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -159,10 +160,10 @@ def cancel_card(row: pd.DataFrame) -> pd.DataFrame:
         raise ValueError(f"a cancel card is one cancel's row, not {len(row)}")
     out = []
     for col, value in row.iloc[0].items():
-        if value is None or (isinstance(value, float) and np.isnan(value)) or value == "":
+        if pd.api.types.is_scalar(value) and (pd.isna(value) or (isinstance(value, str) and value in ("", "n/a"))):
             text = NOTHING
-        elif isinstance(value, float):
-            text = f"{value:,.1f}" if col != "stop_s" else f"{value:,.2f}"
+        elif isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+            text = f"{float(value):,.1f}" if col != "stop_s" else f"{float(value):,.2f}"
         else:
             text = str(value).replace(" · ", "\n")
         out.append({"": CARD_LABELS.get(col, col), "value": text})

@@ -189,7 +189,10 @@ def _each_once(fig: go.Figure) -> None:
         full = tr.name
         if tr.hovertemplate:
             tr.hovertemplate = tr.hovertemplate.replace("%{fullData.name}", full)
-        tr.update(name=label, legendgroup=label, showlegend=label not in seen, meta={"legend": label, "name": full})
+        # a fill's hover shows the trace's text, else its name: the full one, whose memory it is
+        text = full if tr.fill or tr.stackgroup else tr.text
+        tr.update(name=label, legendgroup=label, showlegend=label not in seen, meta={"legend": label, "name": full},
+                  text=text)
         seen.add(label)
 
 
@@ -249,6 +252,11 @@ def timeline_figure(run: Run, verdicts: list[CancelVerdict], x_range: tuple[floa
                       row=row["prefix"], col=1)
 
     _each_once(fig)
+    if len(targets) > 1:  # the legend names each kind once: the line style says whose, once per target
+        for t in targets:
+            fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=f"{t}: {dash[t]} lines",
+                                     line=dict(color="#888888", dash=dash[t], width=1.5), hoverinfo="skip"),
+                          row=row["kv"], col=1)
     shapes = _add_cancels(fig, verdicts, row["cancels"], x_range, highlight) + _add_gaps(fig, run, x_range)
     _add_hops(fig, verdicts, row["cancels"], x_range)
     # set once: plotly re-validates every shape on each layout update, seconds for a long run

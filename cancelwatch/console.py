@@ -78,5 +78,7 @@ def model_listing_error(target: str, exc: Exception, key_var: str | None) -> str
 
 def print_store_error(stats: dict) -> None:
     if stats.get("store_error"):
-        err.print(f"[bold red]error:[/] {stats['store_error']}", highlight=False)
+        from rich.markup import escape
+
+        err.print(f"[bold red]error:[/] {escape(str(stats['store_error']))}", highlight=False)
 

@@ -261,7 +261,10 @@ def notebook(name: str = typer.Argument(..., help="capacity_review, vram_plateau
     try:
         render(name, params, html_out, ipynb_out)
     except NotebookError as exc:
-        err.print(f"[bold red]error:[/] {exc} (the error cell is in {html_out})", highlight=False, soft_wrap=True)
+        from rich.markup import escape
+
+        err.print(f"[bold red]error:[/] {escape(f'{exc} (the error cell is in {html_out})')}", highlight=False,
+                  soft_wrap=True)
         raise typer.Exit(1) from None
     print(f"wrote {html_out}", file=sys.stderr)
 

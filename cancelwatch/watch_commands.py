@@ -54,6 +54,19 @@ class WatchMetrics:
                                  "Released watched cancels: the client leaving to the request leaving the scheduler",
                                  buckets=BUCKETS, registry=self.registry)
 
+    def start_at_zero(self) -> None:
+        """Every series a verdict can count, at 0 before the first: a series that first appears at 1 is no increase
+        Prometheus can see, and the first leak of a rule would pass the alert and the dashboard by."""
+        from analysis.verdicts import RULES
+        from analysis.verdicts.paid_tokens import AT_MOST, ATTRIBUTED
+
+        for v in VERDICT_NAMES:
+            self.cancels.labels(verdict=v, rule="")
+        for code, rule in RULES.items():
+            self.cancels.labels(verdict=rule.verdict, rule=code)
+        for attribution in (ATTRIBUTED, AT_MOST):
+            self.paid.labels(attribution=attribution)
+
     def observe(self, verdicts) -> None:
         for v in verdicts:
             self.cancels.labels(verdict=v.verdict, rule=v.rule or "").inc()
@@ -280,8 +293,7 @@ def watch(
     if metrics is not None:
         from prometheus_client import start_http_server
 
-        for v in VERDICT_NAMES:  # a first leak is an increase Prometheus can see
-            metrics.cancels.labels(verdict=v, rule="")
+        metrics.start_at_zero()
         mhost, mport = _listen_address(metrics_listen, "--metrics-listen")
         try:
             server, _ = start_http_server(mport, addr=mhost, registry=metrics.registry)

@@ -68,19 +68,21 @@ def build() -> Dashboard:
         .with_panel(stat("Leaked in the range", "short", "Watched cancels judged leaked over the dashboard's range",
                          'sum(increase(cancelwatch_watched_cancels_total{verdict="leaked"}[$__range]))'))
         .with_panel(stat("Tokens for nobody in the range", "short",
-                         "Tokens the engine made for leaked cancels after their clients left",
-                         "sum(increase(cancelwatch_engine_tokens_after_client_left_total[$__range]))"))
-        .with_panel(series("Watched cancels by verdict", "short", "Cancels real clients made, judged, per interval",
-                           query("sum by (verdict) (increase(cancelwatch_watched_cancels_total[$__rate_interval]))",
+                         "Tokens the engine made for leaked cancels after their clients left, where it held nothing "
+                         "else (attributed); the bounds where others ran beside them are in the panel below",
+                         'sum(increase(cancelwatch_engine_tokens_after_client_left_total{attribution="attributed"}'
+                         '[$__range]))'))
+        .with_panel(series("Watched cancels by verdict, a minute", "short", "Cancels real clients made, judged",
+                           query("60 * sum by (verdict) (rate(cancelwatch_watched_cancels_total[$__rate_interval]))",
                                  "{{verdict}}")))
-        .with_panel(series("Watched cancels by rule", "short",
+        .with_panel(series("Watched cancels by rule, a minute", "short",
                            "The rule each verdict rests on (docs/rules.md): a rule that grows says what changed",
-                           query("sum by (rule) (increase(cancelwatch_watched_cancels_total[$__rate_interval]))",
+                           query("60 * sum by (rule) (rate(cancelwatch_watched_cancels_total[$__rate_interval]))",
                                  "{{rule}}")))
-        .with_panel(series("Ghosts and the oldest ghost's age", "short",
-                           "Leaked requests the engine may still hold, and how long ago the oldest one's client left",
-                           query("sum(cancelwatch_ghost_requests)", "ghosts"),
-                           query("max(cancelwatch_ghost_oldest_seconds)", "oldest ghost, s", "B")))
+        .with_panel(series("Ghosts", "short", "Leaked requests the engine may still hold",
+                           query("sum(cancelwatch_ghost_requests)", "ghosts")))
+        .with_panel(series("The oldest ghost's age", "s", "How long ago the client of the oldest ghost left",
+                           query("max(cancelwatch_ghost_oldest_seconds)", "oldest ghost")))
         .with_panel(series("Tokens made for nobody", "short",
                            "Per second, off the engine's generation counter: attributed, or at most",
                            query("sum by (attribution) "
@@ -99,8 +101,8 @@ def build() -> Dashboard:
                          "time() - max(cancelwatch_last_round_timestamp_seconds)"))
         .with_panel(stat("Failed rounds in the range", "short", "Rounds that failed: target down, a store error",
                          "sum(increase(cancelwatch_round_errors_total[$__range]))"))
-        .with_panel(series("Canary cancels by scenario and verdict", "short", "Its scripted cancels, per interval",
-                           query("sum by (scenario, verdict) (increase(cancelwatch_cancels_total[$__rate_interval]))",
+        .with_panel(series("Canary cancels by scenario and verdict, an hour", "short", "Its scripted cancels",
+                           query("3600 * sum by (scenario, verdict) (rate(cancelwatch_cancels_total[$__rate_interval]))",
                                  "{{scenario}} {{verdict}}")))
         .with_panel(series("Canary release time, user stop to out of the scheduler", "s", "Released canary cancels",
                            *quantiles("cancelwatch_cancel_release_seconds")))

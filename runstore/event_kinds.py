@@ -2,8 +2,8 @@
 
 Per kind: who writes it (the modules, by import name), what the row's `request_id` is, and what its
 `data` (stored as JSON) holds, field by field. Writers name their kinds as strings; the tests read the
-writers' source and hold it to this table both ways (tests/test_event_kinds.py), and hold the README's
-"What a run holds" to it. Times are the row's `wall_ns`/`mono_ns`; an event from an engine's log is
+writers' source and hold it to this table both ways (tests/test_event_kinds.py), and hold docs/run-format.md
+("What a run holds") to it. Times are the row's `wall_ns`/`mono_ns`; an event from an engine's log is
 stamped with the engine's clock as the line says it (`clock`, `resolution_s`).
 """
 

@@ -86,3 +86,18 @@ def test_every_query_is_promql(tmp_path):
     rules["groups"][0]["rules"].append({"record": "dashboard:broken", "expr": "sum by (verdict (x)"})
     (tmp_path / "rules.yml").write_text(json.dumps(rules))
     assert subprocess.run([promtool, "check", "rules", str(tmp_path / "rules.yml")], capture_output=True).returncode
+
+
+def test_the_watch_serves_every_series_a_verdict_can_count_from_zero():
+    # a series that first appears at 1 is no increase: the first leak of a rule would pass the panels and the alert by
+    from prometheus_client import generate_latest
+
+    from analysis.verdicts import RULES
+
+    metrics = WatchMetrics()
+    metrics.start_at_zero()
+    text = generate_latest(metrics.registry).decode()
+    for code, rule in RULES.items():
+        assert f'cancelwatch_watched_cancels_total{{rule="{code}",verdict="{rule.verdict}"}} 0.0' in text, code
+    for attribution in ("attributed", "at_most"):
+        assert f'cancelwatch_engine_tokens_after_client_left_total{{attribution="{attribution}"}} 0.0' in text

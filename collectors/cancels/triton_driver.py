@@ -80,7 +80,8 @@ SUITE = list(TRITON_SCENARIOS)
 
 def resolve_triton(spec: str) -> list[TritonScenario]:
     """`triton` (the suite), a scenario name, or a comma-separated list of them."""
-    if (need := lacking("triton", ("tritonclient",), "Triton's gRPC cancels")) is not None:
+    # tritonclient[grpc]: the client and grpcio, which tritonclient alone does not bring
+    if (need := lacking("triton", ("tritonclient", "grpc"), "Triton's gRPC cancels")) is not None:
         raise ValueError(need)
     out: list[TritonScenario] = []
     for part in (p.strip() for p in spec.split(",") if p.strip()):
