@@ -13,7 +13,7 @@ from rich.table import Table
 from cancelwatch.console import DEFAULT_STORE, err, fail, out
 from collectors.recording.session import EXIT_FAILED
 from runstore.errors import StoreError
-from runstore.extras import missing
+from runstore.extras import lacking, missing
 
 if TYPE_CHECKING:
     from analysis.verdicts import CancelVerdict
@@ -160,8 +160,9 @@ def report(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFAU
 
     fmt = "json" if as_json else checked_format(format_)
     if html_out is not None:
-        if (need := missing("dashboard")) is not None:
-            raise fail(f"--html: {need}")
+        # the page's figures, without the page: plotly and its downsampler, which the [dashboard] extra brings
+        if (need := lacking("dashboard", ("plotly", "tsdownsample"), "report --html's figures")) is not None:
+            raise fail(need)
         _check_html_folder(html_out)
     if context_len <= 0:
         raise fail(f"--context-len {context_len}: give a positive number of tokens, e.g. --context-len 2048")
