@@ -179,20 +179,23 @@ def _add_memory(fig: go.Figure, run: Run, mem, x_range, max_points: int, row: in
 
 def _each_once(fig: go.Figure) -> None:
     """One legend entry per kind of line (`meta.legend`: "used", "KV usage", "running", ...), however many
-    processes and targets draw one: each trace keeps its full name (`meta.name`, trace_name) in its hover, the
-    first of a kind names the entry, and the entry shows or hides them all."""
+    processes and targets draw one. A kind drawn once keeps its full name (`KV usage t0`); a kind drawn for several
+    is named by its kind, the first of them names the entry and the entry shows or hides them all, and each keeps
+    its full name (`meta.name`, trace_name) as its text, which its hover shows (a fill's hover shows the text):
+    substituted by plotly, never part of the template, as a name from the run is."""
+    labels = [tr.meta.get("legend") if isinstance(tr.meta, dict) else None for tr in fig.data]
     seen: set[str] = set()
-    for tr in fig.data:
-        label = tr.meta.get("legend") if isinstance(tr.meta, dict) else None
+    for tr, label in zip(fig.data, labels):
         if label is None:
             continue
         full = tr.name
+        if labels.count(label) == 1:
+            tr.update(meta={"legend": label, "name": full})
+            continue
         if tr.hovertemplate:
-            tr.hovertemplate = tr.hovertemplate.replace("%{fullData.name}", full)
-        # a fill's hover shows the trace's text, else its name: the full one, whose memory it is
-        text = full if tr.fill or tr.stackgroup else tr.text
+            tr.hovertemplate = tr.hovertemplate.replace("%{fullData.name}", "%{text}")
         tr.update(name=label, legendgroup=label, showlegend=label not in seen, meta={"legend": label, "name": full},
-                  text=text)
+                  text=full)
         seen.add(label)
 
 

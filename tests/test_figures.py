@@ -206,12 +206,13 @@ def test_the_legend_names_each_kind_of_line_once_however_many_targets_draw_one()
         return [t.name for t in fig.data if t.showlegend is not False]
     assert len(listed(two)) == len(set(listed(two))) == len(listed(one)) + 2, (listed(one), listed(two))
     assert {"running", "waiting", "KV usage", "prefix hit rate"} <= set(listed(two))
+    assert {"running t0", "KV usage t0"} <= set(listed(one))  # a kind drawn once keeps whose it is
     full = [trace_name(t) for t in two.data]
     assert {"running t0", "running relay", "KV usage t0", "KV usage relay"} <= set(full), full
     assert len(two.data) > len(one.data)
     # each line still says whose it is where the reader points at it, a fill too, and the line styles are keyed
     kv = next(t for t in two.data if trace_name(t) == "KV usage relay")
-    assert "KV usage relay" in kv.hovertemplate and kv.legendgroup == "KV usage"
+    assert kv.text == "KV usage relay" and "%{text}" in kv.hovertemplate and kv.legendgroup == "KV usage"
     fills = [t for t in two.data if t.stackgroup]
     assert fills and all(t.text == trace_name(t) for t in fills), [(t.name, t.text) for t in fills]
     assert {"t0: solid lines", "relay: dot lines"} <= set(listed(two)) - set(listed(one)), listed(two)

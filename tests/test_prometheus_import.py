@@ -234,7 +234,9 @@ def test_the_dashboard_draws_one_line_per_replica_of_the_imported_run(history, m
     at.query_params["store"] = str(history["imported"])
     at.run()
     assert not at.exception, at.exception
-    names = {t.get("name") for c in at.get("plotly_chart") for t in json.loads(c.proto.spec)["data"]}
+    # each line's full name (its legend entry names only its kind: analysis/timeline.py trace_name)
+    names = {(t.get("meta") or {}).get("name", t.get("name")) for c in at.get("plotly_chart")
+             for t in json.loads(c.proto.spec)["data"]}
     for replica in (history["engine"], history["other"]):
         assert {f"running {replica}", f"KV usage {replica}", f"waiting {replica}"} <= names, names
     assert "sampling gap (no reading)" in names  # the replica that went away
