@@ -21,8 +21,8 @@ NOT_LEFT = "it was not seen to leave the scheduler: no freed capacity to hand ou
 NONE_WAITING = ("no request was waiting for the engine when it left ({waiting} waiting at the sample before): a watch "
                 "sends no probe, so when its freed capacity was handed out again is not measured")
 ITSELF_WAITING = "it was itself waiting for the engine when it left: it held no place to hand out"
-NOT_FULL = ("request {queued} waited {ms:.0f} ms with the engine stepping {steps} time(s): too briefly to show the "
-            "engine was full")
+NOT_FULL = ("request {queued} was seen waiting {ms:.0f} ms with the engine stepping {steps} time(s): too briefly to "
+            "show the engine was full")
 NONE_GOT_IN = ("request {queued}, the first waiting behind it, did not get its first token between its leaving and "
                "the grace's end")
 OTHERS_LEFT = ("request {queued} waited and got in {ms:.0f} ms after the stop, but {others} left the engine in the "
@@ -50,12 +50,19 @@ def queued_behind(c: VllmCase, v: CancelVerdict) -> None:
     k = waiters[-1]  # the oldest: the next let in
     queued, t_first, sent = str(r.ids[k]), float(r.first[k]), float(r.sent[k])
     ms = 1000 * (t_first - c.t_stop)
-    span = (times >= sent) & (np.arange(len(times)) <= i_in)
+    # the unbroken run of samples with a request waiting, up to the last one holding the cancel, from the waiter's
+    # send on: a request takes a moment to reach the engine's queue through the hops, and the samples before it
+    # did show none waiting
     with np.errstate(invalid="ignore"):
-        steps = int((np.diff(c.sched["gen_tokens"][span]) > 0).sum())
-        waited = bool(span.any()) and bool((c.sched["waiting"][span] >= 0.5).all())
-    if not waited or steps < FULL_STEPS:
-        return _open(v, NOT_FULL.format(queued=queued, ms=1000 * (float(times[i_in]) - sent), steps=steps))
+        waiting = c.sched["waiting"][: i_in + 1] >= 0.5
+    first = int(np.searchsorted(times, sent, side="left"))
+    gaps = np.nonzero(~waiting[first:])[0]
+    start = first + (int(gaps[-1]) + 1 if len(gaps) else 0)
+    with np.errstate(invalid="ignore"):
+        steps = int((np.diff(c.sched["gen_tokens"][start: i_in + 1]) > 0).sum())
+    if start > i_in or steps < FULL_STEPS:
+        held = 1000 * (float(times[i_in]) - float(times[min(start, i_in)])) if start <= i_in else 0.0
+        return _open(v, NOT_FULL.format(queued=queued, ms=held, steps=steps))
     since = max(float(times[i_in]), c.t_abort if c.t_abort is not None else -math.inf)
     if not since < t_first <= t_left + c.grace_s:
         return _open(v, NONE_GOT_IN.format(queued=queued))
