@@ -116,25 +116,23 @@ class _Tap:
     ends: dict  # (conn, seq) -> t_s
 
 
-# a page's or an app's report to cancelwatch (analysis/page_stops.py) passes a tap as a request: it is none, read
-# or not (a body cut short, a path the tap's table does not hold: collectors/sources/tap.py REPORTS)
-REPORTS = ("page_stop", "app_receipt")
+# a page's or an app's report to cancelwatch (analysis/page_stops.py) passes a tap as a request to a path under
+# this one: it is none, whether the tap read the report or not (a body cut short, a path its table does not hold:
+# collectors/sources/tap.py REPORTS)
 REPORT_PATHS = "/cancelwatch/"
 
 
 def _taps(run: Run) -> dict[str, _Tap]:
-    ev = run.events_of("tap_request", "tap_closed", "tap_response_end", *REPORTS)
-    rows = {"tap_request": [], "tap_closed": [], "tap_response_end": [], **{k: [] for k in REPORTS}}
+    ev = run.events_of("tap_request", "tap_closed", "tap_response_end")
+    rows = {"tap_request": [], "tap_closed": [], "tap_response_end": []}
     for kind, rid, t, raw in zip(ev["kind"], ev["request_id"], ev["t_s"], ev["data"]) if len(ev) else ():
         d = json.loads(raw) if isinstance(raw, str) else (raw or {})
         rows[kind].append((d.get("hop"), None if pd.isna(rid) else rid, float(t), d))
     out: dict[str, _Tap] = {}
-    reports = {(h, d.get("conn"), d.get("seq")) for k in REPORTS for h, _, _, d in rows[k]}
     for hop in {r[0] for rs in rows.values() for r in rs}:
         reqs = pd.DataFrame([(t, rid, d.get("conn"), d.get("seq"), d.get("method"))
                              for h, rid, t, d in rows["tap_request"]
-                             if h == hop and (h, d.get("conn"), d.get("seq")) not in reports
-                             and REPORT_PATHS not in str(d.get("path") or "")],
+                             if h == hop and REPORT_PATHS not in str(d.get("path") or "")],
                             columns=["t_s", "request_id", "conn", "seq", "method"]).sort_values("t_s")
         closes: dict = {}
         for h, _, t, d in rows["tap_closed"]:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from importlib.util import find_spec
 
-# extra -> (the modules it brings that a command imports, what they are for). The Triton family's extra is
-# named in its own driver (collectors/cancels/triton_driver.py): a family's name is written in its modules only
+# extra -> (the modules it brings that a command imports, what they are for). report --html asks for the
+# [dashboard] extra's plotly and tsdownsample where it runs (cancelwatch/report_commands.py); the Triton family's
+# extra is named in its own driver (collectors/cancels/triton_driver.py): a family's name is written in its modules
 EXTRAS = {
-    "dashboard": (("streamlit", "plotly", "tsdownsample"), "the page and report --html"),
     "notebooks": (("papermill", "nbconvert", "nbformat", "plotly", "tsdownsample"), "the notebooks"),
 }
 
