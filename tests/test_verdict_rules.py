@@ -328,6 +328,20 @@ def test_a_vllm_run_reaches_its_rule(code):
     carries_its_rule(v)
 
 
+@pytest.mark.parametrize("outside", ["finished_on_its_own", "already_finished"])
+def test_a_request_stopped_in_its_last_tokens_that_left_with_no_abort_ran_them_out(outside):
+    """Gone at the first sample after the stop, or before it (the engine ran ahead of its client): outside its
+    last tokens the rule of its own; within them the completion won the race, counted apart as a race (CI: the
+    default suite's race through a tap, gone 30 ms after the stop with 1 token left)."""
+    (far,) = judge_run(VLLM_RUNS[outside]())
+    (near,) = judge_run(near_the_end(VLLM_RUNS[outside](), left=1))
+    assert far.rule == outside and not far.evidence.race, (far.rule, far.evidence.race)
+    assert near.rule == "ran_out_its_last_tokens", (near.verdict, near.rule, near.evidence.why)
+    assert "ran its last 1 token(s) out" in near.evidence.why
+    assert ("before the stop" in near.evidence.why) == (outside == "already_finished"), near.evidence.why
+    carries_its_rule(near)
+
+
 @pytest.mark.parametrize("code", sorted(TRITON_RUNS))
 def test_the_triton_suite_with_its_evidence_changed_reaches_the_rule(suite, code):
     scenario, changes = TRITON_RUNS[code]

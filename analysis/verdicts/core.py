@@ -259,8 +259,7 @@ RULES: dict[str, Rule] = {
                                 "stop, with no abort in its log: it had finished on its own as the cancel came, "
                                 f"{NOTHING_TO_SHOW}"),
     "ran_out_its_last_tokens": Rule(INCONCLUSIVE, "the completion won the race: no abort in the engine log, and the "
-                                    "request ran its last {remaining} token(s) out, leaving {after_ms:.0f} ms after "
-                                    "the stop", race=True),
+                                    "request ran its last {remaining} token(s) out, {left}", race=True),
     "no_abort_ran_to_end": Rule(LEAKED, "the cancel never reached the engine: no abort for this request in the "
                                 "engine's log, and it kept running {kept_ms:.0f} ms after the stop and left only at "
                                 "its natural end"),

@@ -207,10 +207,10 @@ def left_on_its_own_or_stayed(c: VllmCase) -> CancelVerdict:
         # only the engine counting it after the stop shows it was still there
         first = np.nonzero(still & (times[refreshed_after] <= c.t_stop + c.grace_s))[0]
         if not len(first):
-            return c.verdict("already_finished")
+            return _ran_out(c, None) if c.ev.race else c.verdict("already_finished")
         refreshed_after, still = refreshed_after[first[0]:], still[first[0]:]
         run3 = _three_without(still)
-    elif not still[0] and run3[0]:
+    elif not still[0] and run3[0] and not c.ev.race:
         return c.verdict("finished_on_its_own")
     gone = refreshed_after[run3]
     if not len(gone):
@@ -242,9 +242,20 @@ def left_on_its_own_or_stayed(c: VllmCase) -> CancelVerdict:
     if c.ev.race:
         # a few tokens before the end, a request that ran them out looks the same whether the cancel
         # was lost or only too late: neither can be shown
-        return c.verdict("ran_out_its_last_tokens", remaining=c.remaining, after_ms=1000 * (times[gone[0]] - c.t_stop))
+        return _ran_out(c, float(times[gone[0]]))
     c.ev.kept_running_ms = round((times[gone[0]] - c.t_stop) * 1000, 1)
     return c.verdict("no_abort_ran_to_end", kept_ms=c.ev.kept_running_ms)
+
+
+def _ran_out(c: VllmCase, t_gone: float | None) -> CancelVerdict:
+    """A request stopped within its last tokens that left with no abort in the log ran them out: the completion
+    won the race, whether the samples saw it gone before the stop (the engine ran ahead of its client), at the
+    first sample after it, or later. A lost cancel and one that came too late look the same there."""
+    if t_gone is None:
+        left = "before the stop: the engine had finished it while its last tokens were on their way to the client"
+    else:
+        left = f"gone from the engine {1000 * (t_gone - c.t_stop):.0f} ms after the stop"
+    return c.verdict("ran_out_its_last_tokens", remaining=c.remaining, left=left)
 
 
 def ran_ahead_without_log(c: VllmCase) -> CancelVerdict | None:
