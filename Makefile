@@ -167,7 +167,7 @@ sample-run: venv engine-venv
 	$(CW) engine up --port $(SAMPLE_PORT) && \
 	$(CW) record --target http://127.0.0.1:$(SAMPLE_PORT) --scenario $(SAMPLE_SCENARIOS) --store runs/sample-new.db \
 	  --name sample
-	$(VENV)/bin/python -m runstore.compact runs/sample-new.db dashboard/sample/sample.db
+	$(VENV)/bin/python -m cancelwatch.runstore.compact runs/sample-new.db dashboard/sample/sample.db
 	rm -f runs/sample-new.db runs/sample-new.db-wal runs/sample-new.db-shm
 
 dashboard: venv

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import plotly.graph_objects as go
 
-from analysis.facts import kv_pool, scheduler_targets
-from analysis.series import sample_period
-from analysis.traces import GiB, Trace, memory_traces, metric_traces
-from runstore.reader import Run
+from cancelwatch.analysis.facts import kv_pool, scheduler_targets
+from cancelwatch.analysis.series import sample_period
+from cancelwatch.analysis.traces import GiB, Trace, memory_traces, metric_traces
+from cancelwatch.runstore.reader import Run
 
 KV_USED, KV_FREE, WEIGHTS, OTHER = "KV pool: used", "KV pool: free", "weights", "other"
 PARTS = (OTHER, WEIGHTS, KV_USED, KV_FREE)  # bottom to top: a cancel empties the top of the stack

@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pandas as pd
 
-from analysis.evidence import count_reading_text
-from analysis.verdicts import LATENCIES, STOP_TO_ABORT, CancelVerdict, latency_label, ledger_by_scenario
-from runstore.reader import Run
+from cancelwatch.analysis.evidence import count_reading_text
+from cancelwatch.analysis.verdicts import LATENCIES, STOP_TO_ABORT, CancelVerdict, latency_label, ledger_by_scenario
+from cancelwatch.runstore.reader import Run
 
 VERDICT_COLOURS = {
     "released": "#1a9850",

@@ -8,9 +8,9 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from analysis.facts import kv_pool, scheduler_targets
-from analysis.series import sample_period, series_frame, time_weights, weighted_quantile
-from runstore.reader import Run
+from cancelwatch.analysis.facts import kv_pool, scheduler_targets
+from cancelwatch.analysis.series import sample_period, series_frame, time_weights, weighted_quantile
+from cancelwatch.runstore.reader import Run
 
 
 def time_with_waiting(run: Run, target: str) -> tuple[float, float]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from analysis.cancel_table import release_latencies_ms, verdict_counts
-from analysis.capacity import capacity
-from analysis.facts import run_facts
-from analysis.verdicts import CancelVerdict, neighbours_ok
-from runstore.reader import Run
+from cancelwatch.analysis.cancel_table import release_latencies_ms, verdict_counts
+from cancelwatch.analysis.capacity import capacity
+from cancelwatch.analysis.facts import run_facts
+from cancelwatch.analysis.verdicts import CancelVerdict, neighbours_ok
+from cancelwatch.runstore.reader import Run
 
 
 def _quantile(a: np.ndarray, q: float) -> float | None:

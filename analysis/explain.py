@@ -7,10 +7,10 @@ import math
 
 import numpy as np
 
-from analysis.cancel_table import verdict_counts
-from analysis.traces import GiB, memory_traces, metric_traces
-from analysis.verdicts import LOST_CANCEL_RULES, TRITON, VLLM, CancelVerdict, family_of
-from runstore.reader import Run
+from cancelwatch.analysis.cancel_table import verdict_counts
+from cancelwatch.analysis.traces import GiB, memory_traces, metric_traces
+from cancelwatch.analysis.verdicts import LOST_CANCEL_RULES, TRITON, VLLM, CancelVerdict, family_of
+from cancelwatch.runstore.reader import Run
 
 WHAT = {"nvml": "GPU memory in use", "process": "the engine's memory", "none": "memory"}
 # the rules of a vLLM cancel that never reached the engine (no abort in its log)

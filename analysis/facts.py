@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from datetime import datetime, timezone
 
-from analysis.summary import sampling_stats
-from analysis.verdicts import TRITON, VLLM, family_of, log_clocks
-from runstore.reader import Run
-from runstore.records import DriveSettings
+from cancelwatch.analysis.summary import sampling_stats
+from cancelwatch.analysis.verdicts import TRITON, VLLM, family_of, log_clocks
+from cancelwatch.runstore.reader import Run
+from cancelwatch.runstore.records import DriveSettings
 
 # the series the dashboard, the report and the notebooks read; load_run(metrics=...) takes only these
 VIEW_METRICS = (

@@ -22,7 +22,7 @@ import numpy as np
 
 import pandas as pd
 
-from analysis.bounds import GHOST_HOLD_S
+from cancelwatch.analysis.bounds import GHOST_HOLD_S
 
 
 

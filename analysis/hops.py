@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 
 import pandas as pd
 
-from runstore.reader import Run
+from cancelwatch.runstore.reader import Run
 
 # two requests sent this close together cannot be told apart by their arrival order at a tap
 AMBIGUOUS_S = 0.05

@@ -9,15 +9,15 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
-from analysis.anatomy import cancel_summary, summary_figure
-from analysis.cancel_table import VERDICT_COLOURS, cancel_table, cancel_window
-from analysis.capacity import capacity, capacity_figure, capacity_frame
-from analysis.explain import memory_story, pick_story_cancel
-from analysis.facts import run_facts
-from analysis.ghosts import GHOST_CAPTION, ghost_headline, ghost_view
-from analysis.timeline import timeline_figure
-from analysis.verdicts import CancelVerdict, ghosts_of
-from runstore.reader import Run
+from cancelwatch.analysis.anatomy import cancel_summary, summary_figure
+from cancelwatch.analysis.cancel_table import VERDICT_COLOURS, cancel_table, cancel_window
+from cancelwatch.analysis.capacity import capacity, capacity_figure, capacity_frame
+from cancelwatch.analysis.explain import memory_story, pick_story_cancel
+from cancelwatch.analysis.facts import run_facts
+from cancelwatch.analysis.ghosts import GHOST_CAPTION, ghost_headline, ghost_view
+from cancelwatch.analysis.timeline import timeline_figure
+from cancelwatch.analysis.verdicts import CancelVerdict, ghosts_of
+from cancelwatch.runstore.reader import Run
 
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }

@@ -10,12 +10,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
-from analysis.facts import VIEW_METRICS
-from analysis.long_runs import is_long, long_run_verdicts
-from analysis.verdicts import CancelVerdict, judge_run
-from analysis.watching import LOOKBACK_S
-from runstore import reader
-from runstore.reader import Run
+from cancelwatch.analysis.facts import VIEW_METRICS
+from cancelwatch.analysis.long_runs import is_long, long_run_verdicts
+from cancelwatch.analysis.verdicts import CancelVerdict, judge_run
+from cancelwatch.analysis.watching import LOOKBACK_S
+from cancelwatch.runstore import reader
+from cancelwatch.runstore.reader import Run
 
 
 class JudgedRun(NamedTuple):

@@ -12,11 +12,11 @@ from collections.abc import Callable
 
 import pandas as pd
 
-from analysis.rows import frame_rows
-from analysis.verdicts import CancelVerdict, run_grace_s
-from analysis.verdicts.stored import usable
-from analysis.watching import ENTRY_WAIT_S, NOT_YET_ENTERED, judge_cancels, left_seen, scenario_end_after, window_of
-from runstore.reader import Run
+from cancelwatch.analysis.rows import frame_rows
+from cancelwatch.analysis.verdicts import CancelVerdict, run_grace_s
+from cancelwatch.analysis.verdicts.stored import usable
+from cancelwatch.analysis.watching import ENTRY_WAIT_S, NOT_YET_ENTERED, judge_cancels, left_seen, scenario_end_after, window_of
+from cancelwatch.runstore.reader import Run
 
 LONG_RUN_S = 3 * 3600.0  # a run longer than this is drawn from its overview: its samples take longer to read
 # `record`'s own report, at its end, reads a run longer than this from its overview and the verdicts its live judge

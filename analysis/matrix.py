@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from analysis.verdicts import CancelVerdict, judge_run, run_grace_s
-from analysis.verdicts.core import INCONCLUSIVE
-from runstore.reader import Run
+from cancelwatch.analysis.verdicts import CancelVerdict, judge_run, run_grace_s
+from cancelwatch.analysis.verdicts.core import INCONCLUSIVE
+from cancelwatch.runstore.reader import Run
 
 DIRECT = "direct"
 

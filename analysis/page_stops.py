@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from runstore.reader import Run
+from cancelwatch.runstore.reader import Run
 
 PAGE_STOP = "page_stop"  # the event kind a tap writes for a page's report
 APP_RECEIPT = "app_receipt"  # and for an app's report of its client leaving

@@ -19,10 +19,10 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from analysis.evidence import count_reading_text
-from analysis.facts import run_facts
-from analysis.summary import key_figures
-from analysis.verdicts import (
+from cancelwatch.analysis.evidence import count_reading_text
+from cancelwatch.analysis.facts import run_facts
+from cancelwatch.analysis.summary import key_figures
+from cancelwatch.analysis.verdicts import (
     LATENCIES,
     POINT_LABELS,
     RULES,
@@ -35,8 +35,8 @@ from analysis.verdicts import (
     latency_label,
     run_grace_s,
 )
-from runstore.reader import Run
-from runstore.records import DriveSettings
+from cancelwatch.runstore.reader import Run
+from cancelwatch.runstore.records import DriveSettings
 
 VERDICT_TEXT = {
     "released": "released: left the scheduler within the grace window",

@@ -9,8 +9,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from analysis.verdicts import CancelVerdict
-from runstore.reader import Run
+from cancelwatch.analysis.verdicts import CancelVerdict
+from cancelwatch.runstore.reader import Run
 
 SERIES = (("requests_running", "running requests"), ("kv_cache_usage_ratio", "KV-cache usage"))
 

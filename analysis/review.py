@@ -10,15 +10,15 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from analysis.anatomy import cancel_summary
-from analysis.cancel_table import cancel_table, release_latencies_ms, verdict_counts
-from analysis.capacity import capacity, capacity_figure, capacity_frame, fleet_frame, gpu_memory_frame
-from analysis.compare import compare_runs
-from analysis.explain import memory_story, pick_story_cancel
-from analysis.facts import VIEW_METRICS
-from analysis.judged import judged_run
-from analysis.verdicts import CancelVerdict
-from runstore.reader import Run, StoreError
+from cancelwatch.analysis.anatomy import cancel_summary
+from cancelwatch.analysis.cancel_table import cancel_table, release_latencies_ms, verdict_counts
+from cancelwatch.analysis.capacity import capacity, capacity_figure, capacity_frame, fleet_frame, gpu_memory_frame
+from cancelwatch.analysis.compare import compare_runs
+from cancelwatch.analysis.explain import memory_story, pick_story_cancel
+from cancelwatch.analysis.facts import VIEW_METRICS
+from cancelwatch.analysis.judged import judged_run
+from cancelwatch.analysis.verdicts import CancelVerdict
+from cancelwatch.runstore.reader import Run, StoreError
 
 
 @dataclass

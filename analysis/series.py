@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pandas as pd
 
-from runstore.reader import Run
+from cancelwatch.runstore.reader import Run
 
 SERIES_COLUMNS = ["scrape_id", "t_s", "source", "target", "value"]
 SCHEDULER_COLUMNS = ["t_s", "running", "waiting", "count", "kv", "gen_tokens", "prefix_hits", "preemptions",

@@ -6,8 +6,8 @@ import math
 
 import pandas as pd
 
-from analysis.series import series_frame
-from runstore.reader import Run
+from cancelwatch.analysis.series import series_frame
+from cancelwatch.runstore.reader import Run
 
 KEY_SERIES = {
     "requests_running": "max",

@@ -16,13 +16,13 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 from tsdownsample import MinMaxLTTBDownsampler
 
-from analysis.anatomy import PART_STYLE, PARTS, memory_anatomy
-from analysis.cancel_table import VERDICT_COLOURS
-from analysis.facts import scheduler_targets
-from analysis.series import sample_period
-from analysis.traces import GiB, Trace, memory_traces, metric_traces
-from analysis.verdicts import POINT_LABELS, TIMEPOINTS, CancelVerdict
-from runstore.reader import Run
+from cancelwatch.analysis.anatomy import PART_STYLE, PARTS, memory_anatomy
+from cancelwatch.analysis.cancel_table import VERDICT_COLOURS
+from cancelwatch.analysis.facts import scheduler_targets
+from cancelwatch.analysis.series import sample_period
+from cancelwatch.analysis.traces import GiB, Trace, memory_traces, metric_traces
+from cancelwatch.analysis.verdicts import POINT_LABELS, TIMEPOINTS, CancelVerdict
+from cancelwatch.runstore.reader import Run
 
 MAX_POINTS = 1500
 MAX_SHADED_GAPS = 200

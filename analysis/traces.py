@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from analysis.facts import memory_source
-from analysis.series import series_frame
-from runstore.reader import Run
+from cancelwatch.analysis.facts import memory_source
+from cancelwatch.analysis.series import series_frame
+from cancelwatch.runstore.reader import Run
 
 GiB = 1024**3
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 
-from analysis.bounds import BEFORE_S, ENTRY_WAIT_S, SETTLE_S
-from analysis.verdicts import HORIZON_S, SEEN_LEAVING, CancelVerdict, judge_run, left_seen_at
-from runstore.reader import Run
+from cancelwatch.analysis.bounds import BEFORE_S, ENTRY_WAIT_S, SETTLE_S
+from cancelwatch.analysis.verdicts import HORIZON_S, SEEN_LEAVING, CancelVerdict, judge_run, left_seen_at
+from cancelwatch.runstore.reader import Run
 
 # the ledger rows and engine-log events a cancel's window also reads from before it: a request cancelled
 # earlier with no abort may still be in the engine (the rules' own horizon)

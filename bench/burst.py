@@ -32,11 +32,11 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from analysis.series import series_frame  # noqa: E402
-from collectors.engines import lifecycle  # noqa: E402
-from collectors.engines import vllm_server as engine_mod  # noqa: E402
-from collectors.sources.vllm import SOURCE_NAME as VLLM_SOURCE  # noqa: E402
-from runstore.reader import load_run  # noqa: E402
+from cancelwatch.analysis.series import series_frame  # noqa: E402
+from cancelwatch.collectors.engines import lifecycle  # noqa: E402
+from cancelwatch.collectors.engines import vllm_server as engine_mod  # noqa: E402
+from cancelwatch.collectors.sources.vllm import SOURCE_NAME as VLLM_SOURCE  # noqa: E402
+from cancelwatch.runstore.reader import load_run  # noqa: E402
 
 MODES = [("20 Hz flat", ["--hz", "20"]), ("100 Hz flat", ["--hz", "100"]),
          ("20 + 100 burst", ["--hz", "20", "--burst-hz", "100", "--burst-window", "2s"])]

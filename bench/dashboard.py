@@ -26,20 +26,20 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from analysis.cancel_table import cancel_table, cancel_window  # noqa: E402
-from analysis.capacity import capacity  # noqa: E402
-from analysis.explain import memory_story, pick_story_cancel  # noqa: E402
-from analysis.facts import VIEW_METRICS, run_facts  # noqa: E402
-from analysis.anatomy import cancel_summary  # noqa: E402
-from analysis.judged import judged_run  # noqa: E402
-from analysis.long_runs import is_long, long_run_verdicts  # noqa: E402
-from analysis.timeline import timeline_figure  # noqa: E402
-from analysis.verdicts import ghosts_of  # noqa: E402
-from analysis.verdicts.stored import judged_by, stored  # noqa: E402
-from analysis.watching import LOOKBACK_S  # noqa: E402
+from cancelwatch.analysis.cancel_table import cancel_table, cancel_window  # noqa: E402
+from cancelwatch.analysis.capacity import capacity  # noqa: E402
+from cancelwatch.analysis.explain import memory_story, pick_story_cancel  # noqa: E402
+from cancelwatch.analysis.facts import VIEW_METRICS, run_facts  # noqa: E402
+from cancelwatch.analysis.anatomy import cancel_summary  # noqa: E402
+from cancelwatch.analysis.judged import judged_run  # noqa: E402
+from cancelwatch.analysis.long_runs import is_long, long_run_verdicts  # noqa: E402
+from cancelwatch.analysis.timeline import timeline_figure  # noqa: E402
+from cancelwatch.analysis.verdicts import ghosts_of  # noqa: E402
+from cancelwatch.analysis.verdicts.stored import judged_by, stored  # noqa: E402
+from cancelwatch.analysis.watching import LOOKBACK_S  # noqa: E402
 from bench.synthetic import write_synthetic_run  # noqa: E402
-from runstore.reader import load_overview, load_run, load_window, overview_span_s  # noqa: E402
-from runstore.writer import open_store, write_verdicts  # noqa: E402
+from cancelwatch.runstore.reader import load_overview, load_run, load_window, overview_span_s  # noqa: E402
+from cancelwatch.runstore.writer import open_store, write_verdicts  # noqa: E402
 
 
 def open_page(path: Path, rid: int, long_after: float | None):

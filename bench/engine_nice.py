@@ -31,11 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.watch import wait_listening  # noqa: E402
-from collectors.cancels.load import served_model  # noqa: E402
-from collectors.engines import lifecycle, vllm_server  # noqa: E402
-from collectors.engines.lifecycle import free_port  # noqa: E402
-from collectors.families import family_for_target  # noqa: E402
-from runstore.reader import load_run  # noqa: E402
+from cancelwatch.collectors.cancels.load import served_model  # noqa: E402
+from cancelwatch.collectors.engines import lifecycle, vllm_server  # noqa: E402
+from cancelwatch.collectors.engines.lifecycle import free_port  # noqa: E402
+from cancelwatch.collectors.families import family_for_target  # noqa: E402
+from cancelwatch.runstore.reader import load_run  # noqa: E402
 
 
 def schedstat(pid: int) -> tuple[float, float]:

@@ -37,16 +37,23 @@ ROWS = (("page_s", "dashboard opens the hour's run (200 cancels), s", 2.0),
 def measure(tree: Path, page_store: Path, whole_store: Path, repeats: int) -> dict:
     """The figures of the code in `tree`, on the two stores (run id 1 each)."""
     sys.path.insert(0, str(tree))
+    import importlib
     import inspect
 
     import pandas as pd
 
-    from analysis.facts import VIEW_METRICS
-    from analysis.long_runs import long_run_verdicts
-    from analysis.verdicts import judge_run
-    from analysis.watching import LOOKBACK_S
     from bench.dashboard import open_page
-    from runstore.reader import load_overview, load_run, load_window
+
+    # a tree from before one namespace imports its parts by their bare names (analysis, runstore)
+    home = "cancelwatch." if "__path__" in (tree / "cancelwatch" / "__init__.py").read_text() else ""
+
+    def part(name: str):
+        return importlib.import_module(home + name)
+
+    VIEW_METRICS, long_run_verdicts = part("analysis.facts").VIEW_METRICS, part("analysis.long_runs").long_run_verdicts
+    judge_run, LOOKBACK_S = part("analysis.verdicts").judge_run, part("analysis.watching").LOOKBACK_S
+    reader = part("runstore.reader")
+    load_overview, load_run, load_window = reader.load_overview, reader.load_run, reader.load_window
 
     out = {"page_s": min(open_page(page_store, 1, None)[4][-2] for _ in range(repeats))}  # its total
     best = None

@@ -29,11 +29,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from collectors.cancels.load import make_prompt, served_model  # noqa: E402
-from collectors.engines import lifecycle  # noqa: E402
-from collectors.engines import vllm_server as engine_mod  # noqa: E402
-from runstore.errors import StoreError  # noqa: E402
-from runstore.reader import load_run  # noqa: E402
+from cancelwatch.collectors.cancels.load import make_prompt, served_model  # noqa: E402
+from cancelwatch.collectors.engines import lifecycle  # noqa: E402
+from cancelwatch.collectors.engines import vllm_server as engine_mod  # noqa: E402
+from cancelwatch.runstore.errors import StoreError  # noqa: E402
+from cancelwatch.runstore.reader import load_run  # noqa: E402
 
 REQUEST_TIMEOUT_S = 120.0
 

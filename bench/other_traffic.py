@@ -31,12 +31,12 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from analysis.verdicts import judge_run  # noqa: E402
-from analysis.verdicts.vllm_case import VllmCase  # noqa: E402
-from collectors.cancels.load import make_prompt  # noqa: E402
-from collectors.engines import lifecycle  # noqa: E402
-from collectors.engines import vllm_server as engine_mod  # noqa: E402
-from runstore.reader import load_run  # noqa: E402
+from cancelwatch.analysis.verdicts import judge_run  # noqa: E402
+from cancelwatch.analysis.verdicts.vllm_case import VllmCase  # noqa: E402
+from cancelwatch.collectors.cancels.load import make_prompt  # noqa: E402
+from cancelwatch.collectors.engines import lifecycle  # noqa: E402
+from cancelwatch.collectors.engines import vllm_server as engine_mod  # noqa: E402
+from cancelwatch.runstore.reader import load_run  # noqa: E402
 from tests.proxies import ProxyBehaviour  # noqa: E402
 
 MAX_STREAMS = 900  # bounded: at one a second, a quarter of an hour

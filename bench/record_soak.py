@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.watch_soak import TICKS_PER_HOUR, cli_argv, free_port, print_memory, start_fixture, tidy  # noqa: E402
-from collectors.sources.vllm import SOURCE_NAME  # noqa: E402
-from runstore.reader import load_overview, load_verdicts, resolve_run_id  # noqa: E402
+from cancelwatch.collectors.sources.vllm import SOURCE_NAME  # noqa: E402
+from cancelwatch.runstore.reader import load_overview, load_verdicts, resolve_run_id  # noqa: E402
 
 # the fixture sends 40 chunks a stream, one every 20 ms: the trigger and the neighbour fit inside it
 SUITE = """

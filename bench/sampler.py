@@ -23,12 +23,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from collectors.engines import lifecycle  # noqa: E402
-from collectors.engines import vllm_server as engine_mod  # noqa: E402
-from collectors.recording.sampler import Sampler  # noqa: E402
-from collectors.sources.process_memory import ProcessMemorySource  # noqa: E402
-from collectors.sources.vllm import VllmMetricsSource  # noqa: E402
-from runstore.writer import StoreWriter, create_run, finish_run, open_store  # noqa: E402
+from cancelwatch.collectors.engines import lifecycle  # noqa: E402
+from cancelwatch.collectors.engines import vllm_server as engine_mod  # noqa: E402
+from cancelwatch.collectors.recording.sampler import Sampler  # noqa: E402
+from cancelwatch.collectors.sources.process_memory import ProcessMemorySource  # noqa: E402
+from cancelwatch.collectors.sources.vllm import VllmMetricsSource  # noqa: E402
+from cancelwatch.runstore.writer import StoreWriter, create_run, finish_run, open_store  # noqa: E402
 
 
 def start_load(url: str, seconds: float) -> subprocess.Popen:

@@ -23,9 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from collectors.cancels.load import run_streams  # noqa: E402
-from collectors.engines import lifecycle  # noqa: E402
-from collectors.engines import vllm_server as engine_mod  # noqa: E402
+from cancelwatch.collectors.cancels.load import run_streams  # noqa: E402
+from cancelwatch.collectors.engines import lifecycle  # noqa: E402
+from cancelwatch.collectors.engines import vllm_server as engine_mod  # noqa: E402
 
 STREAMS, PROMPT_TOKENS, MAX_TOKENS = 6, 1450, 50
 

@@ -31,10 +31,10 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from collectors.engines import lifecycle  # noqa: E402
-from collectors.engines import vllm_server as engine_mod  # noqa: E402
-from analysis.verdicts.stored import usable  # noqa: E402
-from runstore.reader import load_run, load_verdicts  # noqa: E402
+from cancelwatch.collectors.engines import lifecycle  # noqa: E402
+from cancelwatch.collectors.engines import vllm_server as engine_mod  # noqa: E402
+from cancelwatch.analysis.verdicts.stored import usable  # noqa: E402
+from cancelwatch.runstore.reader import load_run, load_verdicts  # noqa: E402
 
 SUITE = """
 [[scenario]]

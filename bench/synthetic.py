@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from collectors.sources.vllm import SOURCE_NAME as VLLM_SOURCE
-from runstore.records import EventRecord, GapRecord, LedgerRecord
-from runstore.writer import (
+from cancelwatch.collectors.sources.vllm import SOURCE_NAME as VLLM_SOURCE
+from cancelwatch.runstore.records import EventRecord, GapRecord, LedgerRecord
+from cancelwatch.runstore.writer import (
     create_run,
     finish_run,
     open_store,

@@ -24,7 +24,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from collectors.sources.tap import TapSource, parse_hop  # noqa: E402
+from cancelwatch.collectors.sources.tap import TapSource, parse_hop  # noqa: E402
 
 PAD = b"x" * 120  # an SSE event of a token is ~150 bytes
 

@@ -28,10 +28,10 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from collectors.cancels.load import run_streams, served_model  # noqa: E402
-from collectors.engines import lifecycle  # noqa: E402
-from collectors.engines.lifecycle import free_port  # noqa: E402
-from collectors.engines import vllm_server  # noqa: E402
+from cancelwatch.collectors.cancels.load import run_streams, served_model  # noqa: E402
+from cancelwatch.collectors.engines import lifecycle  # noqa: E402
+from cancelwatch.collectors.engines.lifecycle import free_port  # noqa: E402
+from cancelwatch.collectors.engines import vllm_server  # noqa: E402
 
 
 def wait_listening(port: int, limit_s: float = 120.0) -> None:

@@ -35,8 +35,8 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from collectors.sources.vllm import FAMILY, SOURCE_NAME  # noqa: E402
-from runstore.reader import load_overview, load_verdicts, resolve_run_id  # noqa: E402
+from cancelwatch.collectors.sources.vllm import FAMILY, SOURCE_NAME  # noqa: E402
+from cancelwatch.runstore.reader import load_overview, load_verdicts, resolve_run_id  # noqa: E402
 
 BODY = ROOT / "tests" / "fixtures" / FAMILY / "0.32" / "loaded.txt"
 TICKS_PER_HOUR = 20 * 3600

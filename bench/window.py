@@ -22,10 +22,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from analysis.watching import LOOKBACK_S, window_of  # noqa: E402
+from cancelwatch.analysis.watching import LOOKBACK_S, window_of  # noqa: E402
 from bench.synthetic import write_synthetic_run  # noqa: E402
-from runstore.reader import load_run, load_window  # noqa: E402
-from runstore.writer import drop_window_index  # noqa: E402
+from cancelwatch.runstore.reader import load_run, load_window  # noqa: E402
+from cancelwatch.runstore.writer import drop_window_index  # noqa: E402
 
 GRACE_S = 2.0
 

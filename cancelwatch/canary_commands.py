@@ -54,11 +54,11 @@ def one_round(family, target: str, scenarios, store: Path, hz: float, grace: flo
               engine_log_tz: str | None = None):
     """Record the scenarios once against `target`, of `family` (collectors/families.py); (run id, verdicts,
     exit status of the recording)."""
-    from analysis.verdicts import judge_run
-    from collectors.cancels.load import served_model
-    from collectors.recording.session import RecordSettings, parse_targets, record, scheduler_reader
-    from runstore.reader import load_run
-    from runstore.records import DriveSettings
+    from cancelwatch.analysis.verdicts import judge_run
+    from cancelwatch.collectors.cancels.load import served_model
+    from cancelwatch.collectors.recording.session import RecordSettings, parse_targets, record, scheduler_reader
+    from cancelwatch.runstore.reader import load_run
+    from cancelwatch.runstore.records import DriveSettings
 
     targets = parse_targets([metrics_url or target])
     model = served_model(target, auth=auth)
@@ -94,7 +94,7 @@ def canary(
     """Run a scenario set every --every, store each round as a run, serve the verdicts on /metrics."""
     from prometheus_client import start_http_server
 
-    from collectors.sources.credentials import CredentialError, api_key, auth_headers, split_userinfo
+    from cancelwatch.collectors.sources.credentials import CredentialError, api_key, auth_headers, split_userinfo
 
     try:
         given_target = target
@@ -103,12 +103,12 @@ def canary(
     except CredentialError as exc:
         raise fail(str(exc)) from None
 
-    from collectors.cancels.scenarios import ScenarioError
-    from collectors.families import family_for_target, refused_command
-    from collectors.recording.session import PreflightError, parse_targets
-    from collectors.sources.prometheus_api import parse_duration
-    from runstore.reader import list_runs
-    from runstore.writer import delete_runs, open_store
+    from cancelwatch.collectors.cancels.scenarios import ScenarioError
+    from cancelwatch.collectors.families import family_for_target, refused_command
+    from cancelwatch.collectors.recording.session import PreflightError, parse_targets
+    from cancelwatch.collectors.sources.prometheus_api import parse_duration
+    from cancelwatch.runstore.reader import list_runs
+    from cancelwatch.runstore.writer import delete_runs, open_store
 
     engine_log_zone(engine_log_tz)
     family = family_for_target(target)

@@ -23,9 +23,9 @@ from cancelwatch.console import (
 )
 from cancelwatch.live_judge import judging, recording_judge
 from cancelwatch.report_commands import FORMAT_HELP, checked_format, judged_run, print_as, report_exit
-from collectors.engines import lifecycle
-from collectors.engines import vllm_server as engine_mod
-from collectors.recording.session import (
+from cancelwatch.collectors.engines import lifecycle
+from cancelwatch.collectors.engines import vllm_server as engine_mod
+from cancelwatch.collectors.recording.session import (
     EXIT_FAILED,
     PreflightError,
     RecordSettings,
@@ -35,11 +35,11 @@ from collectors.recording.session import (
     record,
     scheduler_reader,
 )
-from collectors.sources.triton import FAMILY as TRITON_FAMILY
-from collectors.sources.vllm import FAMILY as VLLM_FAMILY
-from collectors.sources.vllm import SCRAPE_JOB
-from runstore.errors import StoreError
-from runstore.records import DriveSettings
+from cancelwatch.collectors.sources.triton import FAMILY as TRITON_FAMILY
+from cancelwatch.collectors.sources.vllm import FAMILY as VLLM_FAMILY
+from cancelwatch.collectors.sources.vllm import SCRAPE_JOB
+from cancelwatch.runstore.errors import StoreError
+from cancelwatch.runstore.records import DriveSettings
 
 
 def record_cmd(
@@ -80,8 +80,8 @@ def record_cmd(
     """Run scripted cancels while sampling; one run holds samples, ledger and events. Prints the report."""
     import httpx
 
-    from collectors.families import family_for_target, refused_option
-    from collectors.sources.credentials import (
+    from cancelwatch.collectors.families import family_for_target, refused_option
+    from cancelwatch.collectors.sources.credentials import (
         CredentialError,
         api_key,
         auth_headers,
@@ -116,7 +116,7 @@ def record_cmd(
     except CredentialError as exc:
         raise fail(str(exc)) from None
     auth = auth_headers(key, basic)
-    from collectors.cancels.scenarios import ScenarioError
+    from cancelwatch.collectors.cancels.scenarios import ScenarioError
 
     try:
         scenarios = family.scenarios(scenario)
@@ -127,10 +127,10 @@ def record_cmd(
         return RECORDERS[family.name](family, scenarios, target, metrics_url, http_url, hz, nvml, store, name, pid,
                                       lost_after, engine_log, grace, fmt)
 
-    from collectors.cancels.load import served_model
-    from collectors.recording.session import discover_targets
-    from collectors.sources.process_memory import ProcessMemorySource
-    from collectors.sources.vllm import VllmMetricsSource
+    from cancelwatch.collectors.cancels.load import served_model
+    from cancelwatch.collectors.recording.session import discover_targets
+    from cancelwatch.collectors.sources.process_memory import ProcessMemorySource
+    from cancelwatch.collectors.sources.vllm import VllmMetricsSource
 
     found: list[str] = []
     taps: list = []
@@ -233,7 +233,7 @@ def record_cmd(
 def counted_clients(sampler, target: str):
     """A count of what reaches the clients of the engine labelled `target`, sampled from now on
     (collectors/sources/clients.py): what the tokens made for nobody are read against."""
-    from collectors.sources.clients import ClientsSource
+    from cancelwatch.collectors.sources.clients import ClientsSource
 
     src = ClientsSource(target)
     sampler.add_source(src)
@@ -242,8 +242,8 @@ def counted_clients(sampler, target: str):
 
 def taps_of(given: list[str], scenario: str) -> list:
     """The hops of --hop, else of the scenario file's [[hop]] tables; one line and exit 2 for a bad one or both."""
-    from collectors.cancels.scenarios import ScenarioError, load_hops
-    from collectors.sources.tap import TapError, parse_hop
+    from cancelwatch.collectors.cancels.scenarios import ScenarioError, load_hops
+    from cancelwatch.collectors.sources.tap import TapError, parse_hop
 
     try:
         in_file = load_hops(scenario)
@@ -264,7 +264,7 @@ def record_triton(family, scenarios: list, target: str, metrics_url: str | None,
                   nvml: str, store: Path, name: str | None, pid: list[int] | None, lost_after: float,
                   engine_log: Path | None, grace: float, fmt: str = "table") -> None:
     """`record` against Triton: the Triton scenarios over gRPC (and HTTP for the timeout case)."""
-    from collectors.recording.triton_session import endpoints
+    from cancelwatch.collectors.recording.triton_session import endpoints
 
     try:
         ep = endpoints(target, metrics_url, http_url, home_dir())
@@ -322,8 +322,8 @@ def report_recorded(store: Path, result, grace: float, fmt: str = "table") -> No
     recording's failure code, else
     the report's (0 accepted, 1 not). A run longer than RECORDED_LONG_S is reported from its overview and the
     verdicts its live judge kept (those it had not judged yet, each on its own window), never read whole."""
-    from analysis.long_runs import RECORDED_LONG_S
-    from analysis.verdicts import report_document
+    from cancelwatch.analysis.long_runs import RECORDED_LONG_S
+    from cancelwatch.analysis.verdicts import report_document
 
     recorded, verdicts = judged_run(store, result.run_id, grace, keep=True, long_run_s=RECORDED_LONG_S)
     doc = report_document(recorded, verdicts=verdicts)

@@ -18,7 +18,7 @@ from cancelwatch import canary_commands, cancel_commands, matrix_commands, repor
 from cancelwatch.console import EXIT_USAGE, fail
 from cancelwatch.engine_commands import engine_app
 from cancelwatch.import_commands import import_app
-from runstore.errors import StoreError
+from cancelwatch.runstore.errors import StoreError
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="cancelwatch: does a cancelled LLM request really leave the engine?")

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from collectors.recording.session import EXIT_USAGE
+from cancelwatch.collectors.recording.session import EXIT_USAGE
 
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 150)
 err = Console(stderr=True, soft_wrap=True)
@@ -22,7 +22,7 @@ ENGINE_LOG_TZ_HELP = ("The time zone the engine log's stamps are in (an IANA nam
 
 def engine_log_zone(name: str | None) -> str | None:
     """--engine-log-tz checked before anything is recorded (one line naming the fix), passed on as given."""
-    from collectors.sources.engine_log import log_zone
+    from cancelwatch.collectors.sources.engine_log import log_zone
 
     try:
         log_zone(name)
@@ -42,7 +42,7 @@ ENGINE_CPUS_ENV = "CANCELWATCH_ENGINE_CPUS"
 
 def engine_cpu_cores() -> float | None:
     """$CANCELWATCH_ENGINE_CPUS in cores, else None (the engine runs at the machine's speed)."""
-    from collectors.engines.cpu_limit import CpuLimitError, parse_cores
+    from cancelwatch.collectors.engines.cpu_limit import CpuLimitError, parse_cores
 
     text = os.environ.get(ENGINE_CPUS_ENV, "").strip()
     try:

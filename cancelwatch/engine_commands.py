@@ -8,9 +8,9 @@ from typing import Optional
 import typer
 
 from cancelwatch.console import ENGINE_CPUS_ENV, engine_cpu_cores, err, fail, home_dir, out
-from collectors.engines import lifecycle, triton_server
-from collectors.engines import vllm_server as engine_mod
-from collectors.recording.session import EXIT_FAILED, EXIT_USAGE
+from cancelwatch.collectors.engines import lifecycle, triton_server
+from cancelwatch.collectors.engines import vllm_server as engine_mod
+from cancelwatch.collectors.recording.session import EXIT_FAILED, EXIT_USAGE
 
 engine_app = typer.Typer(no_args_is_help=True, help="The embedded engines: vLLM (CPU build) or Triton.")
 
@@ -75,7 +75,7 @@ def engine_down(port: Optional[int] = typer.Option(None, help="Port of the engin
 @engine_app.command("status")
 def engine_status():
     """Say which embedded engines run, with pid, URL, health and log."""
-    from collectors.families import family_of_state
+    from cancelwatch.collectors.families import family_of_state
 
     states = lifecycle.all_states(home_dir())
     if not states:
@@ -95,7 +95,7 @@ def engine_status():
 def _healthy(state: lifecycle.EngineState) -> bool:
     import httpx
 
-    from collectors.families import family_of_state
+    from cancelwatch.collectors.families import family_of_state
 
     # each launcher names its family's health check; a kind no launcher here owns is not judged healthy
     family = family_of_state(state)

@@ -27,10 +27,10 @@ def import_prometheus(
     """Range queries over the window -> one run: vLLM series per replica, GPU memory per GPU and host."""
     from rich.progress import Progress
 
-    from collectors.recording.prometheus_import import ImportSettings, import_prometheus as run_import
-    from collectors.recording.session import PreflightError
-    from collectors.sources.prometheus_api import parse_duration, parse_time
-    from runstore.errors import StoreError
+    from cancelwatch.collectors.recording.prometheus_import import ImportSettings, import_prometheus as run_import
+    from cancelwatch.collectors.recording.session import PreflightError
+    from cancelwatch.collectors.sources.prometheus_api import parse_duration, parse_time
+    from cancelwatch.runstore.errors import StoreError
 
     now = time.time()
     try:

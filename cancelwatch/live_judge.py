@@ -53,7 +53,7 @@ class LiveJudge:
         # the cancel past the grace (the probe admitted, the KV drop, a leaked request running out)
         self.until: dict[str, float] = {}
         self.committed_through_ns = lambda: None
-        from analysis.ghosts import WatchGhosts
+        from cancelwatch.analysis.ghosts import WatchGhosts
 
         self.ghosts = WatchGhosts(grace_s)  # the leaked ones the engine may still hold (the watch counts them)
 
@@ -103,7 +103,7 @@ class LiveJudge:
                 and (self.scenario_ended == -math.inf or held >= self.scenario_ended))
 
     async def due(self, everything: bool = False) -> None:
-        from analysis.watching import due, window_of
+        from cancelwatch.analysis.watching import due, window_of
 
         now = self.now_s()
         # a window is judged once the store holds every source's reads past its end, not once the clock is
@@ -143,7 +143,7 @@ class LiveJudge:
     async def drain(self, bound_s: float = DRAIN_S) -> None:
         """`record`'s, when its scenarios are done: the cancels whose windows close before the last scenario's end,
         judged once the store holds that end (bounded). Those left reach past the run's end: the tail's."""
-        from analysis.watching import window_of
+        from cancelwatch.analysis.watching import window_of
 
         until = time.monotonic() + bound_s
         while time.monotonic() < until and any(window_of(t, self.grace_s, self.extra.get(rid, 0.0))[1]
@@ -154,9 +154,9 @@ class LiveJudge:
     async def _judge(self, ready: dict[str, float], last_try: bool) -> None:
         import pandas as pd
 
-        from analysis.facts import VIEW_METRICS
-        from analysis.watching import ENTRY_WAIT_S, LOOKBACK_S, NOT_YET_ENTERED, window_of
-        from runstore.reader import load_window
+        from cancelwatch.analysis.facts import VIEW_METRICS
+        from cancelwatch.analysis.watching import ENTRY_WAIT_S, LOOKBACK_S, NOT_YET_ENTERED, window_of
+        from cancelwatch.runstore.reader import load_window
 
         # when the watch's ledger let each go from its flight (a half-close is put at its connection's end)
         decided = {rid: self.decided.get(rid, t) for rid, t in ready.items()}
@@ -169,7 +169,7 @@ class LiveJudge:
         held = self.held_s(through)
 
         def judge():
-            from analysis.watching import judge_cancels
+            from cancelwatch.analysis.watching import judge_cancels
 
             window = load_window(self.store, self.run_id, lo, hi, extra_ledger=open_rows, lookback_s=LOOKBACK_S,
                                  held_through_s=held, metrics=VIEW_METRICS)
@@ -205,7 +205,7 @@ class LiveJudge:
                     self.failures += 1
                     err.print(f"{self.said}: cancel {rid} could not be judged live; `cancelwatch report` judges "
                               "it from the run")
-        from analysis.watching import left_seen
+        from cancelwatch.analysis.watching import left_seen
 
         # when each left the engine, for the windows judged after it (their samples start just before their
         # stops); kept for as long as a window looks back
@@ -225,7 +225,7 @@ class LiveJudge:
         if self.metrics is not None:
             self.metrics.observe(verdicts)
         if self.keep is not None and verdicts:
-            from analysis.verdicts.stored import judged_by, stored
+            from cancelwatch.analysis.verdicts.stored import judged_by, stored
 
             try:
                 self.keep(judged_by(), [(v.request_id, stored(v)) for v in verdicts])
@@ -238,7 +238,7 @@ def _in_engine(v, stop_s: float, out_s: float, now_s: float) -> tuple[bool, floa
     """What the watch's ghosts (analysis.ghosts.WatchGhosts) take from verdict `v` of a cancel its ledger let go
     from its flight at `out_s`: (a ghost?, from, until when surely in the engine). Counting one in the engine
     longer than it was would take a ghost still there to have left; shorter only keeps one too long."""
-    from analysis.verdicts.core import LEFT_BY_RULES
+    from cancelwatch.analysis.verdicts.core import LEFT_BY_RULES
 
     left, kept = v.timepoints.get("left_scheduler"), v.evidence.kept_running_ms
     if v.rule == "entered_after_stop":
@@ -258,9 +258,9 @@ def recording_judge(store: Path, grace_s: float, writer, sampler) -> LiveJudge:
     """`record`'s live judge, started on the run `writer` writes (its verdicts kept with the run)."""
     # what judging reads with (the verdict rules, pandas) is imported before the first scenario: imported at the
     # first judgement, its second of CPU would come in the middle of the next scenario's requests
-    import analysis.verdicts.stored  # noqa: F401 - and the rules' fingerprint its verdicts are kept with
-    import analysis.watching  # noqa: F401
-    import runstore.reader  # noqa: F401
+    import cancelwatch.analysis.verdicts.stored  # noqa: F401 - and the rules' fingerprint its verdicts are kept with
+    import cancelwatch.analysis.watching  # noqa: F401
+    import cancelwatch.runstore.reader  # noqa: F401
 
     judge = LiveJudge(store, grace_s, said="record")
     writer.expect((s.name, s.target) for s in sampler.sources)

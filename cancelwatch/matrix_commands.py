@@ -14,7 +14,7 @@ from typing import Optional
 import typer
 
 from cancelwatch.console import fail, home_dir, out
-from runstore.errors import StoreError
+from cancelwatch.runstore.errors import StoreError
 
 MATRIX_SCENARIOS = "disconnect,chat,nonstream_timeout"  # stream, chat stream, a non-streaming client timeout
 ENGINE_HOP = "engine"  # the tap in front of the engine
@@ -38,11 +38,11 @@ def matrix(
     scenario: str = typer.Option(MATRIX_SCENARIOS, help="The scenarios each configuration runs."),
 ):
     """The gateway matrix: does each gateway pass a client's cancel on to the engine, and how fast?"""
-    from analysis.matrix import DIRECT, Row, matrix_html, matrix_markdown, matrix_row
-    from collectors.engines import gateways as gw_mod
-    from collectors.engines import lifecycle
-    from collectors.engines import vllm_server as engine_mod
-    from runstore.reader import load_run
+    from cancelwatch.analysis.matrix import DIRECT, Row, matrix_html, matrix_markdown, matrix_row
+    from cancelwatch.collectors.engines import gateways as gw_mod
+    from cancelwatch.collectors.engines import lifecycle
+    from cancelwatch.collectors.engines import vllm_server as engine_mod
+    from cancelwatch.runstore.reader import load_run
 
     chosen = _chosen(gw_mod, gateway)
     engine_state = None
@@ -140,7 +140,7 @@ def _recorded(args: list[str], store: Path, through: str) -> int:
     if done.returncode not in (0, 1):  # 1: a cancel not released, which is what a matrix is for
         last = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or ["no output"]
         raise fail(f"recording through {through} failed: {last[0][:300]}")
-    from runstore.reader import list_runs
+    from cancelwatch.runstore.reader import list_runs
 
     return int(list_runs(store)["id"].max())
 
@@ -156,8 +156,8 @@ class _EngineRow:
 def _record_engine_row(g, store: Path, scenario: str, free_port):
     """A row that is an engine of its own (vLLM's API server with a --middleware): started on the embedded engine's
     model with the row's files importable, `cancelwatch record` through a tap in front of it, stopped after."""
-    from collectors.engines import lifecycle
-    from collectors.engines import vllm_server as engine_mod
+    from cancelwatch.collectors.engines import lifecycle
+    from cancelwatch.collectors.engines import vllm_server as engine_mod
 
     work = (home_dir() / "matrix" / g.name).resolve()
     work.mkdir(parents=True, exist_ok=True)

@@ -11,17 +11,17 @@ from rich.console import Console
 from rich.table import Table
 
 from cancelwatch.console import DEFAULT_STORE, err, fail, out
-from collectors.recording.session import EXIT_FAILED
-from runstore.errors import StoreError
-from runstore.extras import lacking, missing
+from cancelwatch.collectors.recording.session import EXIT_FAILED
+from cancelwatch.runstore.errors import StoreError
+from cancelwatch.runstore.extras import lacking, missing
 
 if TYPE_CHECKING:
-    from analysis.verdicts import CancelVerdict
+    from cancelwatch.analysis.verdicts import CancelVerdict
 
 
 def report_exit(doc: dict) -> int:
     # the one acceptance rule, also stated in the protocol of --protocol
-    from analysis.protocol import accepted
+    from cancelwatch.analysis.protocol import accepted
 
     return 0 if accepted(doc) else EXIT_FAILED
 
@@ -46,7 +46,7 @@ def print_as(fmt: str, run, doc: dict, verdicts: list[CancelVerdict]) -> None:
     if fmt == "json":
         print(json.dumps(doc, indent=1, default=str))
     elif fmt == "csv":
-        from analysis.cancel_table import cancel_table
+        from cancelwatch.analysis.cancel_table import cancel_table
 
         sys.stdout.write(cancel_table(run, verdicts).to_csv(index=False))
     else:
@@ -58,8 +58,8 @@ def print_report(doc: dict, verdicts: list[CancelVerdict]) -> None:
     neighbours' outcome; `doc` is the run's report_document, `verdicts` the cancels it was made of. Where the
     output is no terminal (a log, a pipe), each cancel's reason is a line under the table instead of a column: a
     sentence wrapped in a column took six lines a cancel."""
-    from analysis.ghosts import IN_ENGINE
-    from analysis.verdicts import LATENCIES, STOP_TO_ABORT, latency_label
+    from cancelwatch.analysis.ghosts import IN_ENGINE
+    from cancelwatch.analysis.verdicts import LATENCIES, STOP_TO_ABORT, latency_label
 
     # the latencies a reader needs at a glance; the app's own point, where there is one, is in --json
     shown = (STOP_TO_ABORT, *LATENCIES[2:])
@@ -130,8 +130,8 @@ def write_protocol(r, doc: dict, protocol_out: Path) -> None:
     a one-line error naming it (raise what `fail` returns)."""
     from dataclasses import asdict
 
-    from analysis.protocol import protocol_markdown
-    from collectors.cancels.scenarios import BUILTIN
+    from cancelwatch.analysis.protocol import protocol_markdown
+    from cancelwatch.collectors.cancels.scenarios import BUILTIN
 
     text = protocol_markdown(r, doc, builtin={name: asdict(s) for name, s in BUILTIN.items()})
     if not protocol_out.parent.is_dir():
@@ -156,7 +156,7 @@ def report(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFAU
     """The per-cancel table (verdicts with evidence) of a recorded run."""
     import json
 
-    from analysis.verdicts import report_document
+    from cancelwatch.analysis.verdicts import report_document
 
     fmt = "json" if as_json else checked_format(format_)
     if html_out is not None:
@@ -172,7 +172,7 @@ def report(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFAU
         raise fail(str(exc)) from None
     doc = report_document(r, verdicts=verdicts)
     if html_out is not None:
-        from analysis.html_report import report_html
+        from cancelwatch.analysis.html_report import report_html
 
         try:
             html_out.write_text(report_html(r, verdicts, context_len=context_len))
@@ -193,13 +193,13 @@ def judged_run(store: Path, run: str | int, grace: float | None, keep: bool = Fa
     rules, the rest judged each on its own window: never the whole run, which a day of samples would not fit.
     `keep`: store those judged here with the run (the recorder's own tail does; a report only reads). Any other
     run is read whole and judged."""
-    from analysis.judged import judged_run as judged
-    from analysis.verdicts import run_grace_s
+    from cancelwatch.analysis.judged import judged_run as judged
+    from cancelwatch.analysis.verdicts import run_grace_s
 
     got = judged(store, run, grace, long_run_s=long_run_s)
     r, verdicts = got.run, got.verdicts
     if got.long and keep and (grace is None or grace == run_grace_s(r)):  # kept as judged with the run's own grace
-        from analysis.verdicts.stored import judged_by, stored, usable
+        from cancelwatch.analysis.verdicts.stored import judged_by, stored, usable
 
         have = set(usable(got.stored_rows))
         new = [v for v in verdicts if v.request_id not in have]
@@ -211,7 +211,7 @@ def judged_run(store: Path, run: str | int, grace: float | None, keep: bool = Fa
 def _keep(store: Path, rid: int, how: str, rows: list) -> None:
     """The verdicts the recorder's tail judged, kept with the run; a store that takes no more (a full disk: the
     run may have ended for it) is said in one line, and the report goes on from the verdicts in hand."""
-    from runstore.writer import keep_verdicts
+    from cancelwatch.runstore.writer import keep_verdicts
 
     try:
         keep_verdicts(store, rid, how, rows)
@@ -237,7 +237,7 @@ def notebook(name: str = typer.Argument(..., help="capacity_review, vram_plateau
         raise fail(need)
     import papermill as pm
 
-    from notebooks.render import NOTEBOOKS, NotebookError, available, coerce, render
+    from cancelwatch.notebooks.render import NOTEBOOKS, NotebookError, available, coerce, render
 
     if name not in available():
         raise fail(f"no notebook {name!r}: choose one of {', '.join(available())}")

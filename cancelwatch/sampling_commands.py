@@ -24,17 +24,17 @@ from cancelwatch.console import (
     out,
     print_store_error,
 )
-from collectors.recording.session import (
+from cancelwatch.collectors.recording.session import (
     EXIT_FAILED,
     PreflightError,
     RecordSettings,
     parse_targets,
     record,
 )
-from collectors.sources.credentials import strip_userinfo
-from collectors.sources.vllm import SCRAPE_JOB
-from collectors.sources.vllm import SOURCE_NAME as VLLM_SOURCE
-from runstore.errors import StoreError
+from cancelwatch.collectors.sources.credentials import strip_userinfo
+from cancelwatch.collectors.sources.vllm import SCRAPE_JOB
+from cancelwatch.collectors.sources.vllm import SOURCE_NAME as VLLM_SOURCE
+from cancelwatch.runstore.errors import StoreError
 
 
 def _progress(run_id: int, sampler, started: float) -> Table:
@@ -76,8 +76,8 @@ def sample(
     """Sample the scheduler and memory only; prints the run id. Ctrl-C ends the run as interrupted."""
     import time
 
-    from collectors.families import discovered_family, family_for_target, refused_command
-    from collectors.recording.session import discover_targets, split_label
+    from cancelwatch.collectors.families import discovered_family, family_for_target, refused_command
+    from cancelwatch.collectors.recording.session import discover_targets, split_label
 
     # every target's family samples (today: vLLM's); one that does not is refused before anything is read
     families = [family_for_target(split_label(v)[1]) for v in target or []]
@@ -124,8 +124,8 @@ def sample(
 
 
 def _print_summary(store: Path, run_id: int) -> None:
-    from analysis.summary import key_figures, sampling_stats
-    from runstore.reader import load_run
+    from cancelwatch.analysis.summary import key_figures, sampling_stats
+    from cancelwatch.runstore.reader import load_run
 
     run = load_run(store, run_id)
     table = Table(title=f"run {run_id} ({run.info['status']})")
@@ -143,7 +143,7 @@ def _print_summary(store: Path, run_id: int) -> None:
 
 def summary(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFAULT_STORE)):
     """Sampling stats and key figures of a run."""
-    from runstore.reader import resolve_run_id
+    from cancelwatch.runstore.reader import resolve_run_id
 
     try:
         _print_summary(store, resolve_run_id(store, run))
@@ -153,7 +153,7 @@ def summary(run: str = typer.Argument("latest"), store: Path = typer.Option(DEFA
 
 def runs(store: Path = typer.Option(DEFAULT_STORE)):
     """List the runs in a store."""
-    from runstore.reader import list_runs
+    from cancelwatch.runstore.reader import list_runs
 
     try:
         df = list_runs(store)
@@ -171,7 +171,7 @@ def runs(store: Path = typer.Option(DEFAULT_STORE)):
 def export(run: str = typer.Argument(...), parquet: Path = typer.Option(..., help="Directory to write into."),
            store: Path = typer.Option(DEFAULT_STORE)):
     """Write a run's tables as Parquet files."""
-    from runstore.reader import load_run
+    from cancelwatch.runstore.reader import load_run
 
     try:
         r = load_run(store, run)
@@ -201,8 +201,8 @@ def load(
 
     import httpx
 
-    from collectors.cancels.load import run_streams, served_model
-    from collectors.sources.credentials import CredentialError, api_key, auth_headers, split_userinfo
+    from cancelwatch.collectors.cancels.load import run_streams, served_model
+    from cancelwatch.collectors.sources.credentials import CredentialError, api_key, auth_headers, split_userinfo
 
     try:
         target, basic = split_userinfo(target)  # user:password@ is sent as Basic, never printed

@@ -57,8 +57,8 @@ class WatchMetrics:
     def start_at_zero(self) -> None:
         """Every series a verdict can count, at 0 before the first: a series that first appears at 1 is no increase
         Prometheus can see, and the first leak of a rule would pass the alert and the dashboard by."""
-        from analysis.verdicts import RULES
-        from analysis.verdicts.paid_tokens import AT_MOST, ATTRIBUTED
+        from cancelwatch.analysis.verdicts import RULES
+        from cancelwatch.analysis.verdicts.paid_tokens import AT_MOST, ATTRIBUTED
 
         for v in VERDICT_NAMES:
             self.cancels.labels(verdict=v, rule="")
@@ -137,7 +137,7 @@ async def _watch_loop(tap, ledger, writer, judge: LiveJudge, stop: threading.Eve
                       metrics: WatchMetrics | None, scheduler) -> None:
     """Pass the tap's events through the ledger into the run; judge each cancel as its grace ends. At the
     end: the tap closed, every open request's row written, the last cancels sampled through their grace."""
-    from runstore.records import EventRecord
+    from cancelwatch.runstore.records import EventRecord
 
     upstream = _UpstreamWord(metrics)
 
@@ -173,7 +173,7 @@ async def _watch_loop(tap, ledger, writer, judge: LiveJudge, stop: threading.Eve
             writer.put(row)
         ledger.handed_out(rows, time.monotonic_ns())
     # the last cancels: sampled through their grace (bounded), then judged
-    from analysis.watching import SETTLE_S
+    from cancelwatch.analysis.watching import SETTLE_S
 
     until = time.monotonic() + judge.grace_s + SETTLE_S + 1.0 + LATE_S
     while judge.pending and time.monotonic() < until:
@@ -207,15 +207,15 @@ def watch(
                                             "cancel is traced hop by hop."),
 ):
     """Watch real traffic: judge every cancel real clients make, live."""
-    from collectors.families import family_for_target, refused_command
-    from collectors.recording.session import (PreflightError, RecordSettings, hop_sources, parse_targets, record,
+    from cancelwatch.collectors.families import family_for_target, refused_command
+    from cancelwatch.collectors.recording.session import (PreflightError, RecordSettings, hop_sources, parse_targets, record,
                                               scheduler_reader)
-    from collectors.recording.vllm_session import build_vllm_sources
-    from collectors.recording.watch_ledger import WatchLedger
-    from collectors.sources.prometheus_api import parse_duration
-    from collectors.sources.tap import TapError, TapSource, check_chain, parse_hop
-    from runstore.errors import StoreError
-    from runstore.records import DriveSettings
+    from cancelwatch.collectors.recording.vllm_session import build_vllm_sources
+    from cancelwatch.collectors.recording.watch_ledger import WatchLedger
+    from cancelwatch.collectors.sources.prometheus_api import parse_duration
+    from cancelwatch.collectors.sources.tap import TapError, TapSource, check_chain, parse_hop
+    from cancelwatch.runstore.errors import StoreError
+    from cancelwatch.runstore.records import DriveSettings
 
     engine_log_zone(engine_log_tz)
     _listen_address(listen, "--listen")
@@ -266,9 +266,9 @@ def watch(
     # what judging reads with (the verdict rules, pandas) is imported before the tap listens: imported at the
     # first judgement, its seconds of CPU on a starved host came with the first requests (seen on two cores
     # beside the engine: their first tokens 6 to 10 s late)
-    import analysis.verdicts.stored  # noqa: F401 - and the rules' fingerprint its verdicts are kept with
-    import analysis.watching  # noqa: F401
-    import runstore.reader  # noqa: F401
+    import cancelwatch.analysis.verdicts.stored  # noqa: F401 - and the rules' fingerprint its verdicts are kept with
+    import cancelwatch.analysis.watching  # noqa: F401
+    import cancelwatch.runstore.reader  # noqa: F401
 
     try:
         taps = hop_sources(behind)  # listening before the watch's own: its upstream may reach them at once

@@ -15,14 +15,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from collectors.cancels import scenarios as vllm_scenarios
-from collectors.cancels.driver import Driver
-from collectors.cancels.triton_driver import TritonDriver, resolve_triton
-from collectors.engines import triton_server, vllm_server
-from collectors.recording.triton_session import build_triton_sources, is_triton_target
-from collectors.recording.vllm_session import build_vllm_sources
-from collectors.sources import triton as triton_source
-from collectors.sources import vllm as vllm_source
+from cancelwatch.collectors.cancels import scenarios as vllm_scenarios
+from cancelwatch.collectors.cancels.driver import Driver
+from cancelwatch.collectors.cancels.triton_driver import TritonDriver, resolve_triton
+from cancelwatch.collectors.engines import triton_server, vllm_server
+from cancelwatch.collectors.recording.triton_session import build_triton_sources, is_triton_target
+from cancelwatch.collectors.recording.vllm_session import build_vllm_sources
+from cancelwatch.collectors.sources import triton as triton_source
+from cancelwatch.collectors.sources import vllm as vllm_source
 
 
 @dataclass(frozen=True)

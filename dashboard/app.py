@@ -9,23 +9,23 @@ from pathlib import Path
 
 import streamlit as st
 
-from analysis.cancel_table import VERDICT_COLOURS, cancel_table, cancel_window
-from analysis.capacity import capacity, capacity_figure, capacity_frame
-from analysis.anatomy import cancel_summary, summary_figure
-from analysis.compare import compare_runs
-from analysis.explain import memory_story, pick_story_cancel
-from analysis.facts import VIEW_METRICS, run_facts
-from analysis.ghosts import GHOST_CAPTION, ghost_headline, ghost_view
-from analysis.html_report import facts_frame, report_html
-from analysis.judged import judged_run
-from analysis.long_runs import OVERVIEW_NOTE
-from analysis.timeline import timeline_figure
-from analysis.verdicts import ghosts_of
-from dashboard import recording
-from dashboard.params import read_url_params
-from runstore.paths import DEFAULT_STORE, store_dir, store_in_dir, stores_in_dir
-from analysis.watching import LOOKBACK_S
-from runstore.reader import StoreError, list_runs, load_window, resolve_run_id
+from cancelwatch.analysis.cancel_table import VERDICT_COLOURS, cancel_table, cancel_window
+from cancelwatch.analysis.capacity import capacity, capacity_figure, capacity_frame
+from cancelwatch.analysis.anatomy import cancel_summary, summary_figure
+from cancelwatch.analysis.compare import compare_runs
+from cancelwatch.analysis.explain import memory_story, pick_story_cancel
+from cancelwatch.analysis.facts import VIEW_METRICS, run_facts
+from cancelwatch.analysis.ghosts import GHOST_CAPTION, ghost_headline, ghost_view
+from cancelwatch.analysis.html_report import facts_frame, report_html
+from cancelwatch.analysis.judged import judged_run
+from cancelwatch.analysis.long_runs import OVERVIEW_NOTE
+from cancelwatch.analysis.timeline import timeline_figure
+from cancelwatch.analysis.verdicts import ghosts_of
+from cancelwatch.dashboard import recording
+from cancelwatch.dashboard.params import read_url_params
+from cancelwatch.runstore.paths import DEFAULT_STORE, store_dir, store_in_dir, stores_in_dir
+from cancelwatch.analysis.watching import LOOKBACK_S
+from cancelwatch.runstore.reader import StoreError, list_runs, load_window, resolve_run_id
 
 SAMPLE_STORE = Path(__file__).resolve().parent / "sample" / "sample.db"
 LIVE_EVERY_S = 2.0

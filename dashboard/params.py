@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from runstore.paths import DEFAULT_STORE
+from cancelwatch.runstore.paths import DEFAULT_STORE
 
 # SQLite's INTEGER PRIMARY KEY is a signed 64-bit integer: a larger id cannot name a run
 MAX_RUN_ID = 2**63 - 1

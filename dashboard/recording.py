@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from runstore.reader import StoreError, resolve_run_id
+from cancelwatch.runstore.reader import StoreError, resolve_run_id
 
 ROOT = Path(__file__).resolve().parents[1]
 ALLOW_ENV = "CANCELWATCH_ALLOWED_TARGETS"  # comma-separated hosts or host:port pairs beyond loopback

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from runstore.paths import DEFAULT_STORE
+from cancelwatch.runstore.paths import DEFAULT_STORE
 
 ROOT = Path(__file__).resolve().parents[1]
 # the dashboard's sample run (dashboard/sample/sample.db, recorded by `make sample-run`)

@@ -1,4 +1,4 @@
-"""Copy a run store into a compact, self-contained file (no WAL): `python -m runstore.compact SRC DEST`."""
+"""Copy a run store into a compact, self-contained file (no WAL): `python -m cancelwatch.runstore.compact SRC DEST`."""
 
 from __future__ import annotations
 
@@ -24,5 +24,5 @@ def compact(src: Path, dest: Path) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: python -m runstore.compact SRC.db DEST.db")
+        sys.exit("usage: python -m cancelwatch.runstore.compact SRC.db DEST.db")
     compact(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -11,7 +11,7 @@ import sqlite3
 
 import numpy as np
 
-from runstore.schema import OVERVIEW_S
+from cancelwatch.runstore.schema import OVERVIEW_S
 
 BUCKET_NS = OVERVIEW_S * 1_000_000_000
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from runstore.reader import StoreError
+from cancelwatch.runstore.reader import StoreError
 
 DEFAULT_STORE = "runs/cancelwatch.db"
 

@@ -15,8 +15,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from runstore.errors import NoRunsYet, StoreError
-from runstore.schema import OVERVIEW_S
+from cancelwatch.runstore.errors import NoRunsYet, StoreError
+from cancelwatch.runstore.schema import OVERVIEW_S
 
 
 BUSY_TIMEOUT_MS = 5000  # how long a read waits out a writer's lock before it reports the store locked

@@ -21,11 +21,11 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from runstore.errors import StoreError
-from runstore.event_kinds import EVENT_KINDS
-from runstore.overview import bucket_of, scrape_rows, series_rows, write_overview
-from runstore.records import EventRecord, GapRecord, LedgerRecord, Sample, ScrapeRecord
-from runstore.schema import DDL, SCHEMA_VERSION
+from cancelwatch.runstore.errors import StoreError
+from cancelwatch.runstore.event_kinds import EVENT_KINDS
+from cancelwatch.runstore.overview import bucket_of, scrape_rows, series_rows, write_overview
+from cancelwatch.runstore.records import EventRecord, GapRecord, LedgerRecord, Sample, ScrapeRecord
+from cancelwatch.runstore.schema import DDL, SCHEMA_VERSION
 
 RUN_JSON_COLUMNS = ("targets", "engine", "cache", "settings", "stats")
 LEDGER_COLUMNS = [f.name for f in dataclasses.fields(LedgerRecord)]

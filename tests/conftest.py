@@ -12,13 +12,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from collectors.cancels.load import run_streams
-from collectors.engines import lifecycle
-from collectors.engines import vllm_server as engine_mod
+from cancelwatch.collectors.cancels.load import run_streams
+from cancelwatch.collectors.engines import lifecycle
+from cancelwatch.collectors.engines import vllm_server as engine_mod
 from cancelwatch.console import ENGINE_CPUS_ENV
-from collectors.engines.cpu_limit import CpuLimitError, parse_cores
-from collectors.engines.lifecycle import free_port
-from runstore.reader import load_run
+from cancelwatch.collectors.engines.cpu_limit import CpuLimitError, parse_cores
+from cancelwatch.collectors.engines.lifecycle import free_port
+from cancelwatch.runstore.reader import load_run
 from tests.fixture_server import MetricsFixtureServer
 from tests.leaky_proxy import LeakyProxy
 
@@ -185,7 +185,7 @@ def triton_home(tmp_path_factory) -> Path:
 def triton(triton_home):
     """The shared embedded Triton (the real tritonserver of the nvidia-pytriton wheel); stopped at the end,
     with every process under it (the python-backend stubs)."""
-    from collectors.engines import triton_server
+    from cancelwatch.collectors.engines import triton_server
 
     try:
         triton_server.bundled_server()

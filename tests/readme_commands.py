@@ -96,7 +96,7 @@ NOT_RUN = {
                    "(tests/test_corpus.py)",
     "python -m tests.corpus.check --bless": "writes the manifest once a person has read the table of what moved; "
                                             "tests/test_corpus.py runs the check it blesses",
-    "python -m analysis.verdicts.reference > docs/rules.md": "writes docs/rules.md; tests/test_rule_reference.py "
+    "python -m cancelwatch.analysis.verdicts.reference > docs/rules.md": "writes docs/rules.md; tests/test_rule_reference.py "
                                                              "checks that file is what it writes",
     "make prometheus": "an install step that `make test` runs first",
     "make sample-run": "re-records the shipped sample run; the engine tests record the same scenarios",

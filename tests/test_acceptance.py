@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import copy
 
-from analysis.protocol import accepted, protocol_markdown
-from analysis.verdicts import RACE_RULES, report_document
-from runstore.reader import load_run
+from cancelwatch.analysis.protocol import accepted, protocol_markdown
+from cancelwatch.analysis.verdicts import RACE_RULES, report_document
+from cancelwatch.runstore.reader import load_run
 from tests.conftest import ROOT
 
 SAMPLE = ROOT / "dashboard" / "sample" / "sample.db"

@@ -8,14 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis.anatomy import KV_FREE, KV_USED, OTHER, WEIGHTS, memory_anatomy
-from analysis.capacity import capacity, capacity_figure
-from analysis.facts import VIEW_METRICS, kv_pool
-from analysis.timeline import timeline_figure, trace_name
-from analysis.traces import GiB, metric_traces
-from analysis.verdicts import judge_run
+from cancelwatch.analysis.anatomy import KV_FREE, KV_USED, OTHER, WEIGHTS, memory_anatomy
+from cancelwatch.analysis.capacity import capacity, capacity_figure
+from cancelwatch.analysis.facts import VIEW_METRICS, kv_pool
+from cancelwatch.analysis.timeline import timeline_figure, trace_name
+from cancelwatch.analysis.traces import GiB, metric_traces
+from cancelwatch.analysis.verdicts import judge_run
 from bench.synthetic import write_synthetic_run
-from runstore.reader import load_run
+from cancelwatch.runstore.reader import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "dashboard" / "sample" / "sample.db"

@@ -9,7 +9,7 @@ import json
 
 import pandas as pd
 
-from analysis.verdicts import judge_run
+from cancelwatch.analysis.verdicts import judge_run
 from tests.test_verdicts import T0, build_run, steady_gen
 
 

@@ -5,8 +5,8 @@ same (tests/test_corpus.py)."""
 
 from __future__ import annotations
 
-from analysis.verdicts import ASSUMPTIONS, judge_run, report_document
-from analysis.verdicts.core import run_assumptions
+from cancelwatch.analysis.verdicts import ASSUMPTIONS, judge_run, report_document
+from cancelwatch.analysis.verdicts.core import run_assumptions
 from tests.test_verdicts import ADDED, build_run, steady_gen
 
 
@@ -45,7 +45,7 @@ def test_the_report_says_where_the_runs_own_evidence_contradicts_an_assumption()
 
 
 def test_the_report_of_a_run_lists_the_assumptions_its_verdicts_rest_on():
-    from runstore.reader import load_run
+    from cancelwatch.runstore.reader import load_run
     from tests.test_dashboard import SAMPLE
 
     run = load_run(SAMPLE)

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 
-from runstore.reader import load_run
+from cancelwatch.runstore.reader import load_run
 from tests.conftest import SHORT, cli
 
 

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from analysis.series import scheduler_frame, series_frame
-from analysis.verdicts import LOST_CANCEL_RULES
-from collectors.cancels.scenarios import SUITES, resolve
-from runstore.reader import load_run
+from cancelwatch.analysis.series import scheduler_frame, series_frame
+from cancelwatch.analysis.verdicts import LOST_CANCEL_RULES
+from cancelwatch.collectors.cancels.scenarios import SUITES, resolve
+from cancelwatch.runstore.reader import load_run
 from tests.conftest import cli
 
 # the default suite is recorded in the setup of the first test that reads it: <= 180 s where the suite was
@@ -166,9 +166,9 @@ def test_record_judges_each_cancel_live_on_its_window_as_the_report_judges_the_w
     that window had ended and the store held them (the relay app's scenario among them, whose source leaves the
     run), printed it and kept it with the run: every cancel whose window closes before the last scenario's end
     (LiveJudge.drain waits for the store to hold that end), each as the report, judging the whole run, says."""
-    from analysis.verdicts.stored import usable
-    from analysis.watching import window_of
-    from runstore.reader import load_verdicts
+    from cancelwatch.analysis.verdicts.stored import usable
+    from cancelwatch.analysis.watching import window_of
+    from cancelwatch.runstore.reader import load_verdicts
 
     res, doc, run, elapsed, rep = default_run
     live = usable(load_verdicts(default_store, run.id))

@@ -15,7 +15,7 @@ import aiohttp
 import httpx
 import openai
 
-from runstore.reader import load_run
+from cancelwatch.runstore.reader import load_run
 from tests.test_watch_engine import watching
 
 FULL, BROKEN = 6, 2  # streams each client reads to the end, and breaks off

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from collectors.sources.clients import METRIC, ClientsSource
+from cancelwatch.collectors.sources.clients import METRIC, ClientsSource
 
 
 def test_a_read_gives_the_count_as_it_stood_at_its_stamp():

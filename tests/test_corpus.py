@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from analysis.verdicts.core import COUNT_READING_RULES
+from cancelwatch.analysis.verdicts.core import COUNT_READING_RULES
 from tests.corpus.check import Judged, compare, counts, judge_corpus, table
 from tests.corpus.manifest import CONSTRUCTION, REVIEWED, TRUTHS, load_manifest
 
@@ -96,9 +96,9 @@ def test_the_engine_made_a_token_or_more_for_each_chunk_its_clients_got(manifest
     counted a token for would let a request that ran out read as released."""
     import numpy as np
 
-    from analysis.bounds import LAG_S
-    from analysis.verdicts.vllm_frames import _RunFrames
-    from runstore.reader import load_run
+    from cancelwatch.analysis.bounds import LAG_S
+    from cancelwatch.analysis.verdicts.vllm_frames import _RunFrames
+    from cancelwatch.runstore.reader import load_run
     from tests.corpus.check import corpus_stores
 
     checked, runs = 0, []

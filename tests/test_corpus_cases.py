@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from analysis.facts import run_facts
-from analysis.verdicts import LOST_CANCEL_RULES, report_document
-from runstore.reader import load_run
+from cancelwatch.analysis.facts import run_facts
+from cancelwatch.analysis.verdicts import LOST_CANCEL_RULES, report_document
+from cancelwatch.runstore.reader import load_run
 from tests.corpus.manifest import load_manifest, unpack
 
 MANIFEST = load_manifest()
@@ -95,7 +95,7 @@ def test_a_resubmitting_gateways_request_entered_twice(corpus):
 
 
 def test_a_run_of_races_through_a_proxy_that_loses_cancels_is_not_accepted(corpus):
-    from analysis.protocol import accepted, protocol_markdown
+    from cancelwatch.analysis.protocol import accepted, protocol_markdown
 
     run, doc, _ = corpus("case_races_lost")
     assert doc["cancels"] and all(c["verdict"] != "released" for c in doc["cancels"]), doc["cancels"]

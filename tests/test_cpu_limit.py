@@ -12,8 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from collectors.engines import cpu_limit
-from collectors.engines.lifecycle import engine_pids, free_port, read_state
+from cancelwatch.collectors.engines import cpu_limit
+from cancelwatch.collectors.engines.lifecycle import engine_pids, free_port, read_state
 from tests.conftest import cli
 
 

@@ -7,9 +7,9 @@ import sqlite3
 
 import pytest
 
-from collectors.sources.credentials import CredentialError, api_key, auth_headers, split_userinfo
-from collectors.recording.session import PreflightError, parse_targets
-from collectors.sources.vllm import VllmMetricsSource
+from cancelwatch.collectors.sources.credentials import CredentialError, api_key, auth_headers, split_userinfo
+from cancelwatch.collectors.recording.session import PreflightError, parse_targets
+from cancelwatch.collectors.sources.vllm import VllmMetricsSource
 from tests.conftest import FIXTURES, cli
 from tests.fixture_server import MetricsFixtureServer
 
@@ -109,7 +109,7 @@ def test_encoded_credentials_are_decoded_and_an_unsplittable_url_is_refused_with
 # --- an engine's command line as it is kept (collectors/engines/command_line.py) ---
 
 def test_an_engine_command_line_is_kept_with_every_credential_redacted():
-    from collectors.engines.command_line import REDACTED, redact_command, scrub
+    from cancelwatch.collectors.engines.command_line import REDACTED, redact_command, scrub
 
     argv = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m", "--port", "8000",
             "--api-key", "k1-secret", "k2-secret", "--max-num-batched-tokens", "512", "--hf-token=hf_abcdef",

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from analysis.anatomy import cancel_summary
-from analysis.cancel_table import cancel_window
-from analysis.explain import memory_story, pick_story_cancel
-from analysis.facts import VIEW_METRICS
-from analysis.verdicts import judge_run
-from dashboard import recording
-from runstore.reader import load_run
+from cancelwatch.analysis.anatomy import cancel_summary
+from cancelwatch.analysis.cancel_table import cancel_window
+from cancelwatch.analysis.explain import memory_story, pick_story_cancel
+from cancelwatch.analysis.facts import VIEW_METRICS
+from cancelwatch.analysis.verdicts import judge_run
+from cancelwatch.dashboard import recording
+from cancelwatch.runstore.reader import load_run
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -205,11 +205,11 @@ def test_a_long_run_opens_from_its_overview_and_stored_verdicts_and_zooms_at_ful
     """Issue 21 point 3, with the page's bound lowered to 5 minutes for a 15-minute run: the page never reads
     the run whole (load_run refuses here) nor judges a cancel (the live judge's verdicts are stored), draws the
     whole run from the overview with its peaks, and a chosen cancel's stretch from every sample in it."""
-    import analysis.long_runs as long_runs
-    import runstore.reader as reader
-    from analysis.verdicts.stored import judged_by, stored
+    import cancelwatch.analysis.long_runs as long_runs
+    import cancelwatch.runstore.reader as reader
+    from cancelwatch.analysis.verdicts.stored import judged_by, stored
     from bench.synthetic import write_synthetic_run
-    from runstore.writer import open_store, write_verdicts
+    from cancelwatch.runstore.writer import open_store, write_verdicts
 
     store = tmp_path / "day.db"
     rid = write_synthetic_run(store, duration_s=900, cancels=30, leak_every=5, filler_series=3)
@@ -225,7 +225,7 @@ def test_a_long_run_opens_from_its_overview_and_stored_verdicts_and_zooms_at_ful
         raise AssertionError("a long run is never read whole by the page")
 
     monkeypatch.setattr(reader, "load_run", refused)
-    monkeypatch.setattr("analysis.verdicts.families.FAMILIES", {})  # judging anything would raise KeyError
+    monkeypatch.setattr("cancelwatch.analysis.verdicts.families.FAMILIES", {})  # judging anything would raise KeyError
     at = app(tmp_path, monkeypatch, store="day.db")
     assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
     assert f"Cancels ({len(verdicts)})" in [h.value for h in at.subheader]
@@ -350,7 +350,7 @@ def test_the_form_shows_the_command_lines_one_line_error_for_a_dead_target(tmp_p
 def test_the_ghosts_the_engine_still_holds_are_listed_with_their_ages(tmp_path, monkeypatch):
     """Issue 21 point 2: a leaked request the engine's count still holds is listed first with its age to the
     last sample; one the count showed leaving, with how long it ran for nobody; a released one not at all."""
-    from analysis.verdicts import ghosts_of
+    from cancelwatch.analysis.verdicts import ghosts_of
     from tests.test_protocol import NO_QUEUED, PERIOD_S, write_run
 
     decode, disconnect = NO_QUEUED[0], NO_QUEUED[1]  # released; leaked, in the engine until 9 s of its stretch

@@ -13,14 +13,14 @@ import httpx
 import pytest
 from PIL import Image
 
-from analysis.anatomy import cancel_summary
-from analysis.cancel_table import VERDICT_COLOURS
-from analysis.explain import pick_story_cancel
-from analysis.facts import VIEW_METRICS
-from analysis.verdicts import judge_run
-from dashboard import recording
-from collectors.engines.lifecycle import free_port
-from runstore.reader import load_run
+from cancelwatch.analysis.anatomy import cancel_summary
+from cancelwatch.analysis.cancel_table import VERDICT_COLOURS
+from cancelwatch.analysis.explain import pick_story_cancel
+from cancelwatch.analysis.facts import VIEW_METRICS
+from cancelwatch.analysis.verdicts import judge_run
+from cancelwatch.dashboard import recording
+from cancelwatch.collectors.engines.lifecycle import free_port
+from cancelwatch.runstore.reader import load_run
 from tests.conftest import cli_popen, wait_recording
 from tests.processes import listening_ips
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 
-from collectors.engines import vllm_server as engine_mod
-from collectors.engines.vllm_server import EngineShape, build_command
+from cancelwatch.collectors.engines import vllm_server as engine_mod
+from cancelwatch.collectors.engines.vllm_server import EngineShape, build_command
 
 
 def flag(cmd, name):
@@ -59,7 +59,7 @@ def test_tiny_model_is_built_once_and_sized_for_a_visible_kv_pool(tmp_path):
 
 def test_relay_command_runs_the_relay_app():
     cmd = build_command("/py", "/m/tiny", 8100, EngineShape(), dummy_weights=True, relay=True)
-    assert cmd[1:3] == ["-m", "collectors.engines.relay_app"] and "--enable-log-requests" not in cmd
+    assert cmd[1:3] == ["-m", "cancelwatch.collectors.engines.relay_app"] and "--enable-log-requests" not in cmd
     assert flag(cmd, "--num-gpu-blocks-override") == "64" and "--enforce-eager" in cmd
 
 

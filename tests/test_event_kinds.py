@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from runstore.event_kinds import DRIVER, ENGINE_LOG, EVENT_KINDS, RUNNER, TAP, TRITON_DRIVER, TRITON_LOG, WATCH, EventKind
-from runstore.records import EventRecord
+from cancelwatch.runstore.event_kinds import DRIVER, ENGINE_LOG, EVENT_KINDS, RUNNER, TAP, TRITON_DRIVER, TRITON_LOG, WATCH, EventKind
+from cancelwatch.runstore.records import EventRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 WRITERS = ("collectors", "cancelwatch")  # the packages that write runs
@@ -300,15 +300,15 @@ def test_the_readme_lists_the_tables_kinds_with_their_writers_and_data():
 
 
 def test_the_event_record_and_the_writer_point_at_the_table():
-    from runstore import writer
+    from cancelwatch.runstore import writer
 
     assert "runstore/event_kinds.py: EVENT_KINDS" in EventRecord.__doc__
     assert "EVENT_KINDS" in writer.__doc__
 
 
 def test_the_writer_flags_an_unknown_kind_and_keeps_the_event(tmp_path, caplog):
-    from runstore.reader import load_run
-    from runstore.writer import create_run, open_store, write_events
+    from cancelwatch.runstore.reader import load_run
+    from cancelwatch.runstore.writer import create_run, open_store, write_events
 
     con = open_store(tmp_path / "s.db")
     rid = create_run(con, name="t", targets=[], engine={}, settings={}, wall_ns=1, mono_ns=1)

@@ -11,9 +11,9 @@ from contextlib import closing
 
 import pytest
 
-from analysis.facts import run_facts
-from analysis.verdicts import TRITON, VLLM, UnknownFamily, family_of, judge_run, report_document
-from runstore.reader import load_run
+from cancelwatch.analysis.facts import run_facts
+from cancelwatch.analysis.verdicts import TRITON, VLLM, UnknownFamily, family_of, judge_run, report_document
+from cancelwatch.runstore.reader import load_run
 from tests.conftest import FIXTURES, ROOT, cli
 from tests.fixture_server import MetricsFixtureServer
 from tests.test_dashboard import app
@@ -158,7 +158,7 @@ def family_literals(root, families) -> list[str]:
 def test_no_family_name_is_written_outside_its_own_modules_and_the_table():
     """A family's name spelled out in shared code is where a third family would silently get vLLM's (or
     Triton's) behaviour: shared code reads the name from the family's constants or the table."""
-    from collectors.families import FAMILIES
+    from cancelwatch.collectors.families import FAMILIES
 
     assert set(FAMILIES) == {VLLM, TRITON}
     for f in FAMILIES.values():
@@ -168,7 +168,7 @@ def test_no_family_name_is_written_outside_its_own_modules_and_the_table():
 
 
 def test_the_family_literal_check_can_fail(tmp_path):
-    from collectors.families import FAMILIES
+    from cancelwatch.collectors.families import FAMILIES
 
     (tmp_path / "collectors" / "recording").mkdir(parents=True)
     (tmp_path / "collectors" / "recording" / "shared.py").write_text(f'SOURCE = "{VLLM}"\nOTHER = "vllm:x"\n')
@@ -190,7 +190,7 @@ def test_engine_status_names_each_engines_family_from_its_launcher(tmp_path):
     vllm, and one written before state files held a kind is a vLLM's. The pids are gone: each is dead."""
     from dataclasses import asdict
 
-    from collectors.engines import lifecycle, triton_server, vllm_server
+    from cancelwatch.collectors.engines import lifecycle, triton_server, vllm_server
 
     gone = 2**22 + 12345  # above the kernel's pid_max default: no such process
     common = dict(pid=gone, log_path="x.log", model="m", served_model_name="tiny", command=["x"], started_wall_ns=1)

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from runstore.reader import load_run
+from cancelwatch.runstore.reader import load_run
 from tests.conftest import FIXTURES, ROOT, wait_recording
 from tests.fixture_server import MetricsFixtureServer
 from tests.test_dashboard import app
@@ -138,9 +138,9 @@ def test_two_recorders_and_the_dashboard_share_one_store(tmp_path, monkeypatch):
 def test_a_run_read_while_it_grows_holds_only_samples_of_scrapes_it_read(tmp_path):
     """The reader takes scrapes, series and samples in separate reads: rows written in between must
     not come back attached to the wrong scrape (or fail on an empty table)."""
-    import runstore.reader as reader
-    from runstore.records import Sample, ScrapeRecord
-    from runstore.writer import StoreWriter, create_run, open_store
+    import cancelwatch.runstore.reader as reader
+    from cancelwatch.runstore.records import Sample, ScrapeRecord
+    from cancelwatch.runstore.writer import StoreWriter, create_run, open_store
 
     store = tmp_path / "cw.db"
     con = open_store(store)

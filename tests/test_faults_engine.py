@@ -17,8 +17,8 @@ import time
 
 import psutil
 
-from collectors.engines import lifecycle
-from runstore.reader import load_run
+from cancelwatch.collectors.engines import lifecycle
+from cancelwatch.runstore.reader import load_run
 from tests.conftest import SHORT, cli, cli_popen
 from tests.test_verdict_rules_engine import LONG, abort_line_or_fail, dump, engine_lines, run_clock, scenario
 

@@ -11,16 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis.cancel_table import LATENCY_COLUMNS, cancel_table
-from analysis.capacity import capacity
-from analysis.compare import compare_runs
-from analysis.anatomy import cancel_summary
-from analysis.explain import memory_story, pick_story_cancel
-from analysis.facts import VIEW_METRICS, kv_pool, run_facts
-from analysis.timeline import timeline_figure, trace_name
-from analysis.verdicts import judge_run
+from cancelwatch.analysis.cancel_table import LATENCY_COLUMNS, cancel_table
+from cancelwatch.analysis.capacity import capacity
+from cancelwatch.analysis.compare import compare_runs
+from cancelwatch.analysis.anatomy import cancel_summary
+from cancelwatch.analysis.explain import memory_story, pick_story_cancel
+from cancelwatch.analysis.facts import VIEW_METRICS, kv_pool, run_facts
+from cancelwatch.analysis.timeline import timeline_figure, trace_name
+from cancelwatch.analysis.verdicts import judge_run
 from bench.synthetic import write_synthetic_run
-from runstore.reader import load_run
+from cancelwatch.runstore.reader import load_run
 from tests.conftest import cli
 
 ROOT = Path(__file__).resolve().parents[1]

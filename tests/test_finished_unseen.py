@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from analysis.verdicts import judge_run
-from analysis.watching import LOOKBACK_S, judge_cancels, window_of
+from cancelwatch.analysis.verdicts import judge_run
+from cancelwatch.analysis.watching import LOOKBACK_S, judge_cancels, window_of
 from tests.test_verdicts import ADDED, T0, build_run, steady_gen
 
 ENDED_AT = 2.3  # the engine ends nb (its client reads on to 5.5 s)

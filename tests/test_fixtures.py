@@ -11,7 +11,7 @@ import sys
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from collectors.sources.vllm import parse_vllm_metrics
+from cancelwatch.collectors.sources.vllm import parse_vllm_metrics
 from tests.conftest import FIXTURES, ROOT
 from tests.fixtures.record import fixture_header, main, read_header
 

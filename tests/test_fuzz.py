@@ -28,17 +28,17 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from collectors.cancels.scenarios import APIS, MODES, TRIGGERS, Scenario, ScenarioError, load_file
-from collectors.sources.base import ParseError
-from collectors.sources.prom_text import LineMemo, parse_lines
-from collectors.sources.triton import parse_triton_metrics
-from collectors.sources.vllm import parse_vllm_metrics
-from dashboard.params import MAX_RUN_ID, read_url_params
-from runstore.compact import compact
-from runstore.errors import StoreError
-from runstore.paths import store_in_dir
-from runstore.reader import list_runs, load_run, resolve_run_id
-from runstore.records import Sample
+from cancelwatch.collectors.cancels.scenarios import APIS, MODES, TRIGGERS, Scenario, ScenarioError, load_file
+from cancelwatch.collectors.sources.base import ParseError
+from cancelwatch.collectors.sources.prom_text import LineMemo, parse_lines
+from cancelwatch.collectors.sources.triton import parse_triton_metrics
+from cancelwatch.collectors.sources.vllm import parse_vllm_metrics
+from cancelwatch.dashboard.params import MAX_RUN_ID, read_url_params
+from cancelwatch.runstore.compact import compact
+from cancelwatch.runstore.errors import StoreError
+from cancelwatch.runstore.paths import store_in_dir
+from cancelwatch.runstore.reader import list_runs, load_run, resolve_run_id
+from cancelwatch.runstore.records import Sample
 from tests.conftest import FIXTURES, cli
 from tests.test_runstore import recorded_run
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from collectors.engines import gateways as gw_mod
+from cancelwatch.collectors.engines import gateways as gw_mod
 from tests.conftest import free_port
 
 NAMES = [name for name, g in gw_mod.GATEWAYS.items() if not g.engine]  # an engine row has no upstream to proxy

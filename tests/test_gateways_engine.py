@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from collectors.engines import gateways as gw_mod
-from runstore.reader import load_run
+from cancelwatch.collectors.engines import gateways as gw_mod
+from cancelwatch.runstore.reader import load_run
 from tests.conftest import cli, free_port
 from tests.leaky_proxy import LeakyProxy
 from tests.test_cancels_engine import assert_recorded
@@ -297,5 +297,5 @@ def test_vllms_own_server_with_a_middleware_is_measured_in_the_matrix(engine, en
     # each middleware ran in its engine (its lines are in that engine's log), and each engine was stopped after
     logs = "".join(p.read_text(errors="replace") for p in engine_home.rglob("*.log"))
     assert "LogLine: POST /v1/completions -> 200" in logs and "log_line: POST /v1/completions -> 200" in logs
-    from collectors.engines import lifecycle
+    from cancelwatch.collectors.engines import lifecycle
     assert [s.port for s in lifecycle.all_states(engine_home) if lifecycle.is_alive(s)] == [engine.port]

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from analysis.ghosts import LEFT, Ghosts
+from cancelwatch.analysis.ghosts import LEFT, Ghosts
 
 
 def test_ghosts_are_bounded_by_the_engines_surplus_and_cleared_when_it_is_gone():
@@ -56,7 +56,7 @@ def verdict(kind: str, rule: str, stop: float, left: float | None, kept_ms: floa
 def watch_readings(cancels, until_s):
     """The watch's ghosts over `cancels` (steady_leaking's), as LiveJudge and watch_commands keep them: each
     verdict 2.5 s after its stop, a reading two a second. -> [(t, ghosts counted, {those counted})]."""
-    from analysis.ghosts import WatchGhosts
+    from cancelwatch.analysis.ghosts import WatchGhosts
     from cancelwatch.live_judge import _in_engine
 
     g, judged, seen = WatchGhosts(grace_s=2.0), set(), []
@@ -104,7 +104,7 @@ def watched(cancels: dict, engine: dict, until_s: float = 40.0) -> list[tuple[fl
     """The watch's ghosts over hand-made traffic, as LiveJudge and watch_commands keep them, a reading each 0.5 s.
     `cancels`: id -> (sent, stop, out of the watch's flight, judged at, verdict); `engine`: id -> (in, out) of the
     engine's count. -> [(t, ghosts counted, leaked ones judged by then that the engine holds)]."""
-    from analysis.ghosts import WatchGhosts
+    from cancelwatch.analysis.ghosts import WatchGhosts
     from cancelwatch.live_judge import _in_engine
 
     g, done, seen = WatchGhosts(grace_s=2.0), set(), []
@@ -163,8 +163,8 @@ def test_a_stored_runs_ghosts_under_steady_leaking_leave_with_the_count():
     # and the ghost table says so, though another lost one was always in its grace
     from types import SimpleNamespace
 
-    from analysis.ghosts import EngineReading
-    from analysis.verdicts.ghost_list import ghost_table as replayed
+    from cancelwatch.analysis.ghosts import EngineReading
+    from cancelwatch.analysis.verdicts.ghost_list import ghost_table as replayed
 
     cancels = steady_leaking()
     times = np.arange(0.0, 52.0, 0.05)
@@ -192,8 +192,8 @@ import json  # noqa: E402
 
 import pytest  # noqa: E402
 
-from analysis.ghosts import GHOST_UNKNOWN, IN_ENGINE, LEFT, UNKNOWN  # noqa: E402
-from analysis.verdicts import ghosts_of as ghost_table, judge_run  # noqa: E402
+from cancelwatch.analysis.ghosts import GHOST_UNKNOWN, IN_ENGINE, LEFT, UNKNOWN  # noqa: E402
+from cancelwatch.analysis.verdicts import ghosts_of as ghost_table, judge_run  # noqa: E402
 from tests.test_verdicts import ADDED, T0, build_run, steady_gen  # noqa: E402
 
 

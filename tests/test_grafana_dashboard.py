@@ -92,7 +92,7 @@ def test_the_watch_serves_every_series_a_verdict_can_count_from_zero():
     # a series that first appears at 1 is no increase: the first leak of a rule would pass the panels and the alert by
     from prometheus_client import generate_latest
 
-    from analysis.verdicts import RULES
+    from cancelwatch.analysis.verdicts import RULES
 
     metrics = WatchMetrics()
     metrics.start_at_zero()

@@ -9,8 +9,8 @@ import json
 
 import pandas as pd
 
-from analysis.hops import AMBIGUOUS_S, hop_story, hop_traces, stopped_at
-from analysis.verdicts import judge_run
+from cancelwatch.analysis.hops import AMBIGUOUS_S, hop_story, hop_traces, stopped_at
+from cancelwatch.analysis.verdicts import judge_run
 from tests.test_verdicts import ADDED, T0, build_run, steady_gen
 
 HOPS = [
@@ -123,11 +123,11 @@ def test_a_run_without_taps_has_no_hops_and_no_path():
 
 
 def test_the_table_the_timeline_the_story_and_the_protocol_show_the_path():
-    from analysis.cancel_table import cancel_table
-    from analysis.explain import memory_story
-    from analysis.protocol import protocol_markdown
-    from analysis.timeline import hop_label, timeline_figure
-    from analysis.verdicts import report_document
+    from cancelwatch.analysis.cancel_table import cancel_table
+    from cancelwatch.analysis.explain import memory_story
+    from cancelwatch.analysis.protocol import protocol_markdown
+    from cancelwatch.analysis.timeline import hop_label, timeline_figure
+    from cancelwatch.analysis.verdicts import report_document
 
     taps = [*both_hops(), closed("nginx", 2, "tg", 2.001),
             tap_event("tap_response_end", "vllm", 5.0, "tg", conn=2, seq=0)]
@@ -150,9 +150,9 @@ def test_the_table_the_timeline_the_story_and_the_protocol_show_the_path():
 
 
 def test_a_run_without_taps_keeps_its_table_and_protocol_as_they_were():
-    from analysis.cancel_table import cancel_table
-    from analysis.protocol import protocol_markdown
-    from analysis.verdicts import report_document
+    from cancelwatch.analysis.cancel_table import cancel_table
+    from cancelwatch.analysis.protocol import protocol_markdown
+    from cancelwatch.analysis.verdicts import report_document
 
     run = run_with([], hops=[])
     verdicts = judge_run(run)

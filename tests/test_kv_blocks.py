@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from analysis.verdicts import judge_run
-from runstore.reader import load_run
+from cancelwatch.analysis.verdicts import judge_run
+from cancelwatch.runstore.reader import load_run
 
 FIXTURE = Path(__file__).resolve().parent / "corpus" / "runs" / "aiperf_watch_direct_kept.db.gz"
 ONE = "53319596-6375-49bb-b4fb-c83a13998ca6"  # aborted at 22.894 s of the run, two newcomers in its place

@@ -12,6 +12,7 @@ lifecycle). Hardware (pynvml) lives in one module, SQL in runstore.
 from __future__ import annotations
 
 import ast
+import json
 import re
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
@@ -20,6 +21,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = ("cancelwatch", "collectors", "runstore", "analysis", "dashboard", "notebooks", "bench")
+# the parts installed under cancelwatch. (cancelwatch/__init__.py: PARTS), top-level folders here
+PARTS = ("analysis", "collectors", "dashboard", "notebooks", "runstore")
 ROOMS = ("sources", "recording", "cancels", "engines")
 # above the rooms: the table of engine families, the one module of collectors that reads every room
 ABOVE_ROOMS = ("families.py",)
@@ -52,8 +55,23 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def part_of(name: str) -> str:
+    """A module's name in the house: `cancelwatch.analysis.x` (its name installed) is `analysis.x`, the folder
+    it lives in here."""
+    head, _, rest = name.partition(".")
+    return rest if head == "cancelwatch" and rest.split(".")[0] in PARTS else name
+
+
+def bare_parts(tree: ast.AST) -> set[str]:
+    """The parts a tree imports by their bare name (`from analysis.x import y`), not as cancelwatch.analysis."""
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level and n.module}
+    return {name.split(".")[0] for name in names} & set(PARTS)
+
+
 def imported_modules(path: Path, root: Path) -> set[str]:
-    """Every module a file imports, relative imports resolved, `from a import b` counted as a and a.b."""
+    """Every module a file imports, relative imports resolved, `from a import b` counted as a and a.b, each by
+    its name in the house (part_of)."""
     tree = ast.parse(path.read_text())
     package = module_name(path, root).split(".")
     if path.name != "__init__.py":
@@ -68,7 +86,21 @@ def imported_modules(path: Path, root: Path) -> set[str]:
                 base = ".".join([*package[: len(package) - node.level + 1], *([base] if base else [])])
             names.add(base)
             names |= {f"{base}.{a.name}" for a in node.names}
-    return names
+    return {part_of(name) for name in names}
+
+
+def bare_imports(root: Path) -> list[str]:
+    """Every file (code, tests, benchmarks, the notebooks' cells) that imports a part by its bare name: installed,
+    no such name exists, and beside cancelwatch.<part> the same module would load twice."""
+    bad = []
+    for path in sorted(p for folder in (*PROJECT, "tests", "tests_engine", "deploy") for p in root.joinpath(folder).rglob("*.py")):
+        if found := bare_parts(ast.parse(path.read_text())):
+            bad.append(f"{path.relative_to(root)} imports {sorted(found)} by a bare name: import cancelwatch.<part>")
+    for path in sorted(root.joinpath("notebooks").glob("*.ipynb")):
+        cells = ["".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+        if found := set().union(*(bare_parts(ast.parse(c)) for c in cells)):
+            bad.append(f"{path.relative_to(root)} imports {sorted(found)} by a bare name: import cancelwatch.<part>")
+    return bad
 
 
 def hits(imported: set[str], forbidden: set[str]) -> set[str]:
@@ -83,7 +115,7 @@ def violations(root: Path) -> list[str]:
             found = hits(imported_modules(path, root), forbidden)
             if found:
                 bad.append(f"{path.relative_to(root)} imports {sorted(found)}")
-    bad += launcher_imports(root)
+    bad += launcher_imports(root) + bare_imports(root)
     for path in sorted(root.joinpath("collectors").glob("*")):
         if path.name not in (*ROOMS, *ABOVE_ROOMS, "__init__.py", "__pycache__"):
             bad.append(f"{path.relative_to(root)} is outside the four rooms of collectors/ ({', '.join(ROOMS)})")
@@ -131,15 +163,16 @@ def test_no_module_imports_itself_back():
     assert import_circles(ROOT) == []
 
 
-@pytest.mark.parametrize("a_imports", ["from analysis.b import g", "def f():\n    from analysis.b import g"])
+@pytest.mark.parametrize("a_imports", ["from cancelwatch.analysis.b import g",
+                                       "def f():\n    from cancelwatch.analysis.b import g"])
 def test_a_circle_is_caught_even_behind_a_function(tmp_path, a_imports):
     for package in PROJECT:
         (tmp_path / package).mkdir()
     (tmp_path / "analysis" / "__init__.py").write_text("")
     (tmp_path / "analysis" / "a.py").write_text(a_imports + "\n")
-    (tmp_path / "analysis" / "b.py").write_text("from analysis.c import h\ndef g():\n    pass\n")
-    (tmp_path / "analysis" / "c.py").write_text("import analysis.a\ndef h():\n    pass\n")
-    (tmp_path / "analysis" / "d.py").write_text("from analysis.c import h\n")  # beside the circle, not in it
+    (tmp_path / "analysis" / "b.py").write_text("from cancelwatch.analysis.c import h\ndef g():\n    pass\n")
+    (tmp_path / "analysis" / "c.py").write_text("import cancelwatch.analysis.a\ndef h():\n    pass\n")
+    (tmp_path / "analysis" / "d.py").write_text("from .c import h\n")  # beside the circle, not in it
     (found,) = import_circles(tmp_path)
     modules = found.split(" -> ")
     assert modules[0] == modules[-1] and set(modules) == {"analysis.a", "analysis.b", "analysis.c"}, found
@@ -157,22 +190,24 @@ def test_nvml_is_quarantined():
 
 
 @pytest.mark.parametrize("where, line, says", [
-    ("runstore/bad.py", "from collectors.sources.base import Source", "collectors"),
-    ("collectors/sources/bad.py", "from analysis.verdicts import judge_run", "analysis"),
+    ("runstore/bad.py", "from cancelwatch.collectors.sources.base import Source", "collectors"),
+    ("collectors/sources/bad.py", "from cancelwatch.analysis.verdicts import judge_run", "analysis"),
     ("collectors/sources/bad.py", "from ..recording import sampler", "collectors.recording"),
-    ("collectors/engines/bad.py", "import collectors.cancels.driver", "collectors.cancels"),
-    ("collectors/engines/triton_server.py", "from collectors.engines.vllm_server import stop", "collectors.engines.vllm_server"),
+    ("collectors/engines/bad.py", "import cancelwatch.collectors.cancels.driver", "collectors.cancels"),
+    ("collectors/engines/triton_server.py", "from cancelwatch.collectors.engines.vllm_server import stop", "collectors.engines.vllm_server"),
     ("collectors/engines/vllm_server.py", "def f():\n    from . import triton_server", "collectors.engines.triton_server"),
     ("analysis/bad.py", "import httpx", "httpx"),
     ("dashboard/bad.py", "from cancelwatch.cli import app", "cancelwatch"),
     ("collectors/stray.py", "", "outside the four rooms"),
-    ("collectors/recording/bad.py", "from collectors.families import FAMILIES", "collectors.families"),
+    ("collectors/recording/bad.py", "from cancelwatch.collectors.families import FAMILIES", "collectors.families"),
     ("analysis/bad.py", "rows = con.execute('SELECT id FROM runs')", "SQL"),
     ("bench/bad.py", "import sqlite3", "SQL"),
+    ("bench/bad.py", "from runstore.reader import load_run", "by a bare name"),
+    ("tests/test_bad.py", "import analysis.verdicts as v", "by a bare name"),
 ])
 def test_a_bad_import_is_caught(tmp_path, where, line, says):
     """The checker itself can fail: a tree with one bad file gives exactly one violation naming it."""
-    for package in PROJECT:
+    for package in (*PROJECT, "tests"):
         (tmp_path / package).mkdir()
     for room in ROOMS:
         (tmp_path / "collectors" / room).mkdir()

@@ -19,8 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from collectors.engines import cpu_limit, lifecycle, triton_server, vllm_server
-from collectors.engines.lifecycle import EngineError, EngineState, PortBusy
+from cancelwatch.collectors.engines import cpu_limit, lifecycle, triton_server, vllm_server
+from cancelwatch.collectors.engines.lifecycle import EngineError, EngineState, PortBusy
 from tests.conftest import wait_gone
 
 # an engine stand-in: a child of its own (the tree `stop` ends), then /health answers 200 until killed

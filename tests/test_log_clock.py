@@ -10,10 +10,10 @@ import json
 
 import pytest
 
-from analysis.facts import run_facts
-from analysis.protocol import protocol_markdown
-from analysis.verdicts import GRACE_S, judge_run, log_clocks, report_document
-from runstore.reader import load_run
+from cancelwatch.analysis.facts import run_facts
+from cancelwatch.analysis.protocol import protocol_markdown
+from cancelwatch.analysis.verdicts import GRACE_S, judge_run, log_clocks, report_document
+from cancelwatch.runstore.reader import load_run
 from tests.conftest import ROOT
 
 SAMPLE = ROOT / "dashboard" / "sample" / "sample.db"
@@ -84,7 +84,7 @@ def test_a_log_zone_given_reads_the_stamps_in_it():
     from datetime import datetime, timezone
     from zoneinfo import ZoneInfo
 
-    from collectors.sources.engine_log import parse_line
+    from cancelwatch.collectors.sources.engine_log import parse_line
 
     line = "INFO 12-01 08:00:00 [logger.py:43] Added request cmpl-cw-decode-target-3ee19b60-0-01234567."
     kind, ids, wall_ns, res = parse_line(line, 2026, ZoneInfo("UTC"))

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from analysis.protocol import protocol_markdown
-from analysis.verdicts import judge_run, report_document
-from collectors.sources.engine_log import EngineLogSource, parse_line
-from runstore.reader import load_run
+from cancelwatch.analysis.protocol import protocol_markdown
+from cancelwatch.analysis.verdicts import judge_run, report_document
+from cancelwatch.collectors.sources.engine_log import EngineLogSource, parse_line
+from cancelwatch.runstore.reader import load_run
 from tests.conftest import ROOT
 
 SAMPLE = ROOT / "dashboard" / "sample" / "sample.db"

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from analysis.verdicts import judge_run, report_document
-from analysis.verdicts.log_ids import AddedLine, LogIds
+from cancelwatch.analysis.verdicts import judge_run, report_document
+from cancelwatch.analysis.verdicts.log_ids import AddedLine, LogIds
 from tests.test_log_clock import LOG_KINDS, sample
 
 

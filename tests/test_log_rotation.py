@@ -14,9 +14,9 @@ import time
 
 import pandas as pd
 
-from analysis.verdicts import judge_run
-from collectors.sources.engine_log import EngineLogSource
-from runstore.reader import load_run
+from cancelwatch.analysis.verdicts import judge_run
+from cancelwatch.collectors.sources.engine_log import EngineLogSource
+from cancelwatch.runstore.reader import load_run
 from tests.conftest import FIXTURES, cli_popen
 from tests.fixture_server import MetricsFixtureServer
 from tests.test_engine_log import millisecond_line

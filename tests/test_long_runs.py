@@ -14,19 +14,19 @@ import numpy as np
 import pandas as pd
 import pytest
 
-import analysis.long_runs as long_runs
-from analysis.facts import VIEW_METRICS
-from analysis.long_runs import is_long, long_run_verdicts, stops
-from analysis.summary import sampling_stats
-from analysis.verdicts import judge_run
-from analysis.verdicts.stored import from_stored, judged_by, stored
-from analysis.watching import LOOKBACK_S
+import cancelwatch.analysis.long_runs as long_runs
+from cancelwatch.analysis.facts import VIEW_METRICS
+from cancelwatch.analysis.long_runs import is_long, long_run_verdicts, stops
+from cancelwatch.analysis.summary import sampling_stats
+from cancelwatch.analysis.verdicts import judge_run
+from cancelwatch.analysis.verdicts.stored import from_stored, judged_by, stored
+from cancelwatch.analysis.watching import LOOKBACK_S
 from bench.synthetic import write_synthetic_run
-from runstore.overview import BUCKET_NS
-from runstore.reader import load_overview, load_run, load_verdicts, load_window, overview_span_s
-from runstore.records import Sample, ScrapeRecord
-from runstore.schema import OVERVIEW_S
-from runstore.writer import StoreWriter, create_run, finish_run, open_store, write_verdicts
+from cancelwatch.runstore.overview import BUCKET_NS
+from cancelwatch.runstore.reader import load_overview, load_run, load_verdicts, load_window, overview_span_s
+from cancelwatch.runstore.records import Sample, ScrapeRecord
+from cancelwatch.runstore.schema import OVERVIEW_S
+from cancelwatch.runstore.writer import StoreWriter, create_run, finish_run, open_store, write_verdicts
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "dashboard" / "sample" / "sample.db"
@@ -196,7 +196,7 @@ def test_how_long_a_run_must_be_to_open_from_its_overview(monkeypatch):
 def never_read_whole(day, tmp_path, monkeypatch) -> tuple[Path, int, list[str]]:
     """The day's run copied into `tmp_path`, its verdicts judged whole (as JSON), then the long-run bound lowered
     to 5 minutes and load_run refusing: from here on the run is long and must never be read whole."""
-    import runstore.reader as reader
+    import cancelwatch.runstore.reader as reader
 
     src, rid = day
     path = tmp_path / "day.db"
@@ -250,7 +250,7 @@ def test_records_own_report_reads_a_run_past_ten_minutes_from_its_overview_and_i
 
     import typer
 
-    import runstore.reader as reader
+    import cancelwatch.runstore.reader as reader
     from cancelwatch.cancel_commands import report_recorded
 
     src, rid = day
@@ -293,7 +293,7 @@ def test_records_report_of_a_long_run_whose_store_filled_up_is_printed_and_says_
 
     import typer
 
-    import runstore.writer as writer_mod
+    import cancelwatch.runstore.writer as writer_mod
     from cancelwatch.cancel_commands import report_recorded
 
     src, rid = day
@@ -341,7 +341,7 @@ def test_a_cancel_whose_request_the_log_names_late_is_judged_again_on_a_longer_w
 def test_a_metric_of_several_label_sets_keeps_its_sum_in_the_overview(tmp_path):
     """Two GPUs, one steady at 80 GB, one moving between 70 and 80 GB: the overview's sum never drops a GPU
     (a bucket's max row is kept where its min equals it), and bounds the true sum from both sides."""
-    from runstore.writer import write_scrape_block
+    from cancelwatch.runstore.writer import write_scrape_block
 
     path = tmp_path / "gpus.db"
     con = open_store(path)
@@ -358,7 +358,7 @@ def test_a_metric_of_several_label_sets_keeps_its_sum_in_the_overview(tmp_path):
             duration_ns=1_000_000)
     finish_run(con, rid, "completed", {}, ended_wall_ns=W0 + n * 50_000_000)
     con.close()
-    from analysis.series import series_frame
+    from cancelwatch.analysis.series import series_frame
 
     whole = series_frame(load_run(path, rid), "gpu_memory_used_bytes")["value"]
     over = series_frame(load_overview(path, rid), "gpu_memory_used_bytes")["value"]
@@ -367,7 +367,7 @@ def test_a_metric_of_several_label_sets_keeps_its_sum_in_the_overview(tmp_path):
 
 
 def test_a_deleted_run_takes_its_overview_and_verdicts_with_it(day, tmp_path):
-    from runstore.writer import delete_runs
+    from cancelwatch.runstore.writer import delete_runs
 
     src, rid = day
     path = tmp_path / "day.db"
@@ -407,7 +407,7 @@ def test_anything_the_writer_thread_meets_ends_the_run_said_never_a_silent_dead_
     writer.put(ScrapeRecord("vllm", "t0", 0, W0, T0, 1_000_000, True,
                             [Sample("vllm", "requests_running", "not a number", (), W0, T0)]))
     assert writer.failed.wait(5)
-    from runstore.errors import StoreError
+    from cancelwatch.runstore.errors import StoreError
 
     with pytest.raises(StoreError, match="stopped taking writes"):
         writer.close()
@@ -417,7 +417,7 @@ def test_anything_the_writer_thread_meets_ends_the_run_said_never_a_silent_dead_
 def test_a_ghost_its_verdict_did_not_see_leave_is_aged_from_the_overview_to_within_a_bucket(day):
     """The ghost list replays the engine's count where a verdict did not see its request leave: on a long run, the
     overview's count, which places each leaving within one bucket of where the whole run's samples place it."""
-    from analysis.verdicts import ghosts_of
+    from cancelwatch.analysis.verdicts import ghosts_of
 
     path, rid = day
     whole = load_run(path, rid, metrics=VIEW_METRICS)
@@ -438,8 +438,8 @@ def test_the_notebooks_read_a_long_run_as_the_report_and_the_page_do(day, tmp_pa
     page and the notebooks' review read it through. The review of a long run reads its overview and judges each
     cancel on its own window (the series the verdicts read, no other), never the run whole, and gives the
     verdicts the whole run gives."""
-    import runstore.reader as reader
-    from analysis import review
+    import cancelwatch.runstore.reader as reader
+    from cancelwatch.analysis import review
 
     path, rid, whole = never_read_whole(day, tmp_path, monkeypatch)
     read, real = [], reader.load_window

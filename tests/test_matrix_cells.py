@@ -3,7 +3,7 @@ says when a cancel's request never reached the engine, and that an inconclusive 
 
 from types import SimpleNamespace
 
-from analysis.matrix import _cell
+from cancelwatch.analysis.matrix import _cell
 
 
 def verdict(verdict: str, rule: str, abort_ms: float | None = None, hop_ms: float | None = None,

@@ -8,12 +8,12 @@ import time
 
 import numpy as np
 
-from analysis.capacity import capacity, time_with_waiting
-from analysis.timeline import _breaks
-from analysis.traces import metric_traces
-from runstore.reader import load_run
-from runstore.records import Sample, ScrapeRecord
-from runstore.writer import StoreWriter, create_run, open_store
+from cancelwatch.analysis.capacity import capacity, time_with_waiting
+from cancelwatch.analysis.timeline import _breaks
+from cancelwatch.analysis.traces import metric_traces
+from cancelwatch.runstore.reader import load_run
+from cancelwatch.runstore.records import Sample, ScrapeRecord
+from cancelwatch.runstore.writer import StoreWriter, create_run, open_store
 
 T0 = 1_000_000_000_000
 

@@ -13,8 +13,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.verdicts import judge_run
-from runstore.reader import Run
+from cancelwatch.analysis.verdicts import judge_run
+from cancelwatch.runstore.reader import Run
 
 T0 = 1_000_000_000_000
 

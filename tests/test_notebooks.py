@@ -18,8 +18,8 @@ import papermill as pm
 import psutil
 import pytest
 
-from analysis import review
-from runstore.reader import StoreError
+from cancelwatch.analysis import review
+from cancelwatch.runstore.reader import StoreError
 from tests.conftest import cli, free_port
 from tests.processes import listening_ips
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from collectors.engines.lifecycle import free_port
-from collectors.recording.session import PreflightError, RecordSettings, Target
-from collectors.recording.vllm_session import build_vllm_sources as build_sources
-from collectors.sources.base import SourceError
-from collectors.sources.nvml import NvmlSource
+from cancelwatch.collectors.engines.lifecycle import free_port
+from cancelwatch.collectors.recording.session import PreflightError, RecordSettings, Target
+from cancelwatch.collectors.recording.vllm_session import build_vllm_sources as build_sources
+from cancelwatch.collectors.sources.base import SourceError
+from cancelwatch.collectors.sources.nvml import NvmlSource
 from tests.conftest import FIXTURES
 from tests.fakes.fake_pynvml import FakeGpu, FakeNvml
 

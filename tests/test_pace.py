@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from collectors.cancels.driver import Driver
-from collectors.cancels.pace import CEILING_S, FLOOR_S, IdleWait, idle_wait
-from collectors.cancels.streams import build_request
-from runstore.records import LedgerRecord
+from cancelwatch.collectors.cancels.driver import Driver
+from cancelwatch.collectors.cancels.pace import CEILING_S, FLOOR_S, IdleWait, idle_wait
+from cancelwatch.collectors.cancels.streams import build_request
+from cancelwatch.runstore.records import LedgerRecord
 
 S = 1_000_000_000
 

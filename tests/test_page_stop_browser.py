@@ -17,10 +17,10 @@ import httpx
 
 import pytest
 
-from analysis.cancel_table import cancel_table
-from analysis.verdicts import judge_run
-from collectors.engines import gateways as gw_mod
-from runstore.reader import load_run
+from cancelwatch.analysis.cancel_table import cancel_table
+from cancelwatch.analysis.verdicts import judge_run
+from cancelwatch.collectors.engines import gateways as gw_mod
+from cancelwatch.runstore.reader import load_run
 from tests.conftest import cli, cli_popen, free_port
 from tests.test_dashboard_browser import CHROMIUM, FLAGS
 from tests.test_watch_engine import wait_listening

@@ -8,8 +8,8 @@ import json
 
 import pandas as pd
 
-from analysis.page_stops import CLICK_AFTER_CLOSE_S, PAGE_CLOCK_S, page_stops
-from analysis.verdicts import judge_run, report_document
+from cancelwatch.analysis.page_stops import CLICK_AFTER_CLOSE_S, PAGE_CLOCK_S, page_stops
+from cancelwatch.analysis.verdicts import judge_run, report_document
 from tests.test_hops import HOPS, both_hops, closed, run_with, through
 from tests.test_verdicts import T0
 

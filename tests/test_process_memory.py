@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from collectors.sources.base import SourceError
-from collectors.sources.process_memory import ProcessMemorySource
+from cancelwatch.collectors.sources.base import SourceError
+from cancelwatch.collectors.sources.process_memory import ProcessMemorySource
 
 CHILD = "import time; b = bytearray(64 * 2**20); time.sleep(30)"
 PARENT = f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {CHILD!r}]); time.sleep(30)"

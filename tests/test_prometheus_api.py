@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from collectors.recording.prometheus_import import _gaps, _place, _selector
-from collectors.sources.prometheus_api import MAX_POINTS, PrometheusHistory, parse_duration, parse_time
+from cancelwatch.collectors.recording.prometheus_import import _gaps, _place, _selector
+from cancelwatch.collectors.sources.prometheus_api import MAX_POINTS, PrometheusHistory, parse_duration, parse_time
 
 NOW = 1_796_000_000.0
 

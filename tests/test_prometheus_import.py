@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from runstore.reader import load_run
+from cancelwatch.runstore.reader import load_run
 from tests.conftest import FIXTURES, _start_engine, cli, free_port
 from tests.fixture_server import MetricsFixtureServer
 
@@ -214,7 +214,7 @@ def test_the_capacity_review_renders_on_the_imported_run(history, tmp_path):
     page = out.read_text()
     assert history["engine"] in page and history["other"] in page
     assert "fleet (2 replicas)" in page and "GPU memory" in page and "gpu-node-a" in page
-    from analysis.capacity import fleet_frame, gpu_memory_frame
+    from cancelwatch.analysis.capacity import fleet_frame, gpu_memory_frame
 
     imported = load_run(history["imported"], "latest")
     fleet = fleet_frame(imported).set_index("replica")
@@ -245,8 +245,8 @@ def test_the_dashboard_draws_one_line_per_replica_of_the_imported_run(history, m
 
 
 def test_one_cancel_side_by_side_at_both_resolutions(history, tmp_path):
-    from analysis.resolution import resolution_figure
-    from analysis.verdicts import judge_run
+    from cancelwatch.analysis.resolution import resolution_figure
+    from cancelwatch.analysis.verdicts import judge_run
 
     own, imported = load_run(history["own"], "latest"), load_run(history["imported"], "latest")
     cancel = judge_run(own)[0]
@@ -284,7 +284,7 @@ def test_bad_input_is_one_line_and_creates_no_run(history, tmp_path):
 
 
 def test_discovery_samples_every_replica_prometheus_scrapes_labelled_by_instance(engine, engine_home, tmp_path):
-    from collectors.engines import lifecycle
+    from cancelwatch.collectors.engines import lifecycle
 
     # the second replica: a second real vLLM (the relay app's in-process AsyncLLM, with its own /metrics)
     relay_home = tmp_path / "relay-home"

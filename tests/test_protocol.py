@@ -11,12 +11,12 @@ from dataclasses import asdict
 import numpy as np
 import pytest
 
-from analysis.protocol import accepted, coverage, protocol_markdown, scenario_records
-from analysis.verdicts import report_document, run_grace_s
-from collectors.cancels.scenarios import BUILTIN
-from runstore.reader import Run, load_run
-from runstore.records import EventRecord, LedgerRecord
-from runstore.writer import (
+from cancelwatch.analysis.protocol import accepted, coverage, protocol_markdown, scenario_records
+from cancelwatch.analysis.verdicts import report_document, run_grace_s
+from cancelwatch.collectors.cancels.scenarios import BUILTIN
+from cancelwatch.runstore.reader import Run, load_run
+from cancelwatch.runstore.records import EventRecord, LedgerRecord
+from cancelwatch.runstore.writer import (
     create_run,
     finish_run,
     open_store,

@@ -23,13 +23,13 @@ import psutil
 import pytest
 from typer.main import get_command
 
-from analysis.anatomy import cancel_summary
-from analysis.explain import pick_story_cancel
-from analysis.facts import VIEW_METRICS
-from analysis.verdicts import judge_run
+from cancelwatch.analysis.anatomy import cancel_summary
+from cancelwatch.analysis.explain import pick_story_cancel
+from cancelwatch.analysis.facts import VIEW_METRICS
+from cancelwatch.analysis.verdicts import judge_run
 from cancelwatch.cli import app
-from collectors.engines.lifecycle import free_port
-from runstore.reader import load_run
+from cancelwatch.collectors.engines.lifecycle import free_port
+from cancelwatch.runstore.reader import load_run
 from tests.processes import listening_ips
 from tests.readme_commands import COMMAND_LINE_ONLY, NOT_RUN, ROOT, RUN, readme_commands, synopses, words
 from tests.test_dashboard_browser import TABLE_ROWS, TIMELINE, browser  # noqa: F401 - a fixture

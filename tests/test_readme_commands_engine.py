@@ -24,8 +24,8 @@ import httpx
 import psutil
 import pytest
 
-from collectors.engines.lifecycle import free_port, read_state
-from runstore.reader import list_runs, load_run
+from cancelwatch.collectors.engines.lifecycle import free_port, read_state
+from cancelwatch.runstore.reader import list_runs, load_run
 from tests.conftest import free_triton_port
 from tests.readme_commands import ROOT, RUN, words
 from tests.test_dashboard_browser import browser  # noqa: F401 - a fixture

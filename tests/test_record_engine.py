@@ -12,10 +12,10 @@ import time
 import httpx
 import pandas as pd
 
-from analysis.series import series_frame
-from collectors.cancels.load import StreamResult, _one, run_streams
-from collectors.engines import lifecycle
-from runstore.reader import load_run
+from cancelwatch.analysis.series import series_frame
+from cancelwatch.collectors.cancels.load import StreamResult, _one, run_streams
+from cancelwatch.collectors.engines import lifecycle
+from cancelwatch.runstore.reader import load_run
 from tests.conftest import cli, cli_popen, free_port, wait_gone, wait_recording
 from tests.metrics_proxy import MetricsProxy
 
@@ -290,7 +290,7 @@ def test_filtered_scrapes_give_the_analysis_series_of_full_bodies(engine):
     """After one full body the source asks /metrics/ for just the series the analysis reads (ALIASES):
     the same series, with the same labels, as in the full body; every other series waits for the next
     full body."""
-    from collectors.sources.vllm import ALIASES, VllmMetricsSource
+    from cancelwatch.collectors.sources.vllm import ALIASES, VllmMetricsSource
 
     src = VllmMetricsSource(engine.url, "t0")
     full = src.sample(1, 2)

@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from collectors.engines.relay import Relay
+from cancelwatch.collectors.engines.relay import Relay
 
 
 class Scripted:

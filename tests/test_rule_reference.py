@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from analysis.verdicts import RULES
-from analysis.verdicts.reference import reference_markdown, sentence_fields
+from cancelwatch.analysis.verdicts import RULES
+from cancelwatch.analysis.verdicts.reference import reference_markdown, sentence_fields
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "rules.md"
 
 
 def test_the_rule_reference_is_current():
     assert DOC.read_text() == reference_markdown(), \
-        "docs/rules.md is out of date: python -m analysis.verdicts.reference > docs/rules.md"
+        "docs/rules.md is out of date: python -m cancelwatch.analysis.verdicts.reference > docs/rules.md"
 
 
 def test_every_rule_is_in_the_reference_once_under_its_verdict():

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from collectors.cancels.driver import Driver
-from collectors.cancels.pace import IdleWait
-from collectors.cancels.runner import ScenarioRunner
-from collectors.cancels.scenarios import Scenario
-from collectors.cancels.streams import now_ns
-from collectors.cancels.triton_driver import TritonDriver
-from runstore.records import EventRecord, LedgerRecord
+from cancelwatch.collectors.cancels.driver import Driver
+from cancelwatch.collectors.cancels.pace import IdleWait
+from cancelwatch.collectors.cancels.runner import ScenarioRunner
+from cancelwatch.collectors.cancels.scenarios import Scenario
+from cancelwatch.collectors.cancels.streams import now_ns
+from cancelwatch.collectors.cancels.triton_driver import TritonDriver
+from cancelwatch.runstore.records import EventRecord, LedgerRecord
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ from contextlib import closing
 import numpy as np
 import pytest
 
-from runstore.errors import StoreError
-from runstore.reader import list_runs, load_run
-from runstore.records import DriveSettings, EventRecord, GapRecord, LedgerRecord, Sample, ScrapeRecord, freeze_labels
-from runstore.writer import (
+from cancelwatch.runstore.errors import StoreError
+from cancelwatch.runstore.reader import list_runs, load_run
+from cancelwatch.runstore.records import DriveSettings, EventRecord, GapRecord, LedgerRecord, Sample, ScrapeRecord, freeze_labels
+from cancelwatch.runstore.writer import (
     StoreWriter,
     create_run,
     finish_run,
@@ -143,7 +143,7 @@ def test_a_store_of_another_schema_is_left_as_it_was(tmp_path):
 def test_a_reader_never_sees_half_a_schema_while_a_store_is_created(tmp_path, monkeypatch):
     """CI saw a dashboard read land between the writer's CREATE of `meta` and of `runs` ('not a cancelwatch
     run store'). Before each statement the writer runs, a second connection looks: no table, or all."""
-    import runstore.writer as writer
+    import cancelwatch.runstore.writer as writer
 
     store = tmp_path / "cw.db"
     seen: list[frozenset] = []
@@ -228,7 +228,7 @@ def _hold_lock(store, for_s: float):
 def test_a_read_waits_out_a_writers_brief_lock(tmp_path):
     """A writer holding the store's lock for a moment delays a read, it does not fail it: CI saw the Arrow
     read (ADBC, which sets no busy handler of its own) fail at once with "database is locked"."""
-    import runstore.reader as reader
+    import cancelwatch.runstore.reader as reader
 
     store = tmp_path / "cw.db"
     recorded_run(store)
@@ -288,7 +288,7 @@ def test_one_new_store_opened_by_several_processes_at_once(tmp_path):
 
 
 def test_a_store_locked_past_the_open_wait_says_so_in_one_line(tmp_path, monkeypatch):
-    import runstore.writer as writer
+    import cancelwatch.runstore.writer as writer
 
     store = tmp_path / "cw.db"
     recorded_run(store)
@@ -309,7 +309,7 @@ def test_a_store_locked_past_the_open_wait_says_so_in_one_line(tmp_path, monkeyp
 
 def test_deleting_runs_leaves_the_others_whole(tmp_path):
     from bench.synthetic import write_synthetic_run
-    from runstore.writer import delete_runs, open_store
+    from cancelwatch.runstore.writer import delete_runs, open_store
 
     store = tmp_path / "cw.db"
     first = write_synthetic_run(store, duration_s=60, cancels=3, name="a")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
-from collectors.recording.sampler import Sampler
-from collectors.sources.base import ParseError, Source, SourceError
-from runstore.records import GapRecord, Sample, ScrapeRecord
-from runstore.writer import StoreWriter, create_run, open_store
+from cancelwatch.collectors.recording.sampler import Sampler
+from cancelwatch.collectors.sources.base import ParseError, Source, SourceError
+from cancelwatch.runstore.records import GapRecord, Sample, ScrapeRecord
+from cancelwatch.runstore.writer import StoreWriter, create_run, open_store
 
 
 class TimedSource(Source):
@@ -177,7 +177,7 @@ def test_a_burst_rate_that_is_not_a_multiple_of_the_rate_is_refused():
 
 
 def test_timing_statistics_are_bounded():
-    from collectors.recording.sampler import RecentValues
+    from cancelwatch.collectors.recording.sampler import RecentValues
 
     r = RecentValues(cap=10)
     for i in range(1000):

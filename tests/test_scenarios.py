@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from collectors.cancels.scenarios import APIS, BUILTIN, MODES, SUITES, TRIGGERS, ScenarioError, load_file, resolve
+from cancelwatch.collectors.cancels.scenarios import APIS, BUILTIN, MODES, SUITES, TRIGGERS, ScenarioError, load_file, resolve
 from tests.conftest import cli
 
 

@@ -20,9 +20,9 @@ import httpx
 import psutil
 import pytest
 
-from collectors.engines.command_line import REDACTED
-from collectors.engines.lifecycle import read_state
-from runstore.reader import load_run
+from cancelwatch.collectors.engines.command_line import REDACTED
+from cancelwatch.collectors.engines.lifecycle import read_state
+from cancelwatch.runstore.reader import load_run
 from tests import conftest
 from tests.conftest import SHORT, _stop_engine, cli, free_port
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from analysis.explain import memory_story
-from analysis.verdicts import judge_run
+from cancelwatch.analysis.explain import memory_story
+from cancelwatch.analysis.verdicts import judge_run
 from tests.test_verdict_rules import VLLM_RUNS
 
 

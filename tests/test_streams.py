@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from collectors.cancels.streams import build_request, run_request
-from runstore.records import LedgerRecord
+from cancelwatch.collectors.cancels.streams import build_request, run_request
+from cancelwatch.runstore.records import LedgerRecord
 
 
 def server_that_stops_before_the_finish_marker(tokens: int):

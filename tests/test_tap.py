@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from collectors.sources.tap import Hop, TapError, TapSource, check_chain, parse_hop
+from cancelwatch.collectors.sources.tap import Hop, TapError, TapSource, check_chain, parse_hop
 from tests.conftest import free_port
 
 

@@ -11,9 +11,9 @@ import time
 import psutil
 import pytest
 
-from collectors.cancels.triton_driver import SUITE, TRITON_SCENARIOS
-from collectors.engines import lifecycle, triton_server
-from runstore.reader import load_run
+from cancelwatch.collectors.cancels.triton_driver import SUITE, TRITON_SCENARIOS
+from cancelwatch.collectors.engines import lifecycle, triton_server
+from cancelwatch.runstore.reader import load_run
 from tests.conftest import cli, free_port, free_triton_port, wait_gone
 
 pytestmark = pytest.mark.triton

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from collectors.sources.base import ParseError
-from collectors.sources.prom_text import LineMemo
-from collectors.sources.triton import TritonMetricsSource, parse_triton_metrics
-from collectors.sources.triton_log import TritonLogSource, parse_triton_line
+from cancelwatch.collectors.sources.base import ParseError
+from cancelwatch.collectors.sources.prom_text import LineMemo
+from cancelwatch.collectors.sources.triton import TritonMetricsSource, parse_triton_metrics
+from cancelwatch.collectors.sources.triton_log import TritonLogSource, parse_triton_line
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "triton"
 BODIES = ("metrics_idle", "metrics_loaded", "metrics_after_cancel")

@@ -13,9 +13,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from analysis.verdicts import judge_run
-from collectors.sources.triton_log import parse_triton_line
-from runstore.reader import load_run
+from cancelwatch.analysis.verdicts import judge_run
+from cancelwatch.collectors.sources.triton_log import parse_triton_line
+from cancelwatch.runstore.reader import load_run
 
 RUN = Path(__file__).resolve().parent / "fixtures" / "triton" / "suite_run.db"
 LOG_KINDS = ("engine_added", "engine_aborted", "engine_finished")

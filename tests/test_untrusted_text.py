@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from analysis.facts import VIEW_METRICS, run_facts
-from analysis.verdicts import judge_run
-from runstore.reader import load_run
-from runstore.records import EventRecord, GapRecord, LedgerRecord, Sample, ScrapeRecord
-from runstore.writer import LEDGER_COLUMNS, StoreWriter, create_run, finish_run, open_store, set_run_json
+from cancelwatch.analysis.facts import VIEW_METRICS, run_facts
+from cancelwatch.analysis.verdicts import judge_run
+from cancelwatch.runstore.reader import load_run
+from cancelwatch.runstore.records import EventRecord, GapRecord, LedgerRecord, Sample, ScrapeRecord
+from cancelwatch.runstore.writer import LEDGER_COLUMNS, StoreWriter, create_run, finish_run, open_store, set_run_json
 from tests import test_dashboard_browser as real_browser
 from tests.conftest import cli
 from tests.test_dashboard_browser import TABLE_ROWS

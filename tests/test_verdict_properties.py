@@ -26,10 +26,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from analysis.verdicts import NO_LOG, judge_run
-from analysis.verdicts.families import family_of
+from cancelwatch.analysis.verdicts import NO_LOG, judge_run
+from cancelwatch.analysis.verdicts.families import family_of
 from bench.synthetic import write_synthetic_run
-from runstore.reader import load_run
+from cancelwatch.runstore.reader import load_run
 from tests.corpus.check import corpus_stores
 from tests.test_fuzz import fuzz
 
@@ -222,7 +222,7 @@ def a_later_abort(name: str, rid: str, after_stop_s: float, later_s: float) -> d
 
 
 def a_shifted_log(name: str, fraction: float) -> dict:
-    from analysis.verdicts import log_clocks
+    from cancelwatch.analysis.verdicts import log_clocks
 
     run = RUNS[name]
     clock = next(iter(log_clocks(run).values()))
@@ -244,9 +244,9 @@ def on_own_windows(name: str) -> dict:
     (analysis.long_runs), against the whole run judged at once: the same verdict. Its rule may say less where
     the window ends before the evidence does (a lost request `still there` at the window's end that the whole
     run shows leaving later)."""
-    from analysis.long_runs import long_run_verdicts
-    from analysis.watching import LOOKBACK_S
-    from runstore.reader import load_overview, load_verdicts, load_window
+    from cancelwatch.analysis.long_runs import long_run_verdicts
+    from cancelwatch.analysis.watching import LOOKBACK_S
+    from cancelwatch.runstore.reader import load_overview, load_verdicts, load_window
 
     store, run_id = STORES[name]
     whole_run = {v.request_id: v.verdict for v in judge_run(RUNS[name])}
@@ -350,7 +350,7 @@ def test_an_abort_logged_before_the_stop_then_later_never_turns_leaked_into_rele
 # ------------------------------------------------------------------------------------------------ broken rules
 # Each property fails where a rule is broken on purpose: the checks above find the counterexample among the runs.
 def broken(monkeypatch, code: str, verdict: str) -> None:
-    from analysis.verdicts.core import RULES, Rule
+    from cancelwatch.analysis.verdicts.core import RULES, Rule
 
     monkeypatch.setitem(RULES, code, Rule(verdict, RULES[code].sentence))
 
@@ -396,7 +396,7 @@ def test_breaks_a_late_abort_read_as_a_release(monkeypatch):
 def test_breaks_the_logs_slack(monkeypatch):
     """Broken: the abort compared with the stop as if its stamp were exact (no slack for its rounding): an
     abort stamped within a millisecond of the stop changes its verdict as the log moves inside its doubt."""
-    from analysis.verdicts import vllm, vllm_case, vllm_frames, vllm_log
+    from cancelwatch.analysis.verdicts import vllm, vllm_case, vllm_frames, vllm_log
 
     for module in (vllm, vllm_case, vllm_frames, vllm_log):  # each reads it
         monkeypatch.setattr(module, "LOG_SLACK_S", 0.0)
@@ -406,7 +406,7 @@ def test_breaks_the_logs_slack(monkeypatch):
 
 def test_breaks_a_judge_that_consumes_its_evidence(monkeypatch):
     """Broken: the vLLM rules drop the abort lines they read from the run: a second judging differs."""
-    from analysis.verdicts import families, vllm
+    from cancelwatch.analysis.verdicts import families, vllm
 
     judge = vllm.judge_vllm
 
@@ -423,7 +423,7 @@ def test_breaks_a_judge_that_consumes_its_evidence(monkeypatch):
 def test_breaks_a_window_that_forgets_what_came_before_it(monkeypatch):
     """Broken: a window holds no request sent before it (no lookback): a request cancelled just before, still in
     the engine, is not counted, and a cancel judged on its own window reads otherwise than in the whole run."""
-    from analysis import watching
+    from cancelwatch.analysis import watching
 
     monkeypatch.setattr(watching, "LOOKBACK_S", 0.0)
     assert found(on_own_windows, *[(n,) for n in NAMES])

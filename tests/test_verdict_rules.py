@@ -16,10 +16,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from analysis.cancel_table import cancel_table
-from analysis.protocol import protocol_markdown
-from analysis.verdicts import RULES, VERDICTS, judge_run, report_document
-from runstore.reader import load_run
+from cancelwatch.analysis.cancel_table import cancel_table
+from cancelwatch.analysis.protocol import protocol_markdown
+from cancelwatch.analysis.verdicts import RULES, VERDICTS, judge_run, report_document
+from cancelwatch.runstore.reader import load_run
 from tests.test_app_lost import answered
 from tests.test_triton_verdicts import RUN, without_log
 from tests.test_verdicts import ADDED, T0, build_run, entered_after_stop_run, steady_gen

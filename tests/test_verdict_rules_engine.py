@@ -20,8 +20,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from collectors.engines import lifecycle
-from runstore.reader import load_run
+from cancelwatch.collectors.engines import lifecycle
+from cancelwatch.runstore.reader import load_run
 from tests.conftest import cli, cli_popen, free_port, wait_gone
 from tests.proxies import ProxyBehaviour
 

@@ -10,9 +10,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.evidence import REPORTED_WITH, Evidence
-from analysis.verdicts import judge_run
-from runstore.reader import Run
+from cancelwatch.analysis.evidence import REPORTED_WITH, Evidence
+from cancelwatch.analysis.verdicts import judge_run
+from cancelwatch.runstore.reader import Run
 
 T0 = 1_000_000_000_000
 HZ = 20
@@ -800,7 +800,7 @@ def lost_then_lost_again():
 def test_a_watch_window_that_starts_after_an_earlier_lost_request_left_is_told_when_it_left():
     # live, the target's window of the run starts 2 s before its stop, after l1 and l2 left: only their verdicts,
     # judged on their own windows before, say when (analysis.watching.judge_cancels' seen_leaving)
-    from analysis.watching import judge_cancels, left_seen
+    from cancelwatch.analysis.watching import judge_cancels, left_seen
 
     earlier = [v for v in judge_run(lost_then_lost_again()) if v.request_id in ("l1", "l2")]
     window = lost_then_lost_again()
@@ -868,7 +868,7 @@ def test_lost_requests_that_overlap_under_steady_load_are_each_leaked_never_alre
 
 
 def test_the_ledger_takes_the_oldest_lost_request_out_where_the_count_cannot_hold_it_for_the_hold():
-    from analysis.verdicts.vllm_frames import _RunFrames
+    from cancelwatch.analysis.verdicts.vllm_frames import _RunFrames
 
     frames = _RunFrames(lost_ones_overlapping())
     frame = frames.frame("t0")

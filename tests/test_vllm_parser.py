@@ -7,8 +7,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from collectors.sources.base import ParseError
-from collectors.sources.vllm import (
+from cancelwatch.collectors.sources.base import ParseError
+from cancelwatch.collectors.sources.vllm import (
     ALIASES,
     LineMemo,
     VllmMetricsSource,

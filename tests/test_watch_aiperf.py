@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from runstore.reader import load_run
+from cancelwatch.runstore.reader import load_run
 from tests.conftest import cli, free_port
 from tests.leaky_proxy import LeakyProxy
 from tests.test_watch_engine import judged, live_verdicts, watching

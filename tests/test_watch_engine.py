@@ -20,8 +20,8 @@ import httpx
 import openai
 import pytest
 
-from analysis.verdicts.stored import usable
-from runstore.reader import load_run, load_verdicts
+from cancelwatch.analysis.verdicts.stored import usable
+from cancelwatch.runstore.reader import load_run, load_verdicts
 from tests.conftest import cli, cli_popen, decode_rate, free_port
 from tests.leaky_proxy import LeakyProxy
 

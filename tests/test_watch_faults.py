@@ -15,7 +15,7 @@ import time
 
 import httpx
 
-from runstore.reader import load_run
+from cancelwatch.runstore.reader import load_run
 from tests.conftest import FIXTURES, cli, cli_popen, free_port
 from tests.fixture_server import MetricsFixtureServer
 from tests.test_watch_engine import wait_listening

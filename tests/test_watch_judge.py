@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from analysis.watching import SETTLE_S, window_of
+from cancelwatch.analysis.watching import SETTLE_S, window_of
 from cancelwatch.live_judge import LATE_S, MAX_TRIES, LiveJudge
-from runstore.records import EventRecord, ScrapeRecord
-from runstore.writer import StoreWriter, create_run, open_store
+from cancelwatch.runstore.records import EventRecord, ScrapeRecord
+from cancelwatch.runstore.writer import StoreWriter, create_run, open_store
 
 
 def test_the_store_is_held_through_each_sources_read_before_its_last_committed_one(tmp_path):
@@ -134,9 +134,9 @@ def test_a_cancel_whose_request_the_log_does_not_name_yet_is_judged_again_on_a_l
     ENTRY_WAIT_S longer; what that one says stands, whatever it is."""
     import types
 
-    import analysis.watching
-    import runstore.reader
-    from analysis.watching import ENTRY_WAIT_S
+    import cancelwatch.analysis.watching
+    import cancelwatch.runstore.reader
+    from cancelwatch.analysis.watching import ENTRY_WAIT_S
 
     windows: list[tuple[float, float]] = []
     rules = iter(["never_added", "entered_after_stop"])
@@ -153,8 +153,8 @@ def test_a_cancel_whose_request_the_log_does_not_name_yet_is_judged_again_on_a_l
         return [types.SimpleNamespace(request_id=rid, rule=rule, verdict=verdict, evidence=ev, timepoints={})
                 for rid in ids]
 
-    monkeypatch.setattr(runstore.reader, "load_window", load_window)
-    monkeypatch.setattr(analysis.watching, "judge_cancels", judge_cancels)
+    monkeypatch.setattr(cancelwatch.runstore.reader, "load_window", load_window)
+    monkeypatch.setattr(cancelwatch.analysis.watching, "judge_cancels", judge_cancels)
     j = LiveJudge(store=None, grace_s=2.0, ledger=types.SimpleNamespace(live_rows=lambda through: []), metrics=None)
     j.start(1, time.monotonic_ns() - int(100e9), lambda: j.t0_ns + int(1000e9))  # the clock at 100 s
     stop = 90.0
@@ -256,8 +256,8 @@ def test_records_window_reaches_its_scenarios_end_and_a_fault_in_judging_it_is_s
     scenario still shows the cancel there (the probe admitted, the KV drop, a leaked request running out), as the
     whole run does. And whatever judging a batch meets (here a fault in the analysis) is said in one line and
     left to `cancelwatch report`; the recording beside it goes on, to its last judgement (drain) included."""
-    import analysis.watching
-    import runstore.reader
+    import cancelwatch.analysis.watching
+    import cancelwatch.runstore.reader
     from cancelwatch.live_judge import judging
 
     windows: list[tuple[float, float]] = []
@@ -269,8 +269,8 @@ def test_records_window_reaches_its_scenarios_end_and_a_fault_in_judging_it_is_s
     def broken(*args, **kwargs):
         raise IndexError()
 
-    monkeypatch.setattr(runstore.reader, "load_window", load_window)
-    monkeypatch.setattr(analysis.watching, "judge_cancels", broken)
+    monkeypatch.setattr(cancelwatch.runstore.reader, "load_window", load_window)
+    monkeypatch.setattr(cancelwatch.analysis.watching, "judge_cancels", broken)
     j = LiveJudge(store=None, grace_s=2.0, said="record")
     j.start(1, time.monotonic_ns() - int(100e9), time.monotonic_ns)
 

@@ -9,10 +9,10 @@ import socket
 import threading
 import time
 
-from collectors.recording import watch_ledger
-from collectors.recording.watch_ledger import CANCELLED, WATCHED, WatchLedger
-from collectors.sources.tap import TapSource, parse_hop
-from runstore.records import EventRecord, LedgerRecord
+from cancelwatch.collectors.recording import watch_ledger
+from cancelwatch.collectors.recording.watch_ledger import CANCELLED, WATCHED, WatchLedger
+from cancelwatch.collectors.sources.tap import TapSource, parse_hop
+from cancelwatch.runstore.records import EventRecord, LedgerRecord
 from tests.conftest import free_port
 from tests.test_tap import Upstream, kinds, read_to_close, recv_until, request, rst_close
 
@@ -437,7 +437,7 @@ def test_the_ledger_keeps_the_latest_ids_only_and_counts_its_cancels(monkeypatch
 
 def _exchange(body: bytes, events: list[bytes]) -> list[bool]:
     """A streamed exchange read by the tap's HTTP reader alone: sse_done after each of `events` (raw body reads)."""
-    from collectors.sources.tap import _Http
+    from cancelwatch.collectors.sources.tap import _Http
 
     h = _Http()
     h.client_bytes(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: r1\r\nContent-Type: application/json"

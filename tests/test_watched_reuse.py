@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 
-from analysis.verdicts import judge_run
-from runstore.records import WATCHED_SCENARIO
+from cancelwatch.analysis.verdicts import judge_run
+from cancelwatch.runstore.records import WATCHED_SCENARIO
 from tests.test_verdicts import T0, build_run, steady_gen
 
 ns = lambda s: T0 + int(s * 1e9)  # noqa: E731

@@ -1,15 +1,19 @@
 """The package as a user installs it: the wheel and the sdist build (python -m build) and pass `twine check`; the
 wheel installed with no extras into a fresh venv brings none of the page's, the notebooks' or Triton's libraries,
 runs `cancelwatch --help`, `watch --help` and a `report` of the sample run, and a command whose extra is missing
-says the pip line that adds it (exit 2); with [dashboard] the page runs. Its sizes are printed (-s)."""
+says the pip line that adds it (exit 2); with [dashboard] the page runs. Everything installs under `cancelwatch.`
+and nothing else lands top-level. Its sizes are printed (-s)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
+
+from cancelwatch import PARTS
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "dashboard" / "sample" / "sample.db"
@@ -35,6 +39,14 @@ def test_the_wheel_installs_slim_and_each_extra_adds_its_part(tmp_path):
     checked = run(sys.executable, "-m", "twine", "check", "--strict", str(wheel[0]), str(sdist[0]))
     assert checked.returncode == 0 and checked.stdout.count("PASSED") == 2, checked.stdout + checked.stderr
 
+    with zipfile.ZipFile(wheel[0]) as z:
+        top = {name.split("/")[0] for name in z.namelist() if not name.split("/")[0].endswith(".dist-info")}
+        listed = z.namelist()
+    assert top == {"cancelwatch"}, f"the wheel puts {sorted(top - {'cancelwatch'})} top-level"
+    for part in PARTS:  # every module of the repository's parts, under cancelwatch/
+        here = {str(p.relative_to(ROOT)) for p in (ROOT / part).rglob("*.py") if "__pycache__" not in p.parts}
+        assert {f"cancelwatch/{p}" for p in here} <= set(listed), sorted(here - {n[12:] for n in listed})
+
     venv = tmp_path / "venv"
     assert run(sys.executable, "-m", "venv", str(venv)).returncode == 0
     py, cw = venv / "bin" / "python", venv / "bin" / "cancelwatch"
@@ -46,6 +58,12 @@ def test_the_wheel_installs_slim_and_each_extra_adds_its_part(tmp_path):
     assert present == [], f"the base install brought {present}"
     away = tmp_path / "elsewhere"  # not the repository: what runs is the installed package
     away.mkdir()
+    # the engine's own venv runs the relay app as cancelwatch.collectors.engines.relay_app from where the
+    # package is installed: site-packages, not the package's own folder
+    where = run(str(py), "-c", "import cancelwatch, pathlib\nfrom cancelwatch.collectors.engines import vllm_server as v\n"
+                               "print(v.IMPORT_ROOT == pathlib.Path(cancelwatch.__file__).resolve().parents[1], "
+                               "v.IMPORT_ROOT.name)", cwd=away)
+    assert where.stdout.split() == ["True", "site-packages"], where.stdout + where.stderr[-2000:]
     for args, says in ((["--help"], "does a cancelled LLM request really leave the engine?"),
                        (["watch", "--help"], "--upstream"),
                        (["report", "latest", "--store", str(SAMPLE)], "neighbours ok")):
@@ -64,7 +82,7 @@ def test_the_wheel_installs_slim_and_each_extra_adds_its_part(tmp_path):
 
     got = run(str(py), "-m", "pip", "install", "-q", f"{wheel[0]}[dashboard]")
     assert got.returncode == 0, got.stderr[-3000:]
-    page = run(str(py), "-c", "import dashboard, pathlib\n"
+    page = run(str(py), "-c", "import cancelwatch.dashboard as dashboard, pathlib\n"
                               "from streamlit.testing.v1 import AppTest\n"
                               "at = AppTest.from_file(str(pathlib.Path(dashboard.__file__).with_name('app.py')), "
                               "default_timeout=240).run()\n"

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from bench.synthetic import write_synthetic_run
-from runstore.reader import load_run, load_window
+from cancelwatch.runstore.reader import load_run, load_window
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +54,8 @@ def test_rows_a_recorder_still_holds_join_the_window(store):
 
 
 def test_each_cancel_judged_on_its_own_window_gets_the_verdict_the_whole_run_gives_it(store):
-    from analysis.verdicts import judge_run
-    from analysis.watching import LOOKBACK_S, judge_cancels, window_of
+    from cancelwatch.analysis.verdicts import judge_run
+    from cancelwatch.analysis.watching import LOOKBACK_S, judge_cancels, window_of
 
     whole = judge_run(load_run(store, "latest"))
     assert len(whole) == 10 and {v.verdict for v in whole} >= {"released"}
@@ -70,7 +70,7 @@ def test_a_windows_samples_are_read_through_the_scrape_index_not_the_whole_run(s
     # the query the reader sends: a search of (run, scrape), never a scan of the run's samples by series
     import sqlite3
 
-    import runstore.reader as reader
+    import cancelwatch.runstore.reader as reader
 
     sent = []
     real = reader._window_rows
@@ -94,8 +94,8 @@ def write_while_reading_windows(path: str, n: int = 2500) -> None:
     import threading
     import time
 
-    from runstore.records import EventRecord, Sample, ScrapeRecord
-    from runstore.writer import StoreWriter, create_run, open_store
+    from cancelwatch.runstore.records import EventRecord, Sample, ScrapeRecord
+    from cancelwatch.runstore.writer import StoreWriter, create_run, open_store
 
     con = open_store(path)
     t0 = time.monotonic_ns()

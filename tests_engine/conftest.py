@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cancelwatch.console import ENGINE_CPUS_ENV  # noqa: E402
-from collectors.engines import cpu_limit  # noqa: E402
-from collectors.engines.tiny_model import build  # noqa: E402
+from cancelwatch.collectors.engines import cpu_limit  # noqa: E402
+from cancelwatch.collectors.engines.tiny_model import build  # noqa: E402
 
 _quota: dict[str, Path] = {}
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from collectors.engines.tiny_model import build
-from collectors.engines.vllm_server import DTYPE_BYTES, weights_bytes
+from cancelwatch.collectors.engines.tiny_model import build
+from cancelwatch.collectors.engines.vllm_server import DTYPE_BYTES, weights_bytes
 
 
 def test_weights_bytes_is_the_real_models_parameter_count_times_the_dtype(tmp_path):

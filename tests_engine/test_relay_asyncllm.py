@@ -10,7 +10,7 @@ import time
 import pytest
 from vllm import SamplingParams
 
-from collectors.engines.relay import AlreadyRan, Relay, RequestCancelled
+from cancelwatch.collectors.engines.relay import AlreadyRan, Relay, RequestCancelled
 
 
 def prompt(n: int, seed: int = 0) -> str:
@@ -293,7 +293,7 @@ class TrackedEngine(Engine):
 def scheduled() -> float | None:
     """Running + waiting requests on the engine core's scheduler, as its stats reach this process's own
     gauges (what relay_app serves on /metrics): the scheduler itself, not the front end's state."""
-    from collectors.engines.relay_app import scheduler_count
+    from cancelwatch.collectors.engines.relay_app import scheduler_count
 
     return scheduler_count()
 
@@ -440,7 +440,7 @@ async def serving(llm, relay):
 
     import uvicorn
 
-    from collectors.engines.relay_app import build_app
+    from cancelwatch.collectors.engines.relay_app import build_app
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

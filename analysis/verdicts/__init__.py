@@ -14,7 +14,7 @@ gives the verdict (released, leaked, stale_gauge, inconclusive), its `rule` code
 analysis and the readers take the vocabulary from here too.
 """
 
-from analysis.verdicts.core import (
+from cancelwatch.analysis.verdicts.core import (
     ASSUMPTIONS,
     GRACE_S,
     HORIZON_S,
@@ -43,12 +43,12 @@ from analysis.verdicts.core import (
     left_seen_at,
     run_grace_s,
 )
-from analysis.verdicts.log_clock import LogClock, log_clocks
-from analysis.verdicts.families import (FAMILIES, UnknownFamily, family_of, ghosts_of, judge_run, engine_reading,
+from cancelwatch.analysis.verdicts.log_clock import LogClock, log_clocks
+from cancelwatch.analysis.verdicts.families import (FAMILIES, UnknownFamily, family_of, ghosts_of, judge_run, engine_reading,
                                         neighbours_ok, report_document)
-from analysis.verdicts.triton import TRITON
-from analysis.verdicts.vllm import VLLM
-from analysis.verdicts.vllm_frames import ledger_inflight
+from cancelwatch.analysis.verdicts.triton import TRITON
+from cancelwatch.analysis.verdicts.vllm import VLLM
+from cancelwatch.analysis.verdicts.vllm_frames import ledger_inflight
 
 __all__ = [
     "ASSUMPTIONS", "FAMILIES", "GRACE_S", "HORIZON_S", "LATENCIES", "LOG_SLACK_S", "LOST_CANCEL_RULES", "MIN_SAMPLES", "NO_APP", "NO_LOG", "POINT_LABELS",

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from analysis.bounds import GRACE_S, HORIZON_S, LOG_SLACK_S, MIN_SAMPLES, RACE_TOKENS  # noqa: F401 - the rules read them from here too
-from analysis.evidence import Evidence
-from runstore.reader import Run
-from runstore.records import DriveSettings
+from cancelwatch.analysis.bounds import GRACE_S, HORIZON_S, LOG_SLACK_S, MIN_SAMPLES, RACE_TOKENS  # noqa: F401 - the rules read them from here too
+from cancelwatch.analysis.evidence import Evidence
+from cancelwatch.runstore.reader import Run
+from cancelwatch.runstore.records import DriveSettings
 
 TIMEPOINTS = ("user_stop", "app_received", "engine_abort", "left_scheduler", "reusable")
 POINT_LABELS = {

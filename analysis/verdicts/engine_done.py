@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from analysis.bounds import AMBIGUOUS_S, PERSIST_PERIODS, PERSIST_S
-from analysis.rows import frame_rows
+from cancelwatch.analysis.bounds import AMBIGUOUS_S, PERSIST_PERIODS, PERSIST_S
+from cancelwatch.analysis.rows import frame_rows
 
 
 

@@ -12,20 +12,20 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from analysis.ghosts import EngineReading, ghost_records
-from analysis.hops import app_received, hop_story, hop_traces, run_hops, stopped_at
-from analysis.page_stops import (app_received_source, app_receipts, page_stops, report_rows, standing_reports,
+from cancelwatch.analysis.ghosts import EngineReading, ghost_records
+from cancelwatch.analysis.hops import app_received, hop_story, hop_traces, run_hops, stopped_at
+from cancelwatch.analysis.page_stops import (app_received_source, app_receipts, page_stops, report_rows, standing_reports,
                                  user_stop_source)
-from analysis.summary import sampling_stats
-from analysis.verdicts.core import TAP_RECEIVED, CancelVerdict, run_assumptions, run_grace_s
-from analysis.verdicts.ghost_list import ghost_table
-from analysis.verdicts.triton import TRITON, judge_triton, report_fields
-from analysis.verdicts.vllm import VLLM, judge_vllm
-from analysis.verdicts.vllm_frames import vllm_in_engine
-from analysis.verdicts.vllm_log import vllm_report_fields
-from runstore.errors import StoreError
-from runstore.reader import Run
-from runstore.records import DriveSettings
+from cancelwatch.analysis.summary import sampling_stats
+from cancelwatch.analysis.verdicts.core import TAP_RECEIVED, CancelVerdict, run_assumptions, run_grace_s
+from cancelwatch.analysis.verdicts.ghost_list import ghost_table
+from cancelwatch.analysis.verdicts.triton import TRITON, judge_triton, report_fields
+from cancelwatch.analysis.verdicts.vllm import VLLM, judge_vllm
+from cancelwatch.analysis.verdicts.vllm_frames import vllm_in_engine
+from cancelwatch.analysis.verdicts.vllm_log import vllm_report_fields
+from cancelwatch.runstore.errors import StoreError
+from cancelwatch.runstore.reader import Run
+from cancelwatch.runstore.records import DriveSettings
 
 
 def _nothing(run: Run) -> dict:

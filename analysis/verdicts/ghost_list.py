@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from analysis.ghosts import GHOST_COLUMNS, GHOST_UNKNOWN, IN_ENGINE, LEFT, UNKNOWN, Ghosts
-from analysis.verdicts.core import LEFT_BY_RULES
+from cancelwatch.analysis.ghosts import GHOST_COLUMNS, GHOST_UNKNOWN, IN_ENGINE, LEFT, UNKNOWN, Ghosts
+from cancelwatch.analysis.verdicts.core import LEFT_BY_RULES
 
 
 def ghost_table(run, verdicts, in_engine) -> pd.DataFrame:

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from analysis.rows import frame_rows
-from analysis.verdicts.core import LOG_SLACK_S
-from analysis.verdicts.log_ids import AddedLine, LogIds
-from runstore.reader import Run
+from cancelwatch.analysis.rows import frame_rows
+from cancelwatch.analysis.verdicts.core import LOG_SLACK_S
+from cancelwatch.analysis.verdicts.log_ids import AddedLine, LogIds
+from cancelwatch.runstore.reader import Run
 
 
 @dataclass(frozen=True)

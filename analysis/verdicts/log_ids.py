@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import NamedTuple
 
-from analysis.bounds import MATCH_SLACK_S
-from runstore.reader import Run
+from cancelwatch.analysis.bounds import MATCH_SLACK_S
+from cancelwatch.runstore.reader import Run
 
 
 

@@ -1,5 +1,5 @@
 """The reference of every rule code (docs/rules.md), made from the table of rules (core.RULES): its verdict,
-its sentence, and the fields it sets. `python -m analysis.verdicts.reference > docs/rules.md` writes it;
+its sentence, and the fields it sets. `python -m cancelwatch.analysis.verdicts.reference > docs/rules.md` writes it;
 tests/test_rule_reference.py keeps it current."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import string
 import sys
 
-from analysis.verdicts.core import ASSUMPTIONS, COUNT_READING_RULES, RULES, VERDICTS
+from cancelwatch.analysis.verdicts.core import ASSUMPTIONS, COUNT_READING_RULES, RULES, VERDICTS
 
 
 def sentence_fields(sentence: str) -> list[str]:
@@ -23,7 +23,7 @@ def reference_markdown() -> str:
     lines = ["# Verdict rules", "",
              "Every verdict carries a `rule`: the code of the rung of the ladder that gave it (`cancelwatch report "
              "--json`, `evidence.rule`). This page is made from the table of rules (`analysis/verdicts/core.py`, "
-             "`RULES`) by `python -m analysis.verdicts.reference`; a test keeps it current.", "",
+             "`RULES`) by `python -m cancelwatch.analysis.verdicts.reference`; a test keeps it current.", "",
              "- **fields**: what the rule fills its sentence with (the evidence's `why`); the same values, by "
              "name, are the evidence's `rule_fields`.",
              "- **count_reading**: the rule read the scheduler's count at a deciding sample; `evidence.count_reading` "

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from runstore.records import WATCHED_SCENARIO
+from cancelwatch.runstore.records import WATCHED_SCENARIO
 
 
 class Requests(NamedTuple):

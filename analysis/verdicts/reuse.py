@@ -10,8 +10,8 @@ import math
 
 import numpy as np
 
-from analysis.verdicts.core import CancelVerdict
-from analysis.verdicts.vllm_case import VllmCase
+from cancelwatch.analysis.verdicts.core import CancelVerdict
+from cancelwatch.analysis.verdicts.vllm_case import VllmCase
 
 # a waiter shows the engine full where it stayed waiting while the engine made tokens in this many sample
 # intervals after it entered: the scheduler ran a whole step after it came, and did not let it in

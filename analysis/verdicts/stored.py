@@ -12,9 +12,9 @@ import functools
 import hashlib
 from pathlib import Path
 
-from analysis.evidence import Evidence
-from analysis.hops import HopStep
-from analysis.verdicts.core import CancelVerdict
+from cancelwatch.analysis.evidence import Evidence
+from cancelwatch.analysis.hops import HopStep
+from cancelwatch.analysis.verdicts.core import CancelVerdict
 
 WINDOW = "window"  # how a live judge judged: each cancel on its own stretch of the run
 _ROOT = Path(__file__).resolve().parents[2]

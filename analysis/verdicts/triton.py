@@ -34,11 +34,11 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from analysis.bounds import LEDGER_LAG_S, RACE_S
-from analysis.rows import frame_rows
-from analysis.verdicts.requests import Requests, requests_of, weighted_between
-from analysis.evidence import Evidence
-from analysis.verdicts.core import (
+from cancelwatch.analysis.bounds import LEDGER_LAG_S, RACE_S
+from cancelwatch.analysis.rows import frame_rows
+from cancelwatch.analysis.verdicts.requests import Requests, requests_of, weighted_between
+from cancelwatch.analysis.evidence import Evidence
+from cancelwatch.analysis.verdicts.core import (
     LOG_SLACK_S,
     NO_APP,
     NO_REQUESTS,
@@ -49,7 +49,7 @@ from analysis.verdicts.core import (
     judge,
     ledger_by_scenario,
 )
-from runstore.reader import Run
+from cancelwatch.runstore.reader import Run
 
 TRITON = "triton"
 

@@ -38,19 +38,19 @@ import math
 import numpy as np
 import pandas as pd
 
-from analysis.bounds import JUDGE_PASSES, PACE_MARGIN, SURPLUS_HOLD_S
-from analysis.rows import frame_rows
-from analysis.verdicts.core import (
+from cancelwatch.analysis.bounds import JUDGE_PASSES, PACE_MARGIN, SURPLUS_HOLD_S
+from cancelwatch.analysis.rows import frame_rows
+from cancelwatch.analysis.verdicts.core import (
     CancelVerdict, LOG_SLACK_S, NO_REQUESTS, SEEN_LEAVING, climb, judge, ledger_by_scenario, left_seen_at
 )
-from analysis.verdicts.paid_tokens import tokens_after_left
-from analysis.verdicts.requests import in_between
-from analysis.verdicts.reuse import queued_behind
-from analysis.verdicts.vllm_case import VllmCase, _case, _three_without
-from analysis.verdicts.vllm_frames import _RunFrames
-from analysis.verdicts.vllm_log import NAMES_NO_REQUESTS, _app_answers, _events
-from runstore.reader import Run
-from runstore.records import WATCHED_SCENARIO
+from cancelwatch.analysis.verdicts.paid_tokens import tokens_after_left
+from cancelwatch.analysis.verdicts.requests import in_between
+from cancelwatch.analysis.verdicts.reuse import queued_behind
+from cancelwatch.analysis.verdicts.vllm_case import VllmCase, _case, _three_without
+from cancelwatch.analysis.verdicts.vllm_frames import _RunFrames
+from cancelwatch.analysis.verdicts.vllm_log import NAMES_NO_REQUESTS, _app_answers, _events
+from cancelwatch.runstore.reader import Run
+from cancelwatch.runstore.records import WATCHED_SCENARIO
 
 VLLM = "vllm"
 

@@ -11,18 +11,18 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from analysis.bounds import BEFORE_S, ENTER_S, LAG_S, PACE_MARGIN
-from analysis.evidence import Evidence
-from analysis.verdicts.core import (
+from cancelwatch.analysis.bounds import BEFORE_S, ENTER_S, LAG_S, PACE_MARGIN
+from cancelwatch.analysis.evidence import Evidence
+from cancelwatch.analysis.verdicts.core import (
     ASSUMED_LEFT_RULES, COUNT_READING_RULES, HORIZON_S, LOG_SLACK_S, NO_APP, NO_LOG, RACE_TOKENS, CancelVerdict,
     Case, engine_log_state, first_probe_s
 )
-from analysis.verdicts.engine_done import solo_tokens_per_s
-from analysis.verdicts.requests import Requests, in_between, sum_through, weighted_between
-from analysis.verdicts.vllm_frames import _Frame, _pool_blocks, _settled
-from analysis.verdicts.vllm_log import _EngineLog, _Gaps, _gaps_over, _log_holes, _outage_end
-from runstore.reader import Run
-from runstore.records import WATCHED_SCENARIO
+from cancelwatch.analysis.verdicts.engine_done import solo_tokens_per_s
+from cancelwatch.analysis.verdicts.requests import Requests, in_between, sum_through, weighted_between
+from cancelwatch.analysis.verdicts.vllm_frames import _Frame, _pool_blocks, _settled
+from cancelwatch.analysis.verdicts.vllm_log import _EngineLog, _Gaps, _gaps_over, _log_holes, _outage_end
+from cancelwatch.runstore.reader import Run
+from cancelwatch.runstore.records import WATCHED_SCENARIO
 
 
 class _Baseline(NamedTuple):

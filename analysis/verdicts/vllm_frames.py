@@ -11,15 +11,15 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from analysis.bounds import ENTER_S, LAG_S, SURPLUS_HOLD_S
-from analysis.ghosts import EngineReading, Ghosts
-from analysis.rows import frame_rows
-from analysis.series import scheduler_frame
-from analysis.verdicts.core import LOG_SLACK_S, engine_log_state
-from analysis.verdicts.engine_done import solo_tokens_per_s
-from analysis.verdicts.requests import Requests, quiet_instants, requests_of, weighted_between
-from analysis.verdicts.vllm_log import _EngineLog, _Gaps, _events, _scrape_spans, _target_gaps, _trace_events
-from runstore.reader import Run
+from cancelwatch.analysis.bounds import ENTER_S, LAG_S, SURPLUS_HOLD_S
+from cancelwatch.analysis.ghosts import EngineReading, Ghosts
+from cancelwatch.analysis.rows import frame_rows
+from cancelwatch.analysis.series import scheduler_frame
+from cancelwatch.analysis.verdicts.core import LOG_SLACK_S, engine_log_state
+from cancelwatch.analysis.verdicts.engine_done import solo_tokens_per_s
+from cancelwatch.analysis.verdicts.requests import Requests, quiet_instants, requests_of, weighted_between
+from cancelwatch.analysis.verdicts.vllm_log import _EngineLog, _Gaps, _events, _scrape_spans, _target_gaps, _trace_events
+from cancelwatch.runstore.reader import Run
 
 CLIENT_CHUNKS = "client_chunks_total"  # collectors/sources/clients.py's METRIC: analysis imports no collector
 

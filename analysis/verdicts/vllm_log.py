@@ -10,13 +10,13 @@ from collections import Counter
 import numpy as np
 import pandas as pd
 
-from analysis.rows import frame_rows
-from analysis.series import sample_period
-from analysis.verdicts.core import LOG_SLACK_S, engine_log_state
-from analysis.verdicts.engine_done import engine_done_at
-from analysis.verdicts.log_clock import LogClock, log_evidence
-from analysis.verdicts.log_ids import LogIds
-from runstore.reader import Run
+from cancelwatch.analysis.rows import frame_rows
+from cancelwatch.analysis.series import sample_period
+from cancelwatch.analysis.verdicts.core import LOG_SLACK_S, engine_log_state
+from cancelwatch.analysis.verdicts.engine_done import engine_done_at
+from cancelwatch.analysis.verdicts.log_clock import LogClock, log_evidence
+from cancelwatch.analysis.verdicts.log_ids import LogIds
+from cancelwatch.runstore.reader import Run
 ENGINE_LOG = "engine_log"  # the source name of the engine log's gaps (collectors/sources/engine_log.py)
 NAMES_NO_REQUESTS = "the engine log names no requests"
 

@@ -16,11 +16,11 @@ import uuid
 
 import httpx
 
-from collectors.cancels.load import make_prompt
-from collectors.cancels.pace import FLOOR_S, IdleWait, idle_wait
-from collectors.cancels.runner import ScenarioRunner, event_record, until
-from collectors.cancels.scenarios import NEIGHBOUR_PROMPT_TOKENS, Scenario
-from collectors.cancels.streams import (
+from cancelwatch.collectors.cancels.load import make_prompt
+from cancelwatch.collectors.cancels.pace import FLOOR_S, IdleWait, idle_wait
+from cancelwatch.collectors.cancels.runner import ScenarioRunner, event_record, until
+from cancelwatch.collectors.cancels.scenarios import NEIGHBOUR_PROMPT_TOKENS, Scenario
+from cancelwatch.collectors.cancels.streams import (
     REQUEST_TIMEOUT_S,
     Request,
     build_request,
@@ -29,7 +29,7 @@ from collectors.cancels.streams import (
     now_ns,
     run_request,
 )
-from runstore.records import LedgerRecord
+from cancelwatch.runstore.records import LedgerRecord
 
 # event_record and until live in runner.py now; importers of this module keep finding them here
 __all__ = ["IDLE_WAIT_S", "Driver", "event_record", "until"]

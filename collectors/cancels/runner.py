@@ -17,9 +17,9 @@ import contextlib
 import time
 import uuid
 
-from collectors.cancels.pace import IdleWait
-from collectors.cancels.streams import now_ns
-from runstore.records import EventRecord
+from cancelwatch.collectors.cancels.pace import IdleWait
+from cancelwatch.collectors.cancels.streams import now_ns
+from cancelwatch.runstore.records import EventRecord
 
 
 def event_record(kind: str, request_id: str | None, at_ns: int | None, metrics_target: str, data: dict) -> EventRecord:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from runstore.records import LedgerRecord
+from cancelwatch.runstore.records import LedgerRecord
 
 REQUEST_TIMEOUT_S = 120.0
 OWNER = "cancelwatch-driver"

@@ -31,8 +31,8 @@ except ImportError:  # resolve_triton refuses a Triton run in one line (runstore
     class InferenceServerException(Exception):
         """Stands in for tritonclient's where it is not installed: nothing raises it."""
 
-from collectors.cancels.streams import now_ns
-from runstore.records import LedgerRecord
+from cancelwatch.collectors.cancels.streams import now_ns
+from cancelwatch.runstore.records import LedgerRecord
 
 REQUEST_TIMEOUT_S = 60.0
 # gRPC's transparent retries could resend a request the client cancelled: off for every channel

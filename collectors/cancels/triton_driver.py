@@ -15,11 +15,11 @@ import contextlib
 import uuid
 from dataclasses import dataclass
 
-from collectors.cancels.runner import ScenarioRunner, until
-from collectors.cancels.streams import now_ns
-from collectors.cancels.triton_calls import CALL_OBJECTS, REQUEST_TIMEOUT_S, Calls, SharedStream, TritonRequest
-from runstore.extras import lacking
-from runstore.records import LedgerRecord
+from cancelwatch.collectors.cancels.runner import ScenarioRunner, until
+from cancelwatch.collectors.cancels.streams import now_ns
+from cancelwatch.collectors.cancels.triton_calls import CALL_OBJECTS, REQUEST_TIMEOUT_S, Calls, SharedStream, TritonRequest
+from cancelwatch.runstore.extras import lacking
+from cancelwatch.runstore.records import LedgerRecord
 
 IDLE_WAIT_S = 30.0
 NEIGHBOUR_TOKENS = 80  # 4 s at the generators' 50 ms step: it spans every cancel's window

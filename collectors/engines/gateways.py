@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from collectors.engines.lifecycle import free_port
+from cancelwatch.collectors.engines.lifecycle import free_port
 
 START_S = 30.0  # LiteLLM imports for seconds on two cores
 GATEWAY_VENV = Path(__file__).resolve().parents[2] / ".venv-gateways"

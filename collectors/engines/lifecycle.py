@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from collectors.engines import cpu_limit
+from cancelwatch.collectors.engines import cpu_limit
 
 CGROUP_PREFIX = "cancelwatch-engine-"  # + the port: the cgroup of an engine started with a CPU quota
 # the embedded engine yields the CPU to whatever else wants it: on two cores vLLM's engine core busy-waits on

@@ -27,7 +27,7 @@ import json
 import logging
 import time
 
-from collectors.engines.relay import Relay, RequestCancelled
+from cancelwatch.collectors.engines.relay import Relay, RequestCancelled
 
 
 DISCONNECT_POLL_S = 0.05  # how often a non-streaming answer's client is looked at while the engine works

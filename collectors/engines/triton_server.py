@@ -16,8 +16,8 @@ import sysconfig
 import time
 from pathlib import Path
 
-from collectors.engines import lifecycle
-from collectors.engines.lifecycle import EngineError, EngineState, PortBusy
+from cancelwatch.collectors.engines import lifecycle
+from cancelwatch.collectors.engines.lifecycle import EngineError, EngineState, PortBusy
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 TRITON_VENV = PROJECT_ROOT / ".venv-triton"

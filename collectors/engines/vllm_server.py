@@ -17,11 +17,15 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from collectors.engines import lifecycle
-from collectors.engines.command_line import redact_command, scrub
-from collectors.engines.lifecycle import EngineError, EngineState, PortBusy
+from cancelwatch.collectors.engines import lifecycle
+from cancelwatch.collectors.engines.command_line import redact_command, scrub
+from cancelwatch.collectors.engines.lifecycle import EngineError, EngineState, PortBusy
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+# the folder the `cancelwatch` package is imported from: the repository, or site-packages once installed (where
+# this file is cancelwatch/collectors/engines/): the engine's own venv runs the relay app from there
+IMPORT_ROOT = next((p for p in Path(__file__).resolve().parents if (p / "cancelwatch" / "__init__.py").is_file()),
+                   PROJECT_ROOT)
 TINY_MODEL_SCRIPT = Path(__file__).resolve().with_name("tiny_model.py")
 SERVED_NAME = "tiny"
 KIND = "vllm"  # what its state files say (lifecycle.EngineState.kind)
@@ -147,7 +151,7 @@ def build_command(
     per-request lines cancelwatch reads (off is vLLM's own default, as most deployments run it)."""
     if relay:
         # cancelwatch's relay app: AsyncLLM in process, cancels through collectors.engines.relay
-        cmd = [engine_python, "-m", "collectors.engines.relay_app", "--model", model]
+        cmd = [engine_python, "-m", "cancelwatch.collectors.engines.relay_app", "--model", model]
     elif gpu:
         # A GPU user's vllm: the CLI entry point works there (its distribution is named vllm).
         cmd = [engine_python, "-m", "vllm.entrypoints.cli.main", "serve", model]
@@ -213,7 +217,7 @@ def start(
                         extra_args=extra_args, log_requests=log_requests)
     env = dict(os.environ)
     if relay:
-        env["PYTHONPATH"] = str(PROJECT_ROOT)  # collectors.engines.relay_app
+        env["PYTHONPATH"] = str(IMPORT_ROOT)  # cancelwatch.collectors.engines.relay_app
     elif pythonpath is not None:
         env["PYTHONPATH"] = str(Path(pythonpath).resolve())
     if not gpu and not vllm_log_format:

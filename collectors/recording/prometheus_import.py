@@ -18,13 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
-from collectors.recording.session import PreflightError
-from collectors.sources.prometheus_api import PrometheusError, PrometheusHistory
-from collectors.sources.triton import SOURCE_NAME as TRITON_SOURCE
-from collectors.sources.vllm import ALIASES, CACHE_CONFIG_METRIC, FAMILY
-from collectors.sources.vllm import SOURCE_NAME as VLLM_SOURCE
-from runstore.records import GapRecord
-from runstore.writer import (
+from cancelwatch.collectors.recording.session import PreflightError
+from cancelwatch.collectors.sources.prometheus_api import PrometheusError, PrometheusHistory
+from cancelwatch.collectors.sources.triton import SOURCE_NAME as TRITON_SOURCE
+from cancelwatch.collectors.sources.vllm import ALIASES, CACHE_CONFIG_METRIC, FAMILY
+from cancelwatch.collectors.sources.vllm import SOURCE_NAME as VLLM_SOURCE
+from cancelwatch.runstore.records import GapRecord
+from cancelwatch.runstore.writer import (
     create_run,
     finish_run,
     open_store,

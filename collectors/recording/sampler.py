@@ -18,8 +18,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from collectors.sources.base import ParseError, Source, SourceError
-from runstore.records import GapRecord, Sample, ScrapeRecord
+from cancelwatch.collectors.sources.base import ParseError, Source, SourceError
+from cancelwatch.runstore.records import GapRecord, Sample, ScrapeRecord
 
 BACKOFF_START_S = 0.1
 BACKOFF_MAX_S = 2.0

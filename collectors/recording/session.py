@@ -12,17 +12,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from collectors.recording.sampler import Sampler
-from collectors.sources.base import Source
-from collectors.sources.credentials import CredentialError, split_userinfo, strip_userinfo
-from collectors.sources.engine_log import EngineLogSource
-from collectors.sources.nvml import NvmlSource
-from collectors.sources.process_memory import ProcessMemorySource
-from collectors.sources.tap import Hop, TapError, TapSource, check_chain
-from collectors.sources.vllm import VllmMetricsSource, cache_config, model_names
-from runstore.errors import StoreError
-from runstore.records import DriveSettings
-from runstore.writer import StoreWriter, create_run, finish_run, open_store
+from cancelwatch.collectors.recording.sampler import Sampler
+from cancelwatch.collectors.sources.base import Source
+from cancelwatch.collectors.sources.credentials import CredentialError, split_userinfo, strip_userinfo
+from cancelwatch.collectors.sources.engine_log import EngineLogSource
+from cancelwatch.collectors.sources.nvml import NvmlSource
+from cancelwatch.collectors.sources.process_memory import ProcessMemorySource
+from cancelwatch.collectors.sources.tap import Hop, TapError, TapSource, check_chain
+from cancelwatch.collectors.sources.vllm import VllmMetricsSource, cache_config, model_names
+from cancelwatch.runstore.errors import StoreError
+from cancelwatch.runstore.records import DriveSettings
+from cancelwatch.runstore.writer import StoreWriter, create_run, finish_run, open_store
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -125,7 +125,7 @@ def parse_targets(values: list[str]) -> list[Target]:
 def discover_targets(prometheus_url: str, job: str) -> list[str]:
     """`INSTANCE=URL` of every replica Prometheus scrapes for `job`: sampled directly, at the tool's own
     rate (Prometheus gives history, cancelwatch the resolution). PreflightError when none is found."""
-    from collectors.sources.prometheus_api import PrometheusError, PrometheusHistory
+    from cancelwatch.collectors.sources.prometheus_api import PrometheusError, PrometheusHistory
 
     prom = PrometheusHistory(prometheus_url, timeout_s=10.0)
     problem = prom.check()

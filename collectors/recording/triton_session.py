@@ -11,12 +11,12 @@ from urllib.parse import urlparse
 
 import httpx
 
-from collectors.engines import lifecycle, triton_server
-from collectors.recording.session import PreflightError, RecordSettings, memory_sources
-from collectors.sources.base import Source
-from collectors.sources.credentials import strip_userinfo
-from collectors.sources.triton import FAMILY, TritonMetricsSource, server_version
-from collectors.sources.triton_log import TritonLogSource
+from cancelwatch.collectors.engines import lifecycle, triton_server
+from cancelwatch.collectors.recording.session import PreflightError, RecordSettings, memory_sources
+from cancelwatch.collectors.sources.base import Source
+from cancelwatch.collectors.sources.credentials import strip_userinfo
+from cancelwatch.collectors.sources.triton import FAMILY, TritonMetricsSource, server_version
+from cancelwatch.collectors.sources.triton_log import TritonLogSource
 
 NO_TRITON_LOG = ("no server log: the target is not cancelwatch's embedded Triton; pass --engine-log PATH "
                  "(tritonserver's log, serving cancelwatch's models)")

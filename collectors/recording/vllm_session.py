@@ -7,13 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import urlparse
 
-from collectors.engines import lifecycle
-from collectors.engines import vllm_server as engine_mod
-from collectors.recording.session import PreflightError, RecordSettings, check_burst, memory_sources
-from collectors.sources.base import Source
-from collectors.sources.engine_log import EngineLogSource
-from collectors.sources.vllm import FAMILY as VLLM_FAMILY
-from collectors.sources.vllm import VllmMetricsSource, server_version
+from cancelwatch.collectors.engines import lifecycle
+from cancelwatch.collectors.engines import vllm_server as engine_mod
+from cancelwatch.collectors.recording.session import PreflightError, RecordSettings, check_burst, memory_sources
+from cancelwatch.collectors.sources.base import Source
+from cancelwatch.collectors.sources.engine_log import EngineLogSource
+from cancelwatch.collectors.sources.vllm import FAMILY as VLLM_FAMILY
+from cancelwatch.collectors.sources.vllm import VllmMetricsSource, server_version
 
 NO_ENGINE_LOG = ("no engine log: the target is not cancelwatch's embedded engine; pass --engine-log PATH "
                  "(the log of a vLLM started with --enable-log-requests)")

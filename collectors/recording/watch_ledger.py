@@ -20,8 +20,8 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 
-from collectors.sources.tap import APP_RECEIPT_PATH, PAGE_STOP_PATH
-from runstore.records import WATCHED_SCENARIO, EventRecord, LedgerRecord
+from cancelwatch.collectors.sources.tap import APP_RECEIPT_PATH, PAGE_STOP_PATH
+from cancelwatch.runstore.records import WATCHED_SCENARIO, EventRecord, LedgerRecord
 
 SCENARIO = WATCHED_SCENARIO  # every watched request's ledger scenario: real traffic, one stream of it
 CANCELLED = "target"  # the role of a request its client gave up on (the scripted target's role)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from runstore.records import Sample
+from cancelwatch.runstore.records import Sample
 
 
 class SourceError(Exception):

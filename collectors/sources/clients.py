@@ -13,8 +13,8 @@ import threading
 import time
 from collections import deque
 
-from collectors.sources.base import Source
-from runstore.records import Sample
+from cancelwatch.collectors.sources.base import Source
+from cancelwatch.runstore.records import Sample
 
 SOURCE_NAME = "clients"
 METRIC = "client_chunks_total"

@@ -20,8 +20,8 @@ import time
 from datetime import datetime, tzinfo
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from collectors.sources.base import Source, SourceError
-from runstore.records import EventRecord, Sample
+from cancelwatch.collectors.sources.base import Source, SourceError
+from cancelwatch.runstore.records import EventRecord, Sample
 
 SOURCE_NAME = "engine_log"
 MAX_READ_BYTES = 4 << 20  # per read: a log that grew by more is caught up over several ticks

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from collectors.sources.base import Source, SourceError
-from runstore.records import Sample, freeze_labels
+from cancelwatch.collectors.sources.base import Source, SourceError
+from cancelwatch.runstore.records import Sample, freeze_labels
 
 SOURCE_NAME = "nvml"
 NO_DRIVER_HINT = (

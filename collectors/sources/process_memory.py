@@ -6,8 +6,8 @@ import time
 
 import psutil
 
-from collectors.sources.base import Source, SourceError
-from runstore.records import Sample
+from cancelwatch.collectors.sources.base import Source, SourceError
+from cancelwatch.runstore.records import Sample
 
 SOURCE_NAME = "process"
 

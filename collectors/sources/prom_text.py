@@ -17,9 +17,9 @@ from urllib.parse import urlencode, urlparse
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from collectors.sources.credentials import split_userinfo
-from collectors.sources.base import ParseError, Source, SourceError
-from runstore.records import Labels, Sample, freeze_labels
+from cancelwatch.collectors.sources.credentials import split_userinfo
+from cancelwatch.collectors.sources.base import ParseError, Source, SourceError
+from cancelwatch.runstore.records import Labels, Sample, freeze_labels
 
 # answers of a server that has no filterable route: full bodies from then on
 FILTER_UNSUPPORTED = (301, 302, 307, 308, 400, 404)

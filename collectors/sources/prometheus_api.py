@@ -8,8 +8,8 @@ from __future__ import annotations
 import re
 from datetime import datetime, timezone
 
-from collectors.sources.base import SourceError
-from collectors.sources.credentials import strip_userinfo
+from cancelwatch.collectors.sources.base import SourceError
+from cancelwatch.collectors.sources.credentials import strip_userinfo
 
 MAX_POINTS = 10_000  # per series and query: Prometheus refuses more than 11,000
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d|w)$")

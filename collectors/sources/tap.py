@@ -32,8 +32,8 @@ from urllib.parse import urlparse
 
 import h11
 
-from collectors.sources.base import Source
-from runstore.records import EventRecord, Sample
+from cancelwatch.collectors.sources.base import Source
+from cancelwatch.runstore.records import EventRecord, Sample
 
 SOURCE_NAME = "tap"
 READ_BYTES = 64 * 1024

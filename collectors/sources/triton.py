@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import re
 
-from collectors.sources.base import ParseError, SourceError
-from collectors.sources.prom_text import LineMemo, PromTextSource, json_version, sample_name
-from runstore.records import Sample
+from cancelwatch.collectors.sources.base import ParseError, SourceError
+from cancelwatch.collectors.sources.prom_text import LineMemo, PromTextSource, json_version, sample_name
+from cancelwatch.runstore.records import Sample
 
 SOURCE_NAME = "triton"
 # the engine family of a target this source reads (each of a run's targets records it)

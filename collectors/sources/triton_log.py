@@ -16,8 +16,8 @@ from __future__ import annotations
 import re
 from datetime import datetime, timezone
 
-from collectors.sources.engine_log import EngineLogSource
-from runstore.records import EventRecord
+from cancelwatch.collectors.sources.engine_log import EngineLogSource
+from cancelwatch.runstore.records import EventRecord
 
 SOURCE_NAME = "triton_log"
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import re
 
-from collectors.sources.base import ParseError, SourceError
-from collectors.sources.prom_text import LineMemo, PromTextSource, json_version, sample_name
-from runstore.records import Sample
+from cancelwatch.collectors.sources.base import ParseError, SourceError
+from cancelwatch.collectors.sources.prom_text import LineMemo, PromTextSource, json_version, sample_name
+from cancelwatch.runstore.records import Sample
 
 # Server sample name -> (our name, rank). When one body holds several server names for the same
 # series (vLLM 0.10 sends both KV names), the lowest rank wins. A vLLM rename breaks this dict,

@@ -58,9 +58,9 @@ def corpus_stores(folder: Path, manifest: dict | None = None) -> list[tuple[str,
 
 
 def judge_store(name: str, store: Path, entry: dict, judge=None) -> list[Judged]:
-    from analysis.evidence import count_reading_text
-    from analysis.verdicts import judge_run
-    from runstore.reader import load_run
+    from cancelwatch.analysis.evidence import count_reading_text
+    from cancelwatch.analysis.verdicts import judge_run
+    from cancelwatch.runstore.reader import load_run
 
     judge = judge or judge_run
     out = []

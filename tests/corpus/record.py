@@ -216,8 +216,8 @@ def cli(args: list[str], *, home: Path, env: dict | None = None, timeout: float 
 # ---------------------------------------------------------------------------------------------- engines
 @contextmanager
 def vllm_engine(kind: str, work: Path):
-    from collectors.engines import lifecycle
-    from collectors.engines import vllm_server
+    from cancelwatch.collectors.engines import lifecycle
+    from cancelwatch.collectors.engines import vllm_server
 
     home = work / f"engine-{kind}"
     env_tz = os.environ.get("TZ")
@@ -238,7 +238,7 @@ def vllm_engine(kind: str, work: Path):
 @contextmanager
 def path_to(spec: Spec, engine_url: str, kwargs: dict | None):
     """The proxy the run's path names in front of the engine (none for direct), and what it did."""
-    from collectors.engines.lifecycle import free_port
+    from cancelwatch.collectors.engines.lifecycle import free_port
     from tests.proxies import ProxyBehaviour
 
     behaviour = kwargs if spec.path == "proxy" else {"leaky": dict(leak=True), "mint_ids": dict(mint_ids=True)}.get(spec.path)
@@ -392,7 +392,7 @@ def pace_of(state) -> float:
 
 
 def record_vllm(spec: Spec, work: Path, home: Path, state) -> Recorded:
-    from collectors.cancels.load import served_model
+    from cancelwatch.collectors.cancels.load import served_model
 
     rec = Recorded(work / f"{spec.name}.db")
     rec.engine = {"command": state.command, "log_requests": spec.engine != "default",
@@ -418,7 +418,7 @@ def record_vllm(spec: Spec, work: Path, home: Path, state) -> Recorded:
         target = proxy.url if proxy else state.url
         metrics = proxy.url if (proxy and spec.metrics_via_proxy) else state.url
         if spec.kind == "watch":
-            from collectors.engines.lifecycle import free_port
+            from cancelwatch.collectors.engines.lifecycle import free_port
             from tests.test_watch_engine import wait_listening
 
             port = free_port()
@@ -486,7 +486,7 @@ def record_matrix(spec: Spec, work: Path) -> Recorded:
 
 
 def record_triton(spec: Spec, work: Path) -> Recorded:
-    from collectors.engines import lifecycle, triton_server
+    from cancelwatch.collectors.engines import lifecycle, triton_server
 
     rec = Recorded(work / f"{spec.name}.db")
     home = work / "triton-home"
@@ -508,7 +508,7 @@ def record_triton(spec: Spec, work: Path) -> Recorded:
 # ---------------------------------------------------------------------------------------------- the manifest
 def keep(spec: Spec, rec: Recorded, manifest: dict) -> None:
     """Compact, gzip and enter the run: how it was recorded, and the truth its set-up makes certain."""
-    from runstore.compact import compact
+    from cancelwatch.runstore.compact import compact
 
     RUNS_DIR.mkdir(parents=True, exist_ok=True)
     compacted = rec.store.with_suffix(".compact.db")
@@ -542,7 +542,7 @@ def keep(spec: Spec, rec: Recorded, manifest: dict) -> None:
 
 def run_names(store: Path) -> dict:
     """The manifest's `runs` of a store: run id -> {"name"}, the truths entered later."""
-    from runstore.reader import list_runs
+    from cancelwatch.runstore.reader import list_runs
 
     runs = list_runs(store)
     return {str(i): {"name": n} for i, n in zip(runs["id"], runs["name"])}
@@ -565,7 +565,7 @@ def proxy_facts(summary: dict) -> dict:
 
 def enter_truths(entry: dict, store: Path) -> None:
     """Each run's truths, from its store and the entry's facts (tests/corpus/truth.py)."""
-    from runstore.reader import load_run
+    from cancelwatch.runstore.reader import load_run
 
     rec = entry["recorded"]
     for run_id, run in entry["runs"].items():

@@ -37,7 +37,7 @@ TRITON_EXPECT_BUILT = {"triton_http_timeout", "triton_deaf", "triton_hoard", "tr
 def truths(run, *, path: str, clients: dict, proxy: dict, engine_log_read: bool, kind: str,
            pace: float | None = None) -> dict:
     """request id -> {"truth": ..., "why": ...} for the requests of `run` whose truth the set-up makes certain."""
-    from analysis.verdicts import run_grace_s
+    from cancelwatch.analysis.verdicts import run_grace_s
 
     if kind == "triton":
         return _triton(run)
