@@ -159,11 +159,13 @@ def test_a_newcomer_taken_by_chance_in_the_place_of_a_kept_request_shows_no_rele
     assert v.verdict != "released", (v.rule, v.evidence.kv_drop_waived)
 
 
-def before_the_stop(counted_from: float, blocks_after: float, ends=lambda t: 0.0, counter: bool = True):
+def before_the_stop(counted_from: float, blocks_after: float, ends=lambda t: 0.0, counter: bool = True,
+                    request_log: bool = True):
     """tg stopped at 2.0 s (abort logged at 2.005 s), the neighbour at two blocks, tg at one; a newcomer Added at
     1.81 s (before the abort by more than a log's slack: it entered before it), its first token at its client at
     2.09 s, counted by the engine from `counted_from`; from 2.05 s tg is out of the count, `blocks_after` in use.
-    `ends(t)`: vllm:request_success_total{finished_reason="stop"} (served unless not `counter`)."""
+    `ends(t)`: vllm:request_success_total{finished_reason="stop"} (served unless not `counter`). Not
+    `request_log`: vLLM on its defaults, no request lines (nor the abort)."""
     import json
 
     from tests.test_verdicts import ADDED, build_run, steady_gen
@@ -172,8 +174,8 @@ def before_the_stop(counted_from: float, blocks_after: float, ends=lambda t: 0.0
     kv = lambda t: (3.0 + (t >= counted_from) if t < 2.05 else blocks_after) * BLOCK  # noqa: E731
     log = [*ADDED, ("engine_added", "a", 1.81), ("engine_aborted", "tg", 2.005)]
     series = {**NO_HITS, "requests_finished_total": ends} if counter else NO_HITS
-    run = build_run(count, kv, steady_gen, extra_ledger=[newcomer("a", 1.8, 2.09)], engine_log=log, series=series,
-                    length_s=5.4)
+    run = build_run(count, kv, steady_gen, extra_ledger=[newcomer("a", 1.8, 2.09)], engine_log=log if request_log
+                    else None, series=series, length_s=5.4)
     s = run.samples
     s.loc[s["metric"] == "requests_finished_total", "labels"] = json.dumps({"finished_reason": "stop"})
     run.info["cache"] = {"t0": {"num_gpu_blocks": "64", "block_size": "128"}}
@@ -189,6 +191,19 @@ def test_a_newcomer_the_count_did_not_hold_at_the_stop_took_its_blocks():
     v = before_the_stop(counted_from=2.05, blocks_after=3.0)
     assert (v.verdict, v.evidence.kv_drop_waived) == ("released", "taken_in_its_place"), (v.rule, v.evidence)
     assert 2.09 < v.timepoints["left_scheduler"] < 2.2  # once its first token says the engine counts it
+
+
+def test_with_no_request_log_a_count_below_the_ledgers_by_a_newcomer_alone_is_no_run_ahead():
+    """vLLM on its defaults: the count before the stop is the ledger's less a newcomer whose first token had not
+    reached its client, and the engine ended none by itself. Nothing ran ahead of a client, so the count shows
+    the release (corpus aiperf_direct_default: three cancels read as `already_finished_no_log`, each below the
+    ledger's by a request AIPerf had just sent)."""
+    v = before_the_stop(counted_from=2.05, blocks_after=3.0, request_log=False)
+    assert (v.verdict, v.evidence.kv_drop_waived) == ("released", "taken_in_its_place"), (v.rule, v.evidence)
+    assert v.evidence.assumes == ["no_traffic_beside_the_run"] and 2.0 < v.timepoints["left_scheduler"] < 2.2
+    # an end of the engine's own that no client read may be this one's: it may have run ahead
+    v = before_the_stop(counted_from=2.05, blocks_after=3.0, ends=lambda t: float(t >= 1.9), request_log=False)
+    assert v.verdict == "inconclusive", (v.rule, v.evidence)
 
 
 @pytest.mark.parametrize("case", ["counted_already", "an_end_unread"])

@@ -287,7 +287,7 @@ def released(c: VllmCase) -> CancelVerdict | None:
     after = np.nonzero(times >= t_ref)[0]
     # a request the gauges counted at the stop held KV there, and must give it back; one they never
     # counted (the engine was mid-step when it came and went) shows its release by the count alone
-    needs_kv_drop = (c.phase in ("prefill", "decode", "in_flight") and not math.isnan(kv_before) and c.baseline.kv_held
+    needs_kv_drop = (c.phase in ("prefill", "decode", "in_flight") and not math.isnan(kv_before) and not c.ahead
                      and not c.waiting_at_stop and not c.kv_waived)
     ev.kv_drop_waived = c.kv_waived
     below = sched["kv"] < kv_before if not math.isnan(kv_before) else np.zeros(len(times), dtype=bool)

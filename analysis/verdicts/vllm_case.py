@@ -30,10 +30,10 @@ class _Baseline(NamedTuple):
     count_before: float | None  # the server's count at the last of them (Evidence.count_before); None when none
     ledger_before: float | None  # the ledger's sequences in the server there (Evidence.ledger_before)
     kv_before: float  # KV usage at the last of them; NaN when none
-    ahead: bool  # the server counted fewer requests than the ledger there: the engine ran ahead
-    # this request surely held KV there: the count was the ledger's, or below it only by other requests with no
-    # token yet, which the engine may not count yet (this one's had reached its client)
-    kv_held: bool
+    # the server counted fewer requests than the ledger there, and not only by other requests with no token at
+    # their clients yet (the engine may not count them yet): the engine ran ahead of a client, maybe this one's.
+    # Where it did not, this request surely held KV there
+    ahead: bool
 
 
 class _Kept(NamedTuple):
@@ -100,23 +100,22 @@ class VllmCase(Case):
         count_before = float(self.sched["count"][before][-1]) if before.any() else None
         ledger_before = float(self.inflight[before][-1]) if before.any() else None
         kv_before = float(self.sched["kv"][before][-1]) if before.any() else math.nan
-        ahead, kv_held = False, True
+        ahead = False
         if count_before is not None and ledger_before is not None:
             b = np.nonzero(before)[0][-1]
             rows = self.ledger_rows
-            ahead = count_before < ledger_before - 1e-9
-            # below the ledger's by the requests the engine may not count yet alone (with no token yet): none ran
-            # ahead, unless this one is one of them
+            # below the ledger's by the requests the engine may not count yet alone (sent, no token at their client
+            # yet): none ran ahead, unless this one is one of them, or the engine ended one by itself unread that
+            # may stand in the count in place of this one
             this = rows.ids == self.rid
             unseen = self.unseen_with_this[b]
             unsure = unseen > 0.5 and count_before >= ledger_before - unseen - 1e-9
             maybe_uncounted = bool((rows.counted[this, b] & (rows.first[this] > self.sched["t_s"][b])).any()) \
                 or self.rid in self.not_entered
-            # and none of those is in the count in place of this one ended by itself (it ran ahead): the engine
-            # ended none by itself unread
             ends = self.own_ends_unread
-            kv_held = not ahead or (unsure and not maybe_uncounted and ends is not None and ends[b] < 0.5)
-        return _Baseline(before, count_before, ledger_before, kv_before, ahead, kv_held)
+            not_yet_counted = unsure and not maybe_uncounted and ends is not None and ends[b] < 0.5
+            ahead = count_before < ledger_before - 1e-9 and not not_yet_counted
+        return _Baseline(before, count_before, ledger_before, kv_before, ahead)
 
     def verdict(self, rule: str, **fields) -> CancelVerdict:
         """Case.verdict, with the second before the stop in the evidence of every verdict, whichever rule gave
