@@ -41,6 +41,10 @@ SURPLUS_HOLD_S = 2.0
 # no sequence runs faster than the fastest one went alone in the window, this many times over: a request cannot
 # have made its tokens sooner (a step's timing wobbles; two cores, a busy recorder beside the engine)
 PACE_MARGIN = 1.25
+# a request seen waiting shows the engine full where it stayed waiting while the engine made tokens in this many
+# sample intervals after it entered: the scheduler ran a whole step after it came, and did not let it in (a watch's
+# `reusable`: analysis/verdicts/reuse.py)
+FULL_STEPS = 2
 # passes of judge_vllm at the most: each ends the ledger's no-abort requests where their verdicts saw them leave
 JUDGE_PASSES = 3
 

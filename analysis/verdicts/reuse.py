@@ -10,12 +10,9 @@ import math
 
 import numpy as np
 
+from cancelwatch.analysis.bounds import FULL_STEPS
 from cancelwatch.analysis.verdicts.core import CancelVerdict
 from cancelwatch.analysis.verdicts.vllm_case import VllmCase
-
-# a waiter shows the engine full where it stayed waiting while the engine made tokens in this many sample
-# intervals after it entered: the scheduler ran a whole step after it came, and did not let it in
-FULL_STEPS = 2
 
 NOT_LEFT = "it was not seen to leave the scheduler: no freed capacity to hand out"
 NONE_WAITING = ("no request was waiting for the engine when it left ({waiting} waiting at the sample before): a watch "
