@@ -35,7 +35,7 @@ def start_load(url: str, seconds: float) -> subprocess.Popen:
     """Bursts of 6 streams, back to back, for about `seconds` (bounded: at most 20 bursts)."""
     script = (
         "import asyncio, sys, time\n"
-        "from collectors.cancels.load import run_streams, served_model\n"
+        "from cancelwatch.collectors.cancels.load import run_streams, served_model\n"
         f"url = {url!r}; end = time.monotonic() + {seconds}\n"
         "model = served_model(url)\n"
         "for _ in range(20):\n"

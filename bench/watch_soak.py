@@ -46,7 +46,7 @@ KV_PER_STREAM = 0.05  # --live: the KV usage each stream holds
 # `watch --hz` stops at 200 Hz to spare a real engine its scrapes. The fixture is ours, and a day's 1.73 M ticks at
 # 200 Hz take 2.4 hours: above the cap the soak runs the same CLI with the cap raised (RecordSettings.max_hz).
 UNCAPPED = """
-import dataclasses, collectors.recording.session as s
+import dataclasses, cancelwatch.collectors.recording.session as s
 @dataclasses.dataclass
 class Uncapped(s.RecordSettings):
     max_hz: float = 5000.0

@@ -14,6 +14,8 @@ import papermill as pm
 from nbconvert import HTMLExporter
 
 ROOT = Path(__file__).resolve().parents[1]
+if not (ROOT / "cancelwatch" / "__init__.py").is_file():
+    ROOT = Path.cwd()  # installed (ROOT is the package's own folder): where the user runs it, not site-packages
 NOTEBOOKS = Path(__file__).resolve().parent
 
 

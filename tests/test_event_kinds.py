@@ -255,7 +255,7 @@ def test_every_kind_written_is_in_the_table_and_every_entry_is_written(project_s
 def test_a_planted_writer_of_an_unknown_kind_is_caught(project_scan, tmp_path):
     planted = tmp_path / "planted.py"
     planted.write_text(
-        "from runstore.records import EventRecord\n"
+        "from cancelwatch.runstore.records import EventRecord\n"
         "def stop(driver, rid):\n"
         "    driver.event('engine_vanished', rid, scenario='decode')\n"  # through the drivers' wrapper
         "    driver.event('user_stop', rid, scenario='decode', new_field=1)\n"  # a known kind, a new field

@@ -10,7 +10,7 @@ gives the verdict (released, leaked, stale_gauge, inconclusive), its `rule` code
   log_clock the engine log's clock against the run's (the offset its lines are moved by)
   families  the table of families (FAMILIES: name -> judge), judge_run, report_document
 
-`analysis.verdicts.judge_run` is the public entry (notebooks/explore.ipynb documents it); the rest of
+`cancelwatch.analysis.verdicts.judge_run` is the public entry (notebooks/explore.ipynb documents it); the rest of
 analysis and the readers take the vocabulary from here too.
 """
 

@@ -9,7 +9,7 @@ is only echoed in `X-Client-Request-Id`); a client that goes away closes the rel
 so the engine is told then, not when the garbage collector gets to it.
 Runs under the engine's Python:
 
-    python -m collectors.engines.relay_app --model DIR --port 8100 [--load-format dummy] [shape flags]
+    python -m cancelwatch.collectors.engines.relay_app --model DIR --port 8100 [--load-format dummy] [shape flags]
         [--replica a --peer b=http://127.0.0.1:8101]
 
 Its answer to a cancel is never "released" (vLLM's abort() acknowledges nothing): `abort_sent` once abort()
