@@ -104,18 +104,44 @@ class VllmCase(Case):
         if count_before is not None and ledger_before is not None:
             b = np.nonzero(before)[0][-1]
             rows = self.ledger_rows
-            # below the ledger's by the requests the engine may not count yet alone (sent, no token at their client
-            # yet): none ran ahead, unless this one is one of them, or the engine ended one by itself unread that
-            # may stand in the count in place of this one
+            # below the ledger's by the requests the engine may not count yet alone (sent within ENTER_S + LAG_S, no
+            # token at their client yet, as others_entering reads them) whose first token then reached their client
+            # within the grace (from then the count holds them: one that never showed one may stay uncounted, and
+            # a kept request stand in its place to the grace's end): none ran ahead, unless this one is one of them,
+            # or the engine ended one by itself unread that may stand in the count in its place
             this = rows.ids == self.rid
-            unseen = self.unseen_with_this[b]
-            unsure = unseen > 0.5 and count_before >= ledger_before - unseen - 1e-9
+            t_b = float(self.sched["t_s"][b])
+            since = np.maximum(rows.sent, rows.added)
+            entering = float(rows.seqs[~this & rows.counted[:, b] & (t_b < rows.first) & (rows.first <= self.t_end)
+                                       & (t_b < since + ENTER_S + LAG_S)].sum())
+            unsure = entering > 0.5 and count_before >= ledger_before - entering - 1e-9
             maybe_uncounted = bool((rows.counted[this, b] & (rows.first[this] > self.sched["t_s"][b])).any()) \
                 or self.rid in self.not_entered
-            ends = self.own_ends_unread
-            not_yet_counted = unsure and not maybe_uncounted and ends is not None and ends[b] < 0.5
+            unread = self.unread_ends_while_open(b)
+            not_yet_counted = unsure and not maybe_uncounted and unread is not None and unread < 0.5
             ahead = count_before < ledger_before - 1e-9 and not not_yet_counted
         return _Baseline(before, count_before, ledger_before, kv_before, ahead)
+
+    def unread_ends_while_open(self, i: int) -> float | None:
+        """The engine's own ends (vllm:request_success_total, by finish reason) from the send of the oldest request
+        the ledger holds open at sample `i` (at most 3.5 s before the stop) up to it, less the sequences of completed requests whose close reached
+        their clients from LAG_S before then to LAG_S after it (each reads one end): above zero, a request the
+        ledger counts may have ended unread, however long before the stretch (a slow reader). None where the
+        engine does not say why its requests ended."""
+        t_b, r = float(self.sched["t_s"][i]), self.reqs
+        with np.errstate(invalid="ignore"):
+            open_ = (r.sent <= t_b) & ~(r.closed < t_b)
+        if not open_.any():
+            return 0.0
+        # back no further than a cancel's window reaches (BEFORE_S, a scrape's period short of it): a window and
+        # the whole run read the same ends
+        t_a = max(float(np.nanmin(r.sent[open_])), self.t_stop - BEFORE_S + 0.5)
+        ends = self.own_ends_between(t_a, t_b)
+        if ends is None:
+            return None
+        with np.errstate(invalid="ignore"):
+            read = r.completed & (r.closed >= t_a - LAG_S) & (r.closed <= t_b + LAG_S)
+        return ends - float(r.seqs[read].sum())
 
     def verdict(self, rule: str, **fields) -> CancelVerdict:
         """Case.verdict, with the second before the stop in the evidence of every verdict, whichever rule gave
