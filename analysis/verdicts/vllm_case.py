@@ -108,7 +108,7 @@ class VllmCase(Case):
             # token at their client yet, as others_entering reads them) whose first token then reached their client
             # within the grace (from then the count holds them: one that never showed one may stay uncounted, and
             # a kept request stand in its place to the grace's end): none ran ahead, unless this one is one of them,
-            # or the engine ended one by itself unread that may stand in the count in its place
+            # or the engine ended one by itself unread, in the stretch or before it, that may stand in its place
             this = rows.ids == self.rid
             t_b = float(self.sched["t_s"][b])
             since = np.maximum(rows.sent, rows.added)
@@ -117,31 +117,35 @@ class VllmCase(Case):
             unsure = entering > 0.5 and count_before >= ledger_before - entering - 1e-9
             maybe_uncounted = bool((rows.counted[this, b] & (rows.first[this] > self.sched["t_s"][b])).any()) \
                 or self.rid in self.not_entered
-            unread = self.unread_ends_while_open(b)
-            not_yet_counted = unsure and not maybe_uncounted and unread is not None and unread < 0.5
+            ends, earlier = self.own_ends_unread, self.ends_unread_before
+            not_yet_counted = unsure and not maybe_uncounted and ends is not None and earlier is not None \
+                and ends[b] + earlier < 0.5
             ahead = count_before < ledger_before - 1e-9 and not not_yet_counted
         return _Baseline(before, count_before, ledger_before, kv_before, ahead)
 
-    def unread_ends_while_open(self, i: int) -> float | None:
-        """The engine's own ends (vllm:request_success_total, by finish reason) from the send of the oldest request
-        the ledger holds open at sample `i` (at most 3.5 s before the stop) up to it, less the sequences of completed requests whose close reached
-        their clients from LAG_S before then to LAG_S after it (each reads one end): above zero, a request the
-        ledger counts may have ended unread, however long before the stretch (a slow reader). None where the
-        engine does not say why its requests ended."""
-        t_b, r = float(self.sched["t_s"][i]), self.reqs
+    @cached_property
+    def ends_unread_before(self) -> float | None:
+        """own_ends_unread's reach before the stretch: the engine's own ends from the send of the oldest request the
+        ledger holds open at the stretch's first sample (back no further than a cancel's window reaches, BEFORE_S
+        less a scrape's period: a window and the whole run read alike) to that sample, less the sequences of the
+        completed requests whose close reached their client within LAG_S of that span (each reads one end). Above
+        zero, a request the ledger counts may have ended unread long before the stretch (a slow reader: its end
+        at 0.8 s, its close at 5 s, a stop at 2 s). None where the engine does not say why its requests ended."""
+        times, r = self.sched["t_s"], self.reqs
+        if not len(times):
+            return None
+        t_w = float(times[0])
         with np.errstate(invalid="ignore"):
-            open_ = (r.sent <= t_b) & ~(r.closed < t_b)
-        if not open_.any():
+            open_ = (r.sent <= t_w) & ~(r.closed < t_w)
+        t_a = max(float(np.nanmin(r.sent[open_])) if open_.any() else t_w, self.t_stop - BEFORE_S + 0.5)
+        if t_a >= t_w:
             return 0.0
-        # back no further than a cancel's window reaches (BEFORE_S, a scrape's period short of it): a window and
-        # the whole run read the same ends
-        t_a = max(float(np.nanmin(r.sent[open_])), self.t_stop - BEFORE_S + 0.5)
-        ends = self.own_ends_between(t_a, t_b)
+        ends = self.own_ends_between(t_a, t_w)
         if ends is None:
             return None
         with np.errstate(invalid="ignore"):
-            read = r.completed & (r.closed >= t_a - LAG_S) & (r.closed <= t_b + LAG_S)
-        return ends - float(r.seqs[read].sum())
+            read = r.completed & (r.closed >= t_a - LAG_S) & (r.closed <= t_w + LAG_S)
+        return max(ends - float(r.seqs[read].sum()), 0.0)
 
     def verdict(self, rule: str, **fields) -> CancelVerdict:
         """Case.verdict, with the second before the stop in the evidence of every verdict, whichever rule gave
