@@ -104,16 +104,13 @@ class VllmCase(Case):
         if count_before is not None and ledger_before is not None:
             b = np.nonzero(before)[0][-1]
             rows = self.ledger_rows
-            # below the ledger's by the requests the engine may not count yet alone (sent within ENTER_S + LAG_S, no
-            # token at their client yet, as others_entering reads them) whose first token then reached their client
-            # within the grace (from then the count holds them: one that never showed one may stay uncounted, and
-            # a kept request stand in its place to the grace's end): none ran ahead, unless this one is one of them,
-            # or the engine ended one by itself unread, in the stretch or before it, that may stand in its place
+            # below the ledger's by the requests the engine may not count yet alone (entering_rows) whose first token
+            # then reached their client within the grace (from then the count holds them: one that never showed one
+            # may stay uncounted, and a kept request stand in its place to the grace's end): none ran ahead, unless
+            # this one is one of them, or the engine ended one by itself unread, in the stretch or before it, that
+            # may stand in its place
             this = rows.ids == self.rid
-            t_b = float(self.sched["t_s"][b])
-            since = np.maximum(rows.sent, rows.added)
-            entering = float(rows.seqs[~this & rows.counted[:, b] & (t_b < rows.first) & (rows.first <= self.t_end)
-                                       & (t_b < since + ENTER_S + LAG_S)].sum())
+            entering = float(rows.seqs[~this & self.entering_rows[:, b] & (rows.first <= self.t_end)].sum())
             unsure = entering > 0.5 and count_before >= ledger_before - entering - 1e-9
             maybe_uncounted = bool((rows.counted[this, b] & (rows.first[this] > self.sched["t_s"][b])).any()) \
                 or self.rid in self.not_entered
@@ -369,17 +366,20 @@ class VllmCase(Case):
         return self._count_surely(self.others_unseen, self.without)
 
     @cached_property
-    def others_entering(self) -> np.ndarray:
-        """Per sample of the stretch: sequences of the other requests the ledger counts that the gauges may not
-        count yet: no first token at their client, and sent (where the log names it, Added) less than ENTER_S
+    def entering_rows(self) -> np.ndarray:
+        """Rows of ledger_rows x samples of the stretch: where the ledger counts the request and the gauges may not
+        count it yet: no first token at its client, and sent (where the log names it, Added) less than ENTER_S
         before, LAG_S more for a hop. Past that the engine surely counts one, waiting or running: a non-streaming
         request, or one queued behind max_num_seqs, shows no token for long and is counted all the same."""
-        ids, seqs, counted, first, added, _ = self.ledger_rows
-        since = np.maximum(self.ledger_rows.sent, added)
+        _, _, counted, first, added, sent = self.ledger_rows
         times = self.sched["t_s"]
-        others = ids != self.rid
-        recent = times < since[:, None] + ENTER_S + LAG_S
-        return seqs[others] @ (counted[others] & (times < first[others, None]) & recent[others])
+        return counted & (times < first[:, None]) & (times < np.maximum(sent, added)[:, None] + ENTER_S + LAG_S)
+
+    @cached_property
+    def others_entering(self) -> np.ndarray:
+        """Per sample of the stretch: sequences of the other requests the gauges may not count yet (entering_rows)."""
+        others = self.ledger_rows.ids != self.rid
+        return self.ledger_rows.seqs[others] @ self.entering_rows[others]
 
     @cached_property
     def others_unseen(self) -> np.ndarray:
