@@ -17,11 +17,10 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+from cancelwatch.runstore.paths import working_root
 from cancelwatch.runstore.reader import StoreError, resolve_run_id
 
-ROOT = Path(__file__).resolve().parents[1]
-if not (ROOT / "cancelwatch" / "__init__.py").is_file():
-    ROOT = Path.cwd()  # installed (ROOT is the package's own folder): where the user runs it, not site-packages
+ROOT = working_root()
 ALLOW_ENV = "CANCELWATCH_ALLOWED_TARGETS"  # comma-separated hosts or host:port pairs beyond loopback
 MAX_RECORDING_S = 900.0  # a recording started from the page is stopped after this long
 LOCK_NAME = ".page-recording.json"

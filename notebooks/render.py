@@ -13,9 +13,9 @@ import nbformat
 import papermill as pm
 from nbconvert import HTMLExporter
 
-ROOT = Path(__file__).resolve().parents[1]
-if not (ROOT / "cancelwatch" / "__init__.py").is_file():
-    ROOT = Path.cwd()  # installed (ROOT is the package's own folder): where the user runs it, not site-packages
+from cancelwatch.runstore.paths import working_root
+
+ROOT = working_root()
 NOTEBOOKS = Path(__file__).resolve().parent
 
 

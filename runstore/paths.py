@@ -8,6 +8,16 @@ from pathlib import Path
 from cancelwatch.runstore.reader import StoreError
 
 DEFAULT_STORE = "runs/cancelwatch.db"
+# the folder the `cancelwatch` package is imported from: the repository, or site-packages once installed (this file
+# is then cancelwatch/runstore/paths.py there)
+IMPORT_ROOT = next((p for p in Path(__file__).resolve().parents if (p / "cancelwatch" / "__init__.py").is_file()),
+                   Path(__file__).resolve().parents[1])
+
+
+def working_root() -> Path:
+    """Where a command the page or a notebook starts runs: the repository in a checkout, else the user's working
+    directory (installed, the package's folders are no place for a run's files)."""
+    return IMPORT_ROOT if (IMPORT_ROOT / "runstore" / "__init__.py").is_file() else Path.cwd()
 
 
 def store_dir() -> Path:

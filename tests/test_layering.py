@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from cancelwatch import PARTS  # the parts installed under cancelwatch., top-level folders here
+
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = ("cancelwatch", "collectors", "runstore", "analysis", "dashboard", "notebooks", "bench")
-# the parts installed under cancelwatch. (cancelwatch/__init__.py: PARTS), top-level folders here
-PARTS = ("analysis", "collectors", "dashboard", "notebooks", "runstore")
 ROOMS = ("sources", "recording", "cancels", "engines")
 # above the rooms: the table of engine families, the one module of collectors that reads every room
 ABOVE_ROOMS = ("families.py",)

@@ -23,7 +23,9 @@ from cancelwatch.collectors.engines.lifecycle import EngineError, EngineState, P
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # the folder the `cancelwatch` package is imported from: the repository, or site-packages once installed (where
-# this file is cancelwatch/collectors/engines/): the engine's own venv runs the relay app from there
+# this file is cancelwatch/collectors/engines/): the engine's own venv runs the relay app from there. As
+# runstore/paths.py's IMPORT_ROOT, read here: that venv imports this module (tests_engine) and has no pandas for
+# runstore
 IMPORT_ROOT = next((p for p in Path(__file__).resolve().parents if (p / "cancelwatch" / "__init__.py").is_file()),
                    PROJECT_ROOT)
 TINY_MODEL_SCRIPT = Path(__file__).resolve().with_name("tiny_model.py")
