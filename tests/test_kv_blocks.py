@@ -262,6 +262,19 @@ def test_a_shortfall_a_newcomer_explains_only_in_part_is_no_release(case):
     assert (v.verdict, v.rule) == ("inconclusive", "already_finished_no_log"), (v.verdict, v.rule, v.evidence)
 
 
+
+@pytest.mark.parametrize("closed", [3.0, 3.5, 4.0])
+def test_a_slow_readers_close_inside_the_grace_is_no_room_for_a_kept_request(closed):
+    """No request log; tg kept by the engine to the end. S ended in the engine at 0.8 s (its end counted), its
+    client reading it to `closed`, inside the grace (to 4.001 s); N counted from 1.92 s. Until S's close the
+    count, 3, is the ledger's others (nb, S, N); from it, one more than theirs, the engine stepping: tg is there.
+    The close is an end after the engine's last step (ended_unseen) until the gauges show a step past it: a count
+    reconciled only by that allowance stays so to the grace's end only where the step after it bears it out
+    (an adversarial review's case: at 4.0 s the first version read `released` at 2.1 s)."""
+    v = no_abort_run(lambda t: 2.0 + (t >= 1.92), lambda t: 3.0 + (t >= 1.92),
+                     [row("S", 0.1, 0.3, closed, "completed"), row("N", 1.9, 2.1)], ends=lambda t: float(t >= 0.8))
+    assert (v.verdict, v.rule) == ("leaked", "still_counted_generating"), (v.verdict, v.rule, v.evidence)
+
 @pytest.mark.parametrize("case", ["counted_already", "an_end_unread"])
 def test_where_the_count_at_the_stop_may_have_held_the_newcomer_no_blocks_are_read(case):
     if case == "counted_already":

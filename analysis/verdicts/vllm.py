@@ -303,17 +303,19 @@ def released(c: VllmCase) -> CancelVerdict | None:
     count_ok_all = sched["count"] <= bound + 1e-9
     grace_end = int(np.searchsorted(times, t_ref + c.grace_s, side="right"))
     # the count must stay reconciled to the end of the grace: a probe sent right after the abort
-    # can stand in for a request that never left until the server counts the probe too
-    count_ok = count_ok_all.copy()
+    # can stand in for a request that never left until the server counts the probe too. Reconciled at a sample only
+    # by the ends after the engine's last step is reconciled where the step after them bears it out, at every
+    # sample to the grace's end (a slow reader's close at the grace's end is such an end: its request long out of
+    # the engine, the count holding this one in its place)
+    count_ok = count_ok_all & c.confirmed_past_ended_unseen(count_ok_all, bound)
     if grace_end:
-        count_ok[:grace_end] = np.logical_and.accumulate(count_ok_all[:grace_end][::-1])[::-1]
+        count_ok[:grace_end] = np.logical_and.accumulate(count_ok[:grace_end][::-1])[::-1]
     if c.t_abort is None:
         # and where it leaves: within the requests the engine surely counts there, one sent a moment before not
         # counted yet, and the room it leaves not this one's (seen through a proxy that passed no cancel on, no
         # request log: lost requests queued and new ones not yet counted, a count at the ledger's read as a
         # release)
         count_ok &= sched["count"] <= bound - c.others_entering + 1e-9
-    count_ok &= c.confirmed_past_ended_unseen(count_ok_all, bound)
     # a request that held KV must give it back: the probe taking blocks does not excuse a KV usage
     # that never fell, only what shows its blocks went back all the same
     waivers = {"taken_in_its_place": c.taken_in_its_place(kv_before),
