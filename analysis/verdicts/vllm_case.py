@@ -368,12 +368,14 @@ class VllmCase(Case):
     @cached_property
     def entering_rows(self) -> np.ndarray:
         """Rows of ledger_rows x samples of the stretch: where the ledger counts the request and the gauges may not
-        count it yet: no first token at its client, and sent (where the log names it, Added) less than ENTER_S
-        before, LAG_S more for a hop. Past that the engine surely counts one, waiting or running: a non-streaming
-        request, or one queued behind max_num_seqs, shows no token for long and is counted all the same."""
+        count it yet: no first token at its client, and it entered less than ENTER_S before: by its Added line
+        where the log names it (the line's doubt more), else by its send (LAG_S more for a hop). Past that the engine
+        surely counts one, waiting or running: a non-streaming request, or one queued behind max_num_seqs, shows no
+        token for long and is counted all the same. The one notion of a request entering, with the log or without."""
         _, _, counted, first, added, sent = self.ledger_rows
         times = self.sched["t_s"]
-        return counted & (times < first[:, None]) & (times < np.maximum(sent, added)[:, None] + ENTER_S + LAG_S)
+        entry = np.where(np.isfinite(added), added + self.englog.entry_doubt_s(self.target), sent + LAG_S)
+        return counted & (times < first[:, None]) & (times < entry[:, None] + ENTER_S)
 
     @cached_property
     def others_entering(self) -> np.ndarray:
@@ -596,17 +598,9 @@ class VllmCase(Case):
 
     @cached_property
     def entering(self) -> np.ndarray:
-        """Per sample of the stretch: another request of the ledger is entering the engine, from its Added
-        line to its first token, and at most ENTER_S (a non-streamed answer's first byte is its end). The
-        ledger counts it from its Added line, the gauges only from the engine's next step (on a starved host,
-        several samples later): a count at the ledger's there could hold this one in its place."""
-        times, added = self.sched["t_s"], self.added_s
-        doubt = self.englog.entry_doubt_s(self.target)
-        lo, hi = added - LOG_SLACK_S, np.minimum(self.reqs.first, added + doubt + ENTER_S)
-        keep = (self.reqs.ids != self.rid) & ~np.isnan(added)
-        if len(times):
-            keep &= (lo <= times[-1]) & (hi > times[0])
-        return in_between(times, lo[keep], hi[keep]).any(axis=0)
+        """Per sample of the stretch: another request of the ledger may not be counted by the gauges yet
+        (entering_rows): a count at the ledger's there could hold this one in its place."""
+        return self.others_entering > 0.5
 
     @cached_property
     def entries(self) -> list[float]:
