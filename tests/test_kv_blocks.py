@@ -348,13 +348,13 @@ def slow_reader_run(counter: bool, cancel_before: bool = False, read_late: bool 
 
 @pytest.mark.parametrize("counter,cancel_before,read_late,rule", [(False, False, False, "kv_did_not_fall"),
                                                                   (True, False, False, "finished_unseen"),
-                                                                  (True, True, False, "kv_did_not_fall"),
-                                                                  (True, False, True, "kv_did_not_fall")])
+                                                                  (True, True, False, "finished_unseen"),
+                                                                  (True, False, True, "finished_unseen")])
 def test_a_slow_readers_end_does_not_make_room_for_a_kept_request_in_a_count_below_the_ledgers(
         counter, cancel_before, read_late, rule):
-    # with no counter nothing rules the slow reader out; with it, its end is unread; a cancel's end that only
-    # could have been its own (A's) reads none of E's, nor does a close whose end came before the stretch (S1's;
-    # the two first versions read released there)
+    # with no counter nothing rules the slow reader out; with it, its end is unread, and the verdict says so: a
+    # cancel's end that only could have been its own (A's) reads none of E's, nor does a close whose end came before
+    # the stretch (S1's; the two first versions read released there)
     v = slow_reader_run(counter, cancel_before, read_late)
     assert (v.verdict, v.rule) == ("inconclusive", rule), (v.verdict, v.rule, v.evidence)
 

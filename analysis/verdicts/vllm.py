@@ -299,7 +299,7 @@ def released(c: VllmCase) -> CancelVerdict | None:
     # no abort are the ledger's only as the count's surplus holds them, oldest first (the frame's reading), and
     # which of them a fall took out is not this one's evidence
     lost_beside = c.stopped_beside if c.t_abort is None else 0.0
-    bound = c.without - lost_beside + c.ended_unseen - c.finished_unseen
+    bound = c.without - lost_beside + c.ended_unseen - c.ended_unread_most
     count_ok_all = sched["count"] <= bound + 1e-9
     grace_end = int(np.searchsorted(times, t_ref + c.grace_s, side="right"))
     # the count must stay reconciled to the end of the grace: a probe sent right after the abort
@@ -373,7 +373,7 @@ def held(c: VllmCase) -> CancelVerdict:
         if not ev.gauges_refreshed:
             return c.verdict("gauges_not_refreshed")
         # the count at the ledger's only with requests the engine had ended and the ledger still counts
-        hidden = c.finished_unseen[in_grace]
+        hidden = c.ended_unread_most[in_grace]
         if len(hidden) and (excess + hidden)[at_end] > 0:
             return c.verdict("finished_unseen", unread=int(hidden.max()))
         return c.verdict("kv_did_not_fall")

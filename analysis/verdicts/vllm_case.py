@@ -114,35 +114,87 @@ class VllmCase(Case):
             unsure = entering > 0.5 and count_before >= ledger_before - entering - 1e-9
             maybe_uncounted = bool((rows.counted[this, b] & (rows.first[this] > self.sched["t_s"][b])).any()) \
                 or self.rid in self.not_entered
-            ends, earlier = self.own_ends_unread, self.ends_unread_before
-            not_yet_counted = unsure and not maybe_uncounted and ends is not None and earlier is not None \
-                and ends[b] + earlier < 0.5
+            not_yet_counted = unsure and not maybe_uncounted and self.ends_unread is not None \
+                and self.ends_unread[b] < 0.5
             ahead = count_before < ledger_before - 1e-9 and not not_yet_counted
         return _Baseline(before, count_before, ledger_before, kv_before, ahead)
 
     @cached_property
-    def ends_unread_before(self) -> float | None:
-        """own_ends_unread's reach before the stretch: the engine's own ends from the send of the oldest request the
-        ledger holds open at the stretch's first sample (back no further than a cancel's window reaches, BEFORE_S
-        less a scrape's period: a window and the whole run read alike) to that sample, less the sequences of the
-        completed requests whose close reached their client within LAG_S of that span (each reads one end). Above
-        zero, a request the ledger counts may have ended unread long before the stretch (a slow reader: its end
-        at 0.8 s, its close at 5 s, a stop at 2 s). None where the engine does not say why its requests ended."""
-        times, r = self.sched["t_s"], self.reqs
-        if not len(times):
+    def runs_out_from(self) -> np.ndarray:
+        """Per row of reqs: the earliest the engine could have ended the request by itself. The driver's (ignore_eos)
+        only once its max_tokens are made at PACE_MARGIN times the fastest one sequence went in the stretch (a watch's
+        window holds it too: the whole run's may be faster, and judge otherwise), from its send; any other from its
+        send; the driver's where no sequence ran alone in the stretch at any time (-inf: nothing bounds it)."""
+        r, sched = self.reqs, self.sched
+        solo = solo_tokens_per_s(sched["t_s"], sched["count"] - np.nan_to_num(sched["waiting"]), sched["waiting"],
+                                 sched["gen_tokens"])
+        rate = None if solo is None else PACE_MARGIN * solo
+        out = r.sent.copy()
+        out[r.bounded] = r.sent[r.bounded] + r.max_tokens[r.bounded] / rate if rate else -math.inf
+        return out
+
+    @cached_property
+    def ends_unread(self) -> np.ndarray | None:
+        """Per sample of the stretch: at most how many of the other requests the ledger counts there the engine had
+        ended by themselves (vllm:request_success_total: stop, length; never an abort), their clients still reading
+        (a slow reader, a hop that buffers). Read from the send of the oldest request the ledger holds open at the
+        stretch's first sample (back no further than a cancel's window reaches, BEFORE_S less a scrape's period: a
+        window and the whole run read alike): each end the counter shows since, less those the completed requests'
+        closes read. A close reads one end, never two, and no end is read twice: a request sent in the span reads
+        the earliest end counted before its close (its own is one of them, whenever it came: a slow reader's too);
+        one sent before reads one only within LAG_S of its close (an end reaches its client within LAG_S: a slow
+        reader older than the span is what the bounded look-back does not see). The ends left unread by a sample
+        have at most as many owners as the other requests the ledger counts there that were sent before the latest
+        of them and could have ended by then (runs_out_from). Above zero, a count at the ledger's may hold a kept
+        request in the place of one the engine had ended (a slow reader: its end at 0.8 s, its close at 4 s, a stop
+        at 2 s). None where the engine does not say why its requests ended."""
+        times, fin, r = self.sched["t_s"], self.sched["finished"], self.reqs
+        if not len(times) or np.isnan(fin[0]):
             return None
         t_w = float(times[0])
         with np.errstate(invalid="ignore"):
             open_ = (r.sent <= t_w) & ~(r.closed < t_w)
-        t_a = max(float(np.nanmin(r.sent[open_])) if open_.any() else t_w, self.t_stop - BEFORE_S + 0.5)
-        if t_a >= t_w:
-            return 0.0
-        ends = self.own_ends_between(t_a, t_w)
-        if ends is None:
-            return None
+        t_a = min(max(float(np.nanmin(r.sent[open_])) if open_.any() else t_w, self.t_stop - BEFORE_S + 0.5), t_w)
+        rises = self._rises_from(t_a)
         with np.errstate(invalid="ignore"):
-            read = r.completed & (r.closed >= t_a - LAG_S) & (r.closed <= t_w + LAG_S)
-        return max(ends - float(r.seqs[read].sum()), 0.0)
+            read = r.completed & (r.closed > t_a) & (r.closed <= times[-1])
+        read_by = np.full(len(rises), math.inf)  # per rise: the close that read it
+        for c, sent, n in sorted(zip(r.closed[read], r.sent[read], r.seqs[read])):
+            for _ in range(int(n)):
+                k = next((k for k, (p, q) in enumerate(rises) if read_by[k] == math.inf and p < c
+                          and (sent >= t_a or q >= c - LAG_S)), None)
+                if k is not None:
+                    read_by[k] = c
+        shown = np.array([q for _, q in rises], dtype=float)
+        unread = (shown[:, None] <= times) & (read_by[:, None] > times) if len(rises) else np.zeros((0, len(times)), bool)
+        latest = np.max(np.where(unread, shown[:, None], -math.inf), axis=0, initial=-math.inf)
+        others = (r.ids != self.rid) & ~np.isnan(r.sent)
+        sent, gone = r.sent[others], self.ends_s[others]
+        could = self.runs_out_from[others]
+        owners = r.seqs[others] @ ((sent[:, None] <= times) & (times < gone[:, None]) & (could[:, None] < latest))
+        return np.minimum(unread.sum(axis=0).astype(float), owners)
+
+    def _rises_from(self, t_a: float) -> list[tuple[float, float]]:
+        """The engine's own ends the frame's counter shows from `t_a` to the stretch's end, one per end, each as
+        (after, by): counted after the read sample before the one that shows it, by that one. From the stretch's
+        first sample where the counter was not read back to `t_a`."""
+        times, fin = self.frame_cols["t_s"], self.frame_cols["finished"]
+        lo = max(int(np.searchsorted(times, t_a, side="left")) - 1, 0)
+        hi = int(np.searchsorted(times, float(self.sched["t_s"][-1]), side="right"))
+        read = np.nonzero(~np.isnan(fin[lo:hi]))[0] + lo
+        t_w = float(self.sched["t_s"][0])
+        if not len(read) or times[read[0]] > t_w:
+            return []
+        return [(float(times[p]), float(times[q])) for p, q in zip(read[:-1], read[1:])
+                for _ in range(int(round(max(fin[q] - fin[p], 0.0))))]
+
+    @cached_property
+    def ended_unread_most(self) -> np.ndarray:
+        """Per sample of the stretch: the most of the other requests the ledger counts there that the engine may have
+        ended by themselves unread: ends_unread, and no fewer than finished_unseen says surely were. A release is
+        read against the fewest others the engine can hold: those less these."""
+        unread = self.ends_unread
+        return self.finished_unseen if unread is None else np.maximum(self.finished_unseen, unread)
 
     def verdict(self, rule: str, **fields) -> CancelVerdict:
         """Case.verdict, with the second before the stop in the evidence of every verdict, whichever rule gave
@@ -341,16 +393,14 @@ class VllmCase(Case):
 
     def _count_surely(self, unseen: np.ndarray, ledger: np.ndarray) -> np.ndarray:
         exact = (np.abs(self.sched["count"] - (ledger - unseen)) < 1e-9) & (self.finished_unseen < 0.5)
-        ends = self.own_ends_unread
-        if ends is None:
+        if self.ends_unread is None:
             # a sure one the engine had ended (a slow reader) may leave room in the count for another: with none
             # unseen, the count is the ledger's whole (as before vLLM said why its requests ended); with some,
             # that room is theirs or this one's, and nothing says which
             return exact & (unseen < 0.5)
         # the ends as of the sample, not of the gauges (an end counted before the engine drops its request only
-        # makes the count less sure), and none credited that only could have been
-        with np.errstate(invalid="ignore"):
-            return exact & ((unseen < 0.5) | (ends < 0.5))
+        # makes the count less sure): room one of them left is this one's as much as any other's
+        return exact & (self.ended_unread_most < 0.5)
 
     @cached_property
     def count_surely(self) -> np.ndarray:
@@ -443,7 +493,7 @@ class VllmCase(Case):
         open_ = [{"request_id": str(r), "reason": "first_token_not_at_client"} for r in ids[no_token]]
         ended_ids, _, ended = self._ended_after_last_step
         open_ += [{"request_id": str(r), "reason": "ended_after_engines_last_step"} for r in ended_ids[ended[:, i]]]
-        unread = int(round(float(self.finished_unseen[i])))
+        unread = int(round(float(self.ended_unread_most[i])))
         if unread:
             open_.append({"request_id": None, "reason": "ended_by_itself_unread", "count": unread})
         others_now = float(self.without[i])
@@ -496,12 +546,8 @@ class VllmCase(Case):
         # the earliest each could have ended by itself: one that may end at any token (not the driver's) before
         # its abort line only as its last output crossed its client's leaving, a race the log cannot show
         from_s = np.where(np.isfinite(t_abort), t_abort, -math.inf)
-        # the fastest one sequence went within the window (a watch's window holds it too: the whole run's may
-        # be faster, and judge otherwise)
-        solo = self.stretch_solo_rate
-        rate = None if solo is None else PACE_MARGIN * solo
         bounded = r.bounded
-        from_s[bounded] = sent[bounded] + r.max_tokens[bounded] / rate if rate else -math.inf
+        from_s[bounded] = self.runs_out_from[bounded]
         # each request the ledger no longer counts that may have ended by itself in the stretch, from when
         with np.errstate(invalid="ignore"):
             could = ~np.isnan(sent) & np.where(completed, ends > t_w,
@@ -516,23 +562,6 @@ class VllmCase(Case):
         # before the engine drops the request
         rose = np.nan_to_num(fin[np.maximum(self.settled, 0)] - fin[0])
         return np.clip(rose - explained, 0.0, np.maximum(self.inflight, 0.0))
-
-    @cached_property
-    def own_ends_unread(self) -> np.ndarray | None:
-        """Per sample of the stretch: the engine's own ends (vllm:request_success_total: stop, length, repetition)
-        since the stretch's first sample that no completion the ledger saw by then reads: a completed request's
-        close reads one end counted in the stretch before it, within LAG_S (an end reaches its client within
-        LAG_S, at the most assumed; vLLM counts it before it sends the last token). Unlike finished_unseen, no
-        end that only could have been (a cancel's) is read, and no close reads an end it cannot be (one counted
-        after it, or long before: a slow reader's close, its end before the stretch, reads none): above zero, a
-        request the ledger counts as surely in the engine may have ended there unread (a slow reader). NaN where
-        the counter was not read; None where the engine does not say why its requests ended."""
-        times, fin = self.sched["t_s"], self.sched["finished"]
-        if not len(times) or np.isnan(fin[0]):
-            return None
-        closed = self.reqs.closed
-        _, reads = self.ends_read(len(times) - 1, mine_too=True)
-        return fin - fin[0] - sum_through(times, np.array(reads, dtype=float), np.ones(len(reads)))
 
     def ends_read(self, upto: int, mine_too: bool = False) -> tuple[list[tuple[float, float, bool]], list[float]]:
         """The engine's own ends counted in the stretch up to sample `upto` (vllm:request_success_total, by finish
