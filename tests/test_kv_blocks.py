@@ -147,6 +147,31 @@ def test_a_count_the_ledgers_by_chance_with_a_newcomer_not_yet_counted_shows_no_
         assert v.verdict != "released" and v.evidence.kv_drop_waived != "blocks_of_the_running", (name, v.rule)
 
 
+@pytest.mark.parametrize("waiver,series", [
+    ("prefix_shared", {"prefix_cache_hits_tokens_total": lambda t: 256.0 * (t >= 0.6), "preemptions_total": lambda t: 0.0}),
+    ("preempted", {"prefix_cache_hits_tokens_total": lambda t: 0.0, "preemptions_total": lambda t: float(t >= 3.0)})])
+def test_a_release_that_rests_on_a_request_with_no_token_yet_being_counted_says_so(waiver, series):
+    """The stalled newcomer above (sent 2.3 s, held by a hop to 4.05 s), where KV usage can say nothing (a prefix hit
+    at tg's admission, a preemption): past ENTER_S + LAG_S from its send the count is read with it in, and the release
+    at 3.55 s rests on that. The verdict names it (counted_once_sent); where it does not rest on it, none does (the
+    corpus: no verdict names it)."""
+    from tests.test_verdicts import build_run, steady_gen
+
+    count = lambda t: 2.0 + (t >= 4.05)  # noqa: E731
+    run = build_run(count, lambda t: count(t) * BLOCK, steady_gen, extra_ledger=[newcomer("nw", 2.3, 4.25)],
+                    series=series, length_s=5.4, finished=lambda t: 0.0)
+    run.info["cache"] = {"t0": {"num_gpu_blocks": "64", "block_size": "128"}}
+    (v,) = [x for x in judge_run(run) if x.request_id == "tg"]
+    assert (v.verdict, v.evidence.kv_drop_waived) == ("released", waiver), (v.rule, v.evidence.why)
+    assert "counted_once_sent" in v.evidence.assumes, v.evidence.assumes
+    # sent a moment before the stop, it counts as entering to the grace's end: nothing is assumed, no release read
+    run = build_run(count, lambda t: count(t) * BLOCK, steady_gen, extra_ledger=[newcomer("nw", 3.5, 4.25)],
+                    series=series, length_s=5.4, finished=lambda t: 0.0)
+    run.info["cache"] = {"t0": {"num_gpu_blocks": "64", "block_size": "128"}}
+    (v,) = [x for x in judge_run(run) if x.request_id == "tg"]
+    assert v.verdict != "released" and "counted_once_sent" not in (v.evidence.assumes or []), (v.rule, v.evidence)
+
+
 def test_a_newcomer_taken_by_chance_in_the_place_of_a_kept_request_shows_no_release():
     from tests.test_verdicts import ADDED
 

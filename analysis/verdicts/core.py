@@ -375,6 +375,9 @@ ASSUMPTIONS = {
                                  "cannot tell another client's request from this one",
     "lost_left_oldest_first": "the stopped requests with no abort known left the engine oldest first: a fall of the "
                               "count says how many left, not which",
+    "counted_once_sent": "a request the client sent was in the engine's count within ENTER_S + LAG_S of its send "
+                         "(analysis/bounds.py), before any of its tokens reached its client: a hop that held it longer "
+                         "left its room in the count to this one",
     "no_faster_than_the_pace_margin": "no sequence ran faster than the fastest one went alone in the window, a "
                                       "quarter added (analysis/bounds.py, PACE_MARGIN): the request could not have "
                                       "made its tokens sooner",

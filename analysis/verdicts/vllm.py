@@ -330,6 +330,10 @@ def released(c: VllmCase) -> CancelVerdict | None:
         return None
     if not below[left] and needs_kv_drop:
         ev.kv_drop_waived = next(name for name, shown in waivers.items() if shown[left])
+    if not below[left] and c.others_unseen[left] - c.others_entering[left] > 0.5:
+        # the count read as the others' holds requests none of whose tokens had reached a client, past ENTER_S + LAG_S
+        # from their send, and KV usage says nothing: a hop holding one of them longer leaves its room to this one
+        c.assumed.add("counted_once_sent")
     _note_release(c, left, bound[left], int(left - after[0]) + 1)
     ran_out = c.may_have_run_out_by(float(times[left]))
     if ran_out:
