@@ -41,6 +41,10 @@ SURPLUS_HOLD_S = 2.0
 # no sequence runs faster than the fastest one went alone in the window, this many times over: a request cannot
 # have made its tokens sooner (a step's timing wobbles; two cores, a busy recorder beside the engine)
 PACE_MARGIN = 1.25
+# the engine's own ends and the clients' closes that read them are paired from this long before a cancel's look-back
+# (VllmCase.ends_unread): a close just inside it reads its own end, counted just before it, and not another's. Four
+# times LAG_S: a close LAG_S into the look-back may read an end LAG_S before it, and so on
+READ_BACK_S = 1.0
 # a request seen waiting shows the engine full where it stayed waiting while the engine made tokens in this many
 # sample intervals after it entered: the scheduler ran a whole step after it came, and did not let it in (a watch's
 # `reusable`: analysis/verdicts/reuse.py)

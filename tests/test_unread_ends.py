@@ -126,3 +126,74 @@ def test_a_completed_requests_close_reads_its_own_end_however_late():
     v = verdict_of(build(count, kv, gen, lambda t: float(t >= 3.03), ledger, [("tg", 3.0, "decode", 20)],
                          delivered=delivered, length_s=7))
     assert (v.verdict, v.timepoints["left_scheduler"]) == ("released", 3.05), (v.rule, v.evidence.why)
+
+
+# a second review's runs: no request log; `abort`, where given, the relay's abort of tg (kept or not, as the count says)
+T5 = dict(TG, closed=5.001, cancel=5.0)
+
+
+def req(rid: str, sent: float, closed: float, **more) -> dict:
+    return dict(request_id=rid, sent=sent, first=sent + .1, closed=closed, **more)
+
+
+def run_of(count, ends, ledger, stop, length_s, abort=None, seqs=None):
+    run = build(count, lambda t: .1 * count(t), gen_of(count), lambda t: float(sum(t >= e for e in ends)), ledger,
+                [("tg", stop, "decode", 50)], length_s=length_s)
+    if seqs:
+        run.ledger.loc[run.ledger.request_id == seqs[0], "n"] = seqs[1]
+    if abort:
+        e = dict(request_id="tg", kind="engine_abort", mono_ns=ns(abort), wall_ns=0, t_s=abort,
+                 data=json.dumps({"cancel_id": "c0", "source": "relay"}))
+        run.events = pd.concat([run.events, pd.DataFrame([e])]).sort_values("mono_ns").reset_index(drop=True)
+    return verdict_of(run)
+
+
+KEPT = {
+    # R, sent before the look-back (from 1.5 s), ended at 1.42 s and closed at 1.60 s: its close reads its own end,
+    # not S's (1.52 s, a slow reader to 9 s); tg kept, a newcomer N excusing the shortfall before the stop
+    "a_close_reads_its_own_end_from_before_the_look_back": lambda: run_of(
+        lambda t: within(t, .5) + within(t, 1, 1.42) + within(t, 1, 1.52) + within(t, 4.92), [1.42, 1.52],
+        [T5, req("R", 1, 1.6), req("S", 1, 9), dict(req("N", 4.9, 9), first=5.1)], 5.0, 9.5),
+    # the same with the relay's abort and no newcomer
+    "the_same_beside_a_relay_abort": lambda: run_of(
+        lambda t: within(t, .5) + within(t, 1, 1.42) + within(t, 1, 1.52), [1.42, 1.52],
+        [T5, req("R", 1, 1.6), req("S", 1, 9)], 5.0, 9.5, abort=5.002),
+    # M (n=2) ended its sequences at 1.3 s and 1.6 s, closed at 1.62 s: two ends of its own, not S's (1.55 s)
+    "a_completion_of_two_sequences_reads_its_two_ends": lambda: run_of(
+        lambda t: within(t, .5) + within(t, 1, 1.3) + within(t, 1, 1.6) + within(t, 1, 1.55) + within(t, 4.92),
+        [1.3, 1.6, 1.55], [T5, req("M", 1, 1.62), req("S", 1, 9), dict(req("N", 4.9, 9), first=5.1)], 5.0, 9.5,
+        seqs=("M", 2)),
+}
+
+RELEASED = {
+    # a closed loop: R ended 0.36 s, closed 0.37 s, its replacement R2 sent then (the look-back's start)
+    "a_closed_loop_whose_close_starts_the_look_back": lambda: run_of(
+        lambda t: within(t, 0, .36) + within(t, .38, 5.9) + within(t, .5, 2.05) + within(t, 2.12, 2.6), [.36, 2.6, 5.9],
+        [req("R", 0, .37), req("R2", .37, 5.91), TG, dict(req("pr", 2.1, 2.62), role="probe")], 2.0, 6.5, abort=2.002),
+    # Q's stop string: its end counted at 6.99 s, a step before the engine drops it; its client closes at 7.01 s
+    "a_stop_strings_end_counted_a_step_early": lambda: run_of(
+        lambda t: within(t, .1, 8.9) + within(t, .5, 5.05) + within(t, 4.6, 7.02) + within(t, 5.12, 5.6),
+        [6.99, 5.6, 8.9], [req("nb", .1, 9), T5, req("Q", 4.6, 7.01), dict(req("pr", 5.1, 5.62), role="probe")],
+        5.0, 9.5, abort=5.002),
+    # R's end (1.47 s) and close (1.48 s) just before the look-back's start (1.5 s)
+    "a_prompt_reader_at_the_look_backs_start": lambda: run_of(
+        lambda t: within(t, .1, 7.9) + within(t, .5, 5.05) + within(t, 1, 1.47) + within(t, 5.12, 5.6),
+        [1.47, 5.6, 7.9], [req("nb", .1, 8), T5, req("R", 1, 1.48), dict(req("pr", 5.1, 5.62), role="probe")],
+        5.0, 9.5, abort=5.002),
+}
+
+RELEASE_AT = {"a_closed_loop_whose_close_starts_the_look_back": 2.05, "a_stop_strings_end_counted_a_step_early": 5.05,
+              "a_prompt_reader_at_the_look_backs_start": 5.05}
+
+
+@pytest.mark.parametrize("case", sorted(KEPT))
+def test_a_close_reads_its_own_ends_never_a_slow_readers(case):
+    v = KEPT[case]()
+    assert v.verdict == "inconclusive", (v.verdict, v.rule, v.evidence.why)
+
+
+@pytest.mark.parametrize("case", sorted(RELEASED))
+def test_ends_read_promptly_leave_a_clean_release_released(case):
+    v = RELEASED[case]()
+    assert (v.verdict, v.timepoints["left_scheduler"]) == ("released", pytest.approx(RELEASE_AT[case])), \
+        (v.verdict, v.rule, v.evidence.why)

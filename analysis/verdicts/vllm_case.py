@@ -11,7 +11,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from cancelwatch.analysis.bounds import BEFORE_S, ENTER_S, LAG_S, PACE_MARGIN
+from cancelwatch.analysis.bounds import BEFORE_S, ENTER_S, LAG_S, PACE_MARGIN, READ_BACK_S
 from cancelwatch.analysis.evidence import Evidence
 from cancelwatch.analysis.verdicts.core import (
     ASSUMED_LEFT_RULES, COUNT_READING_RULES, HORIZON_S, LOG_SLACK_S, NO_APP, NO_LOG, RACE_TOKENS, CancelVerdict,
@@ -139,15 +139,18 @@ class VllmCase(Case):
         ended by themselves (vllm:request_success_total: stop, length; never an abort), their clients still reading
         (a slow reader, a hop that buffers). Read from the send of the oldest request the ledger holds open at the
         stretch's first sample (back no further than a cancel's window reaches, BEFORE_S less a scrape's period: a
-        window and the whole run read alike): each end the counter shows since, less those the completed requests'
-        closes read. A close reads one end, never two, and no end is read twice: a request sent in the span reads
-        the earliest end counted before its close (its own is one of them, whenever it came: a slow reader's too);
-        one sent before reads one only within LAG_S of its close (an end reaches its client within LAG_S: a slow
-        reader older than the span is what the bounded look-back does not see). The ends left unread by a sample
-        have at most as many owners as the other requests the ledger counts there that were sent before the latest
-        of them and could have ended by then (runs_out_from). Above zero, a count at the ledger's may hold a kept
-        request in the place of one the engine had ended (a slow reader: its end at 0.8 s, its close at 4 s, a stop
-        at 2 s). None where the engine does not say why its requests ended."""
+        window and the whole run read alike): each end the counter shows since, as the gauges hold it (an end the
+        API server counts a step before the engine drops its request, a stop string's, is no room yet), less those
+        the completed requests' closes read. Each close reads its own ends, one per sequence, and no end is read
+        twice; which end is whose is paired from READ_BACK_S before, so that a close just inside reads its own end
+        counted just before. A request sent since then reads ends counted after its send and before its close (its
+        own are among them, whenever they came: a slow reader's too); one sent before reads only its last
+        sequence's end, within LAG_S of its close (an end reaches its client within LAG_S; a slow reader older than
+        that is what the bounded look-back does not see). The ends left unread by a sample have at most as many
+        owners as the other requests the ledger counts there that were sent, and could have run out
+        (runs_out_from), before the latest of them. Above zero, a count at the ledger's may hold a kept request in
+        the place of one the engine had ended (a slow reader: its end at 0.8 s, its close at 4 s, a stop at 2 s).
+        None where the engine does not say why its requests ended."""
         times, fin, r = self.sched["t_s"], self.sched["finished"], self.reqs
         if not len(times) or np.isnan(fin[0]):
             return None
@@ -155,36 +158,41 @@ class VllmCase(Case):
         with np.errstate(invalid="ignore"):
             open_ = (r.sent <= t_w) & ~(r.closed < t_w)
         t_a = min(max(float(np.nanmin(r.sent[open_])) if open_.any() else t_w, self.t_stop - BEFORE_S + 0.5), t_w)
-        rises = self._rises_from(t_a)
-        with np.errstate(invalid="ignore"):
-            read = r.completed & (r.closed > t_a) & (r.closed <= times[-1])
-        read_by = np.full(len(rises), math.inf)  # per rise: the close that read it
-        for c, sent, n in sorted(zip(r.closed[read], r.sent[read], r.seqs[read])):
-            for _ in range(int(n)):
-                k = next((k for k, (p, q) in enumerate(rises) if read_by[k] == math.inf and p < c
-                          and (sent >= t_a or q >= c - LAG_S)), None)
-                if k is not None:
-                    read_by[k] = c
+        t_h = t_a - READ_BACK_S
+        rises = self._rises_from(t_h)
+        after = np.array([p for p, _ in rises], dtype=float)
         shown = np.array([q for _, q in rises], dtype=float)
-        unread = (shown[:, None] <= times) & (read_by[:, None] > times) if len(rises) else np.zeros((0, len(times)), bool)
+        read_by = np.full(len(rises), math.inf)  # per rise: the close that read it
+        with np.errstate(invalid="ignore"):
+            read = r.completed & (r.closed > t_h) & (r.closed <= times[-1])
+        for c, sent, n in sorted(zip(r.closed[read], r.sent[read], r.seqs[read])):
+            for k in range(int(n)):
+                since = sent >= t_h
+                if not since and k < n - 1:
+                    continue  # an early sequence of one sent before: its end may be before the pairing reaches
+                lo = sent if since else c - LAG_S
+                if lo < t_h:
+                    continue
+                ok = np.nonzero((read_by == math.inf) & (after < c) & (shown >= lo) & (shown > sent))[0]
+                if len(ok):
+                    read_by[ok[0]] = c
+        # in the look-back span, held by the gauges at the sample, not read by then
+        held = self.sched["step_s"]
+        unread = (shown[:, None] > t_a) & (shown[:, None] <= held) & (read_by[:, None] > times) if len(rises) \
+            else np.zeros((0, len(times)), dtype=bool)
         latest = np.max(np.where(unread, shown[:, None], -math.inf), axis=0, initial=-math.inf)
         others = (r.ids != self.rid) & ~np.isnan(r.sent)
-        sent, gone = r.sent[others], self.ends_s[others]
-        could = self.runs_out_from[others]
+        sent, gone, could = r.sent[others], self.ends_s[others], self.runs_out_from[others]
         owners = r.seqs[others] @ ((sent[:, None] <= times) & (times < gone[:, None]) & (could[:, None] < latest))
         return np.minimum(unread.sum(axis=0).astype(float), owners)
 
-    def _rises_from(self, t_a: float) -> list[tuple[float, float]]:
-        """The engine's own ends the frame's counter shows from `t_a` to the stretch's end, one per end, each as
-        (after, by): counted after the read sample before the one that shows it, by that one. From the stretch's
-        first sample where the counter was not read back to `t_a`."""
+    def _rises_from(self, t_from: float) -> list[tuple[float, float]]:
+        """The engine's own ends the frame's counter shows from `t_from` to the stretch's end, one per end, each as
+        (after, by): counted after the read sample before the one that shows it, by that one."""
         times, fin = self.frame_cols["t_s"], self.frame_cols["finished"]
-        lo = max(int(np.searchsorted(times, t_a, side="left")) - 1, 0)
+        lo = max(int(np.searchsorted(times, t_from, side="left")) - 1, 0)
         hi = int(np.searchsorted(times, float(self.sched["t_s"][-1]), side="right"))
         read = np.nonzero(~np.isnan(fin[lo:hi]))[0] + lo
-        t_w = float(self.sched["t_s"][0])
-        if not len(read) or times[read[0]] > t_w:
-            return []
         return [(float(times[p]), float(times[q])) for p, q in zip(read[:-1], read[1:])
                 for _ in range(int(round(max(fin[q] - fin[p], 0.0))))]
 
