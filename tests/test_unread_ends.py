@@ -163,6 +163,10 @@ KEPT = {
         lambda t: within(t, .5) + within(t, 1, 1.3) + within(t, 1, 1.6) + within(t, 1, 1.55) + within(t, 4.92),
         [1.3, 1.6, 1.55], [T5, req("M", 1, 1.62), req("S", 1, 9), dict(req("N", 4.9, 9), first=5.1)], 5.0, 9.5,
         seqs=("M", 2)),
+    # Z, a completed row whose close is its send (it never ran), closes inside the interval that shows S's end
+    "a_request_that_never_ran_reads_no_end": lambda: run_of(
+        lambda t: within(t, .1) + within(t, .5) + within(t, 1, 5.13), [5.13],
+        [req("nb", .1, 9), T5, req("S", 1, 9), req("Z", 5.12, 5.12)], 5.0, 9.5, abort=5.002),
 }
 
 RELEASED = {

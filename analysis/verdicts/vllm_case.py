@@ -173,7 +173,9 @@ class VllmCase(Case):
                 lo = sent if since else c - LAG_S
                 if lo < t_h:
                     continue
-                ok = np.nonzero((read_by == math.inf) & (after < c) & (shown >= lo) & (shown > sent))[0]
+                # its end lies after its send and by its close, in the span the counter says it came in
+                ok = np.nonzero((read_by == math.inf) & (np.maximum(after, sent) < np.minimum(shown, c))
+                                & (shown >= lo))[0]
                 if len(ok):
                     read_by[ok[0]] = c
         # in the look-back span, held by the gauges at the sample, not read by then
