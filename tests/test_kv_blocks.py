@@ -422,3 +422,22 @@ def test_no_kv_drop_is_asked_where_the_count_before_the_stop_may_not_have_held_i
     v = ran_ahead_or_never_entered(case)
     assert (v.verdict, v.evidence.kv_drop_waived) == ("released", None), (v.rule, v.evidence)
     assert abs(v.timepoints["left_scheduler"] - 2.05) < 0.01
+
+
+def test_a_request_waiting_at_the_stop_let_in_after_it_takes_its_blocks():
+    """The engine full: Q waits from 1.5 s (it holds no blocks); tg's abort at 2.002 s frees its slot and its blocks,
+    and Q, let in at the next step, takes them: the count falls by one (waiting to running), KV usage not at all. Seen
+    behind a browser's Stop (tests/test_page_stop_browser.py): the release was read only when Q ended and gave its
+    blocks back, after Q was let in, and the request queued behind the Stop was no longer there to time `reusable`."""
+    from tests.test_verdicts import ADDED, build_run, steady_gen
+
+    count = lambda t: 2.0 + (t >= 1.5) - (t >= 2.05)  # noqa: E731
+    log = [*ADDED, ("engine_added", "q", 1.5), ("engine_aborted", "tg", 2.005)]
+    run = build_run(count, lambda t: 3.0 * BLOCK, steady_gen, waiting=lambda t: float(1.5 <= t < 2.05),
+                    extra_ledger=[{**newcomer("q", 1.49, 2.12), "scenario": "s"}], series=NO_HITS, length_s=5.4,
+                    engine_log=log)
+    run.info["cache"] = {"t0": {"num_gpu_blocks": "64", "block_size": "128"}}
+    (v,) = [x for x in judge_run(run) if x.request_id == "tg"]
+    assert (v.verdict, v.evidence.kv_drop_waived) == ("released", "taken_in_its_place"), (v.rule, v.evidence.why)
+    # where Q's first token shows it let in (2.12 s): the first sample after, long before Q ends
+    assert v.timepoints["left_scheduler"] == pytest.approx(2.15, abs=0.01)

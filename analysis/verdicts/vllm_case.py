@@ -378,6 +378,11 @@ class VllmCase(Case):
         if len(before) and self.count_surely_with_this[before[-1]]:
             b = before[-1]
             new |= (ids != self.rid) & counted[:, b] & (first > times[b])
+        if len(before):
+            # one waiting at the stop holds no blocks; let in after it, it takes the freed ones (seen behind a browser's
+            # Stop with the engine full: the request queued behind it got in at the next step, KV usage unchanged)
+            waiting = self.reqs.ids[self.waiters_at(int(before[-1]))]
+            new |= (ids != self.rid) & np.isin(ids, waiting) & (first > times[before[-1]])
         surely_new = (counted[new] & (times >= first[new, None])).any(axis=0)
         return surely_new & self.count_surely & (sched["kv"] <= kv_before + 1e-12)
 
