@@ -166,8 +166,8 @@ class VllmCase(Case):
         with np.errstate(invalid="ignore"):
             read = r.completed & (r.closed > t_h) & (r.closed <= times[-1])
         for c, sent, n in sorted(zip(r.closed[read], r.sent[read], r.seqs[read])):
+            since = sent >= t_h
             for k in range(int(n)):
-                since = sent >= t_h
                 if not since and k < n - 1:
                     continue  # an early sequence of one sent before: its end may be before the pairing reaches
                 lo = sent if since else c - LAG_S
@@ -194,9 +194,7 @@ class VllmCase(Case):
         times, fin = self.frame_cols["t_s"], self.frame_cols["finished"]
         lo = max(int(np.searchsorted(times, t_from, side="left")) - 1, 0)
         hi = int(np.searchsorted(times, float(self.sched["t_s"][-1]), side="right"))
-        read = np.nonzero(~np.isnan(fin[lo:hi]))[0] + lo
-        return [(float(times[p]), float(times[q])) for p, q in zip(read[:-1], read[1:])
-                for _ in range(int(round(max(fin[q] - fin[p], 0.0))))]
+        return _rises(times, fin, np.nonzero(~np.isnan(fin[lo:hi]))[0] + lo)
 
     @cached_property
     def ended_unread_most(self) -> np.ndarray:
@@ -578,20 +576,18 @@ class VllmCase(Case):
         rose = np.nan_to_num(fin[np.maximum(self.settled, 0)] - fin[0])
         return np.clip(rose - explained, 0.0, np.maximum(self.inflight, 0.0))
 
-    def ends_read(self, upto: int, mine_too: bool = False) -> tuple[list[tuple[float, float, bool]], list[float]]:
+    def ends_read(self, upto: int) -> tuple[list[tuple[float, float, bool]], list[float]]:
         """The engine's own ends counted in the stretch up to sample `upto` (vllm:request_success_total, by finish
         reason: no abort), each as (after, by, read): counted after the read sample before the one that shows it,
         by that one; read where another request's close reads it: a completed request's close reads, per sequence,
         one end counted before it, within LAG_S (an end reaches its client within LAG_S, at the most assumed; vLLM
         counts it before it sends the last token), the earliest first. And the closes that read one, per end read.
         A close past `upto` reads nothing, nor does an end counted after a close, or long before it (a slow reader's
-        close, its end before the stretch, reads none). `mine_too`: this request's own close reads one too."""
+        close, its end before the stretch, reads none)."""
         times, fin, r = self.sched["t_s"], self.sched["finished"], self.reqs
         with np.errstate(invalid="ignore"):
-            completed = ((r.ids != self.rid) | mine_too) & r.completed & (r.closed > times[0]) & (r.closed <= times[upto])
-        read = np.nonzero(~np.isnan(fin[: upto + 1]))[0]
-        rises = [[times[p], times[q], False] for p, q in zip(read[:-1], read[1:])
-                 for _ in range(int(round(max(fin[q] - fin[p], 0.0))))]
+            completed = (r.ids != self.rid) & r.completed & (r.closed > times[0]) & (r.closed <= times[upto])
+        rises = [[p, q, False] for p, q in _rises(times, fin, np.nonzero(~np.isnan(fin[: upto + 1]))[0])]
         reads = []
         for c, n in sorted(zip(r.closed[completed], r.seqs[completed])):
             for _ in range(int(n)):
@@ -1085,3 +1081,10 @@ def _restart_in(gaps: _Gaps, sched: dict[str, np.ndarray], t_from: float, t_to: 
         if vals[i] < peak and (vals[i:i + 3] < peak).all():
             return "generation_tokens_total went back"
     return None
+
+
+def _rises(times: np.ndarray, fin: np.ndarray, read: np.ndarray) -> list[tuple[float, float]]:
+    """The engine's own ends vllm:request_success_total (`fin`) shows between its `read` samples, one per end, each as
+    (after, by): counted after the read sample before the one that shows it, by that one."""
+    return [(float(times[p]), float(times[q])) for p, q in zip(read[:-1], read[1:])
+            for _ in range(int(round(max(fin[q] - fin[p], 0.0))))]
