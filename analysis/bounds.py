@@ -49,8 +49,6 @@ READ_BACK_S = 1.0
 # sample intervals after it entered: the scheduler ran a whole step after it came, and did not let it in (a watch's
 # `reusable`: analysis/verdicts/reuse.py)
 FULL_STEPS = 2
-# passes of judge_vllm at the most: each ends the ledger's no-abort requests where their verdicts saw them leave
-JUDGE_PASSES = 3
 
 # ------------------------------------------------------------------------------------------ a slow reader
 # the server counting fewer than the ledger for this long (and at least this many sample periods) after a fall is

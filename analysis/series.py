@@ -55,8 +55,14 @@ def scheduler_frame(run: Run, target: str | None = None) -> pd.DataFrame:
     """Per scrape: t_s, running, waiting, count (= running + waiting), kv (KV-cache usage ratio,
     0..1), gen_tokens (generation_tokens_total, a counter), prefix_hits and preemptions (counters: prompt
     tokens found in the prefix cache, requests preempted), finished (a counter: own_ends); a series the
-    engine does not serve is NaN. In arrays, not frames aligned on their index: every cancel a watch judges
-    builds one for its window."""
+    engine does not serve is NaN."""
+    cols = scheduler_columns(run, target)
+    return pd.DataFrame({c: cols[c] for c in SCHEDULER_COLUMNS})
+
+
+def scheduler_columns(run: Run, target: str | None = None) -> dict[str, np.ndarray]:
+    """scheduler_frame's columns as float arrays: every cancel a watch judges builds them for its window, and the
+    rules read arrays."""
     parts = {col: _per_scrape(run, metric, target) for col, metric in _SCHEDULER_METRICS}
     parts["finished"] = own_ends(run, target)
     times = np.unique(np.concatenate([t for t, _ in parts.values()])) if parts else np.array([])
@@ -67,11 +73,9 @@ def scheduler_frame(run: Run, target: str | None = None) -> pd.DataFrame:
         cols[col] = out
     # counters the scheduler's scrape carries beside its gauges: a stray instant of theirs alone adds no row
     keep = ~np.isnan(np.vstack([cols[c] for c in ("running", "waiting", "kv", "gen_tokens")])).all(axis=0)
-    if not keep.any():
-        return pd.DataFrame(columns=SCHEDULER_COLUMNS)
-    frame = pd.DataFrame({c: a[keep] for c, a in cols.items()})
-    frame["count"] = frame["running"] + frame["waiting"]
-    return frame
+    cols = {c: a[keep].astype(float) for c, a in cols.items()}
+    cols["count"] = cols["running"] + cols["waiting"]
+    return cols
 
 
 _SCHEDULER_METRICS = (("running", "requests_running"), ("waiting", "requests_waiting"),

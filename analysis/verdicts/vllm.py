@@ -38,7 +38,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from cancelwatch.analysis.bounds import JUDGE_PASSES, PACE_MARGIN, SURPLUS_HOLD_S
+from cancelwatch.analysis.bounds import PACE_MARGIN, SURPLUS_HOLD_S
 from cancelwatch.analysis.rows import frame_rows
 from cancelwatch.analysis.verdicts.core import (
     CancelVerdict, LOG_SLACK_S, NO_REQUESTS, SEEN_LEAVING, climb, judge, ledger_by_scenario, left_seen_at
@@ -62,21 +62,12 @@ def judge_vllm(run: Run, grace_s: float, metrics_target: str | None = None) -> l
     if ledger.empty or _events(run, "user_stop").empty:
         return []
     # a request whose cancel never reached the engine stays the ledger's until its scenario ends (or the engine is
-    # idle): where its own verdict saw it leave, every other cancel is judged again with it gone then. Seen under
-    # AIPerf behind a proxy that passes no cancel on: three leaked requests ran out 0.6 s after their stops and
-    # the ledger held them for the rest of the watch, so every later cancel read as `already_finished`
-    seen: dict[str, float] = dict(run.info.get(SEEN_LEAVING) or {})
-    frames = _RunFrames(run, metrics_target, seen)
-    for i in range(JUDGE_PASSES):
-        if i:
-            frames.told(seen)
-        out = _judge_all(run, grace_s, frames)
-        left = {v.request_id: t for v in out if v.request_id in frames.unaborted and (t := left_seen_at(v)) is not None}
-        more = {rid: t for rid, t in left.items() if t < seen.get(rid, math.inf)}
-        if not more:
-            break
-        seen.update(more)
-    return out
+    # idle): where its own verdict saw it leave, the cancels after it are judged with it gone then (_judge_all, in stop
+    # order: each verdict tells the later ones, as a watch's windows are told the earlier verdicts). Seen under AIPerf
+    # behind a proxy that passes no cancel on: three leaked requests ran out 0.6 s after their stops and the ledger
+    # held them for the rest of the watch, so every later cancel read as `already_finished`. One pass: the live judge
+    # can know only the cancels before a cancel, and the whole run is judged the same way
+    return _judge_all(run, grace_s, _RunFrames(run, metrics_target, dict(run.info.get(SEEN_LEAVING) or {})))
 
 
 def _judge_all(run: Run, grace_s: float, frames: _RunFrames) -> list[CancelVerdict]:
@@ -86,7 +77,10 @@ def _judge_all(run: Run, grace_s: float, frames: _RunFrames) -> list[CancelVerdi
     answers = _app_answers(run)
     missed = {r.request_id: json.loads(r.data) for r in frame_rows(_events(run, "trigger_missed"))}
 
-    rows = {r["request_id"]: r for r in ledger.to_dict("records")}
+    # the stopped requests' rows as dicts (the rules read them by column name); every row's scenario
+    stopped = ledger[ledger["request_id"].isin(stops["request_id"])]
+    rows = {r["request_id"]: r for r in stopped.to_dict("records")}
+    scenario_of = dict(zip(ledger["request_id"], ledger["scenario"])) if "scenario" in ledger else {}
     by_scenario = ledger_by_scenario(ledger)
     out = []
     for stop in frame_rows(stops):
@@ -96,7 +90,7 @@ def _judge_all(run: Run, grace_s: float, frames: _RunFrames) -> list[CancelVerdi
                      rid=rid, target=target, lrow=rows.get(rid), t_stop=float(stop.t_s), grace_s=grace_s, t0=t0,
                      missed=missed.get(rid), gone_until=frame_for(target).gone.get(rid, math.inf))
         case.app_answer = answers.get(data.get("cancel_id"))
-        lagged = sorted(r for r in englog.ended_early.get(target, {}) if rows.get(r, {}).get("scenario") == scenario)
+        lagged = sorted(r for r in englog.ended_early.get(target, {}) if scenario_of.get(r) == scenario)
         case.ev.lagging_clients = lagged or None
         case.ev.log_named_as = englog.ids.renamed_as(target, rid)
         verdict = judge(case, EVIDENCE_RULES)

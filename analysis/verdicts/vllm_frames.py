@@ -14,7 +14,7 @@ import pandas as pd
 from cancelwatch.analysis.bounds import ENTER_S, LAG_S, SURPLUS_HOLD_S
 from cancelwatch.analysis.ghosts import EngineReading, Ghosts
 from cancelwatch.analysis.rows import frame_rows
-from cancelwatch.analysis.series import scheduler_frame
+from cancelwatch.analysis.series import scheduler_columns
 from cancelwatch.analysis.verdicts.core import LOG_SLACK_S, engine_log_state
 from cancelwatch.analysis.verdicts.engine_done import solo_tokens_per_s
 from cancelwatch.analysis.verdicts.requests import Requests, quiet_instants, requests_of, weighted_between
@@ -172,17 +172,14 @@ class _RunFrames:
         self.trace = _trace_events(run)
         self.englog = _EngineLog(run, set(run.ledger["request_id"]) if not run.ledger.empty else set())
         self.reqs = requests_of(run.ledger, self.t0)
-        self.quiet_s = quiet_instants(self.reqs)  # of the ledger alone: the same for every target and pass
+        self.quiet_s = quiet_instants(self.reqs)  # of the ledger alone: the same for every target
         self.evidence_gone, self.unaborted = _gone_at(run, self.stops, self.englog, self.trace, self.target_of)
         self.stopped = {s.request_id: (float(s.t_s), self.target_of(json.loads(s.data)))
                         for s in frame_rows(self.stops)}
-        self.told(seen_leaving or {})
-
-    def told(self, seen_leaving: dict[str, float]) -> None:
-        """Start again from the evidence, with the stopped requests with no abort that verdicts saw leave the
-        engine (judge_vllm's earlier pass, a watch's earlier windows) gone then; the frames are made anew."""
+        # the stopped requests with no abort that verdicts saw leave the engine (a watch's earlier windows) are gone
+        # then; the others as the evidence says
         self.gone_at = dict(self.evidence_gone)
-        for rid, t in seen_leaving.items():
+        for rid, t in (seen_leaving or {}).items():
             if rid in self.unaborted and t < self.gone_at.get(rid, math.inf):
                 self.gone_at[rid] = t
         self.frames: dict = {}
@@ -228,11 +225,11 @@ class _RunFrames:
     def frame(self, target: str | None) -> _Frame:
         if target not in self.frames:
             run, ledger, englog = self.run, self.run.ledger, self.englog
-            sched = scheduler_frame(run, target)
-            times = sched["t_s"].to_numpy()
+            sched = scheduler_columns(run, target)
+            times = sched["t_s"]
             added = self.added(target)
-            cols = {c: sched[c].to_numpy(dtype=float) for c in ("t_s", "count", "waiting", "kv", "gen_tokens",
-                                                                  "prefix_hits", "preemptions", "finished")}
+            cols = {c: sched[c] for c in ("t_s", "count", "waiting", "kv", "gen_tokens", "prefix_hits", "preemptions",
+                                          "finished")}
             cols["scrape_s"] = _scrape_spans(run, target, cols["t_s"])
             settled = _settled(cols["gen_tokens"])
             cols["step_s"] = np.where(settled >= 0, cols["t_s"][np.maximum(settled, 0)], -math.inf)
