@@ -38,7 +38,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from cancelwatch.analysis.bounds import PACE_MARGIN, SURPLUS_HOLD_S
+from cancelwatch.analysis.bounds import SURPLUS_HOLD_S
 from cancelwatch.analysis.rows import frame_rows
 from cancelwatch.analysis.verdicts.core import (
     CancelVerdict, LOG_SLACK_S, NO_REQUESTS, SEEN_LEAVING, climb, judge, ledger_by_scenario, left_seen_at
@@ -452,7 +452,7 @@ def _may_stand_in(c: VllmCase) -> np.ndarray:
     abort line, or one its client completed that, at the fastest a sequence runs (alone, a quarter
     added), could have ended by then (a lagging client). Everywhere, where that rate is unknown."""
     times, r = c.sched["t_s"], c.reqs
-    rate = None if c.solo_rate is None else PACE_MARGIN * c.solo_rate
+    rate = c.pace
     sent = ~np.isnan(r.sent) & (r.ids != c.rid)
     t_in = np.where(np.isnan(c.added_s), r.sent, c.added_s)
     # a cancelled one with no abort line: from its cancel, while the ledger holds it
@@ -476,9 +476,9 @@ def _lost_beside_traffic(c: VllmCase) -> CancelVerdict:
     rate of one sequence running alone (no sequence is faster; a quarter added), its tokens take longer
     than from its entry to the end of the grace. Other traffic cannot make that rate look slower."""
     tokens = None if c.lrow is None or pd.isna(c.lrow.get("max_tokens")) else int(c.lrow["max_tokens"])
-    if c.solo_rate is None or not tokens:
+    if c.pace is None or not tokens:
         return c.verdict("other_traffic_logged", requests=c.foreign_logged)
-    rate = PACE_MARGIN * c.solo_rate
+    rate = c.pace
     t_in = min(c.englog.added[(c.target, c.rid)])
     finish_s = t_in + tokens / rate - c.t_stop
     if finish_s <= c.grace_s + max(LOG_SLACK_S, c.englog.resolution_of(c.target, c.rid)):

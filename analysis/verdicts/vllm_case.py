@@ -11,7 +11,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from cancelwatch.analysis.bounds import BEFORE_S, ENTER_S, LAG_S, PACE_MARGIN, READ_BACK_S
+from cancelwatch.analysis.bounds import BEFORE_S, ENTER_S, LAG_S, PACE_MARGIN, READ_BACK_S, SETTLE_S
 from cancelwatch.analysis.evidence import Evidence
 from cancelwatch.analysis.verdicts.core import (
     ASSUMED_LEFT_RULES, COUNT_READING_RULES, HORIZON_S, LOG_SLACK_S, NO_APP, NO_LOG, RACE_TOKENS, CancelVerdict,
@@ -75,7 +75,6 @@ class VllmCase(Case):
     gone_until: float  # at the latest, the request left the engine then (inf: not known)
     hits_at_admission: float | None = None  # prefix-cache hit tokens while it was admitted (None: unknown)
     frame_cols: dict = field(default_factory=dict)  # the target's whole scheduler frame (sched is its stretch)
-    solo_rate: float | None = None  # tokens/s of one sequence running alone in the run: no sequence is faster
     # request id -> where the ledger stops counting it, when not its client's close (ledger_inflight)
     ledger_ends: dict[str, float] = field(default_factory=dict)
     assumed_gone: dict[str, float] = field(default_factory=dict)  # _Frame.assumed_gone
@@ -120,15 +119,24 @@ class VllmCase(Case):
         return _Baseline(before, count_before, ledger_before, kv_before, ahead)
 
     @cached_property
+    def pace(self) -> float | None:
+        """The fastest a sequence can run, tokens/s: PACE_MARGIN times the fastest one sequence went alone in the
+        cancel's own window, BEFORE_S before its stop to SETTLE_S past its grace (solo_tokens_per_s: no sequence in a
+        batch runs faster than one alone). The live judge's window holds the same samples, so a cancel judged live
+        and judged whole reads the same pace. None where none ran alone there: nothing bounds it."""
+        cols = self.frame_cols
+        lo, hi = np.searchsorted(cols["t_s"], (self.t_stop - BEFORE_S, self.t_stop + self.grace_s + SETTLE_S),
+                                 side="right")
+        count, waiting = cols["count"][lo:hi], cols["waiting"][lo:hi]
+        solo = solo_tokens_per_s(cols["t_s"][lo:hi], count - np.nan_to_num(waiting), waiting, cols["gen_tokens"][lo:hi])
+        return None if solo is None else PACE_MARGIN * solo
+
+    @cached_property
     def runs_out_from(self) -> np.ndarray:
         """Per row of reqs: the earliest the engine could have ended the request by itself. The driver's (ignore_eos)
-        only once its max_tokens are made at PACE_MARGIN times the fastest one sequence went in the stretch (a watch's
-        window holds it too: the whole run's may be faster, and judge otherwise), from its send; any other from its
-        send; the driver's where no sequence ran alone in the stretch at any time (-inf: nothing bounds it)."""
-        r, sched = self.reqs, self.sched
-        solo = solo_tokens_per_s(sched["t_s"], sched["count"] - np.nan_to_num(sched["waiting"]), sched["waiting"],
-                                 sched["gen_tokens"])
-        rate = None if solo is None else PACE_MARGIN * solo
+        only once its max_tokens are made at the pace, from its send; any other from its send; the driver's where
+        nothing bounds the pace (-inf)."""
+        r, rate = self.reqs, self.pace
         out = r.sent.copy()
         out[r.bounded] = r.sent[r.bounded] + r.max_tokens[r.bounded] / rate if rate else -math.inf
         return out
@@ -665,19 +673,10 @@ class VllmCase(Case):
             return None
         return float(fin[hi] - fin[lo])
 
-    @cached_property
-    def stretch_solo_rate(self) -> float | None:
-        """The fastest one sequence went within the window (tokens/s; None where none ran alone there): a watch's
-        window holds it too, where the whole run's may be faster and judge otherwise."""
-        sched = self.sched
-        w = sched["t_s"] <= self.t_end
-        return solo_tokens_per_s(sched["t_s"][w], (sched["count"] - np.nan_to_num(sched["waiting"]))[w],
-                                 sched["waiting"][w], sched["gen_tokens"][w])
-
     def may_have_run_out_by(self, t: float) -> str | None:
         """With no abort known (no request log, no relay), whether the request could have ended on its own by `t`
         (what it could have run out, in words), else None. The driver's requests (ignore_eos) cannot before their
-        max_tokens at the fastest one sequence went in the window (stretch_solo_rate), a quarter added, from their
+        max_tokens at the pace (VllmCase.pace), from their
         send (a hop that buffers, or a non-streaming answer, holds back tokens the engine had made). Any of them
         can have run out by then, but an end of its own is one of the engine's (vllm:request_success_total, by
         finish reason, counts no abort; vLLM counts it in the step that drops the request, or before): where the
@@ -686,11 +685,11 @@ class VllmCase(Case):
         lower at the first sample after the stop and the counter not moved, the abort having won)."""
         if self.t_abort is not None:
             return None
-        lrow, rate, t0 = self.lrow, self.stretch_solo_rate, self.run.info["started_mono_ns"]
+        lrow, fastest, t0 = self.lrow, self.pace, self.run.info["started_mono_ns"]
         tokens_out = None  # what it could have run out by then, by its tokens
         if lrow is not None and lrow.get("scenario") != WATCHED_SCENARIO and not pd.isna(lrow.get("max_tokens")) \
-                and not pd.isna(lrow.get("sent_mono_ns")) and rate:
-            tokens, fastest = int(lrow["max_tokens"]), PACE_MARGIN * rate
+                and not pd.isna(lrow.get("sent_mono_ns")) and fastest:
+            tokens = int(lrow["max_tokens"])
             if t < (lrow["sent_mono_ns"] - t0) / 1e9 + tokens / fastest:
                 self.assumed.add("no_faster_than_the_pace_margin")
                 return None
@@ -917,8 +916,7 @@ class VllmCase(Case):
 def _case(run: Run, frame: _Frame, englog: _EngineLog, trace: dict, same: dict, *, data: dict, rid: str,
           target: str | None, lrow: dict | None, t_stop: float, grace_s: float, t0: int, missed: dict | None,
           gone_until: float) -> VllmCase:
-    cols_all, inflight_all, solo_rate, ledger_ends, not_entered = (frame.cols, frame.inflight, frame.solo_rate,
-                                                                   frame.ends, frame.not_entered)
+    cols_all, inflight_all, ledger_ends, not_entered = frame.cols, frame.inflight, frame.ends, frame.not_entered
     cid = data.get("cancel_id")
     log_state = engine_log_state(run, target)
     has_log = log_state == "read"
@@ -967,7 +965,7 @@ def _case(run: Run, frame: _Frame, englog: _EngineLog, trace: dict, same: dict, 
                     run=run, englog=englog, target=target, has_log=has_log, t_log_abort=t_log_abort, t_ref=t_ref,
                     t_end=t_end, sched=sched, inflight=inflight, lrow=lrow,
                     tokens_at_cancel=data.get("tokens_at_cancel"), gone_until=gone_until,
-                    hits_at_admission=hits_at_admission, frame_cols=cols_all, solo_rate=solo_rate,
+                    hits_at_admission=hits_at_admission, frame_cols=cols_all,
                     ledger_ends=ledger_ends, assumed_gone=frame.assumed_gone, not_entered=not_entered,
                     reqs=frame.reqs, added_s=frame.added_s, aborted_s=frame.aborted_s, gaps=frame.gaps,
                     ends_s=frame.ends_s.copy(), delivered=frame.delivered, quiet_s=frame.quiet_s)

@@ -16,7 +16,6 @@ from cancelwatch.analysis.ghosts import EngineReading, Ghosts
 from cancelwatch.analysis.rows import frame_rows
 from cancelwatch.analysis.series import scheduler_columns
 from cancelwatch.analysis.verdicts.core import LOG_SLACK_S, engine_log_state
-from cancelwatch.analysis.verdicts.engine_done import solo_tokens_per_s
 from cancelwatch.analysis.verdicts.requests import Requests, quiet_instants, requests_of, weighted_between
 from cancelwatch.analysis.verdicts.vllm_log import _EngineLog, _Gaps, _events, _scrape_spans, _target_gaps, _trace_events
 from cancelwatch.runstore.reader import Run
@@ -253,9 +252,7 @@ class _RunFrames:
                     ends = {**gone, **englog.done_with(run, ledger, target, cols, gone, added)}
             inflight = ledger_inflight(ledger, self.t0, times, ends, added, not_entered, self.reqs) if len(times) \
                 else np.array([])
-            solo = solo_tokens_per_s(cols["t_s"], cols["count"] - np.nan_to_num(cols["waiting"]), cols["waiting"],
-                                     cols["gen_tokens"]) if len(times) else None
-            self.frames[target] = _Frame(cols, inflight, solo, ends, not_entered, gone, assumed, self.reqs,
+            self.frames[target] = _Frame(cols, inflight, ends, not_entered, gone, assumed, self.reqs,
                                          self.reqs.per_row(englog.added, target, math.nan),
                                          self.reqs.per_row(englog.aborted, target, math.inf), _target_gaps(run, target),
                                          self.reqs.ends(ends), _delivered(run, target), self.quiet_s)
@@ -285,7 +282,6 @@ class _Frame(NamedTuple):
 
     cols: dict[str, np.ndarray]  # the scheduler frame: t_s, count, waiting, kv, gen_tokens, ...
     inflight: np.ndarray  # the ledger's sequences in the engine at each sample (ledger_inflight)
-    solo_rate: float | None  # tokens/s of one sequence running alone
     ends: dict[str, float]  # request id -> where the ledger stops counting it
     not_entered: frozenset[str]  # _EngineLog.not_entered
     gone: dict[str, float]  # stopped request id -> gone at the latest (_gone_at, bounded by _gone_by_idle and
