@@ -159,6 +159,27 @@ class VllmCase(Case):
         (runs_out_from), before the latest of them. Above zero, a count at the ledger's may hold a kept request in
         the place of one the engine had ended (a slow reader: its end at 0.8 s, its close at 4 s, a stop at 2 s).
         None where the engine does not say why its requests ended."""
+        pairing = self.ends_paired
+        if pairing is None:
+            return None
+        times, r = self.sched["t_s"], self.reqs
+        t_a, shown, read_by, _ = pairing
+        # in the look-back span, held by the gauges at the sample, not read by then
+        held = self.sched["step_s"]
+        unread = (shown[:, None] > t_a) & (shown[:, None] <= held) & (read_by[:, None] > times) if len(shown) \
+            else np.zeros((0, len(times)), dtype=bool)
+        latest = np.max(np.where(unread, shown[:, None], -math.inf), axis=0, initial=-math.inf)
+        others = (r.ids != self.rid) & ~np.isnan(r.sent)
+        sent, gone, could = r.sent[others], self.ends_s[others], self.runs_out_from[others]
+        owners = r.seqs[others] @ ((sent[:, None] <= times) & (times < gone[:, None]) & (could[:, None] < latest))
+        return np.minimum(unread.sum(axis=0).astype(float), owners)
+
+    @cached_property
+    def ends_paired(self) -> tuple[float, np.ndarray, np.ndarray, np.ndarray] | None:
+        """The engine's own ends from the look-back on, each paired with the close that reads it (ends_unread says
+        how): (t_a, the look-back's start; per end, by when the counter showed it; per end, the close that read it,
+        inf where none did; per end, its reader's row in reqs, -1 where none). None where the engine does not say
+        why its requests ended."""
         times, fin, r = self.sched["t_s"], self.sched["finished"], self.reqs
         if not len(times) or np.isnan(fin[0]):
             return None
@@ -171,9 +192,10 @@ class VllmCase(Case):
         after = np.array([p for p, _ in rises], dtype=float)
         shown = np.array([q for _, q in rises], dtype=float)
         read_by = np.full(len(rises), math.inf)  # per rise: the close that read it
+        reader = np.full(len(rises), -1)  # and its row in reqs
         with np.errstate(invalid="ignore"):
             read = r.completed & (r.closed > t_h) & (r.closed <= times[-1])
-        for c, sent, n in sorted(zip(r.closed[read], r.sent[read], r.seqs[read])):
+        for c, sent, n, row in sorted(zip(r.closed[read], r.sent[read], r.seqs[read], np.nonzero(read)[0])):
             since = sent >= t_h
             for k in range(int(n)):
                 if not since and k < n - 1:
@@ -185,16 +207,8 @@ class VllmCase(Case):
                 ok = np.nonzero((read_by == math.inf) & (np.maximum(after, sent) < np.minimum(shown, c))
                                 & (shown >= lo))[0]
                 if len(ok):
-                    read_by[ok[0]] = c
-        # in the look-back span, held by the gauges at the sample, not read by then
-        held = self.sched["step_s"]
-        unread = (shown[:, None] > t_a) & (shown[:, None] <= held) & (read_by[:, None] > times) if len(rises) \
-            else np.zeros((0, len(times)), dtype=bool)
-        latest = np.max(np.where(unread, shown[:, None], -math.inf), axis=0, initial=-math.inf)
-        others = (r.ids != self.rid) & ~np.isnan(r.sent)
-        sent, gone, could = r.sent[others], self.ends_s[others], self.runs_out_from[others]
-        owners = r.seqs[others] @ ((sent[:, None] <= times) & (times < gone[:, None]) & (could[:, None] < latest))
-        return np.minimum(unread.sum(axis=0).astype(float), owners)
+                    read_by[ok[0]], reader[ok[0]] = c, row
+        return t_a, shown, read_by, reader
 
     def _rises_from(self, t_from: float) -> list[tuple[float, float]]:
         """The engine's own ends the frame's counter shows from `t_from` to the stretch's end, one per end, each as
@@ -584,27 +598,6 @@ class VllmCase(Case):
         rose = np.nan_to_num(fin[np.maximum(self.settled, 0)] - fin[0])
         return np.clip(rose - explained, 0.0, np.maximum(self.inflight, 0.0))
 
-    def ends_read(self, upto: int) -> tuple[list[tuple[float, float, bool]], list[float]]:
-        """The engine's own ends counted in the stretch up to sample `upto` (vllm:request_success_total, by finish
-        reason: no abort), each as (after, by, read): counted after the read sample before the one that shows it,
-        by that one; read where another request's close reads it: a completed request's close reads, per sequence,
-        one end counted before it, within LAG_S (an end reaches its client within LAG_S, at the most assumed; vLLM
-        counts it before it sends the last token), the earliest first. And the closes that read one, per end read.
-        A close past `upto` reads nothing, nor does an end counted after a close, or long before it (a slow reader's
-        close, its end before the stretch, reads none)."""
-        times, fin, r = self.sched["t_s"], self.sched["finished"], self.reqs
-        with np.errstate(invalid="ignore"):
-            completed = (r.ids != self.rid) & r.completed & (r.closed > times[0]) & (r.closed <= times[upto])
-        rises = [[p, q, False] for p, q in _rises(times, fin, np.nonzero(~np.isnan(fin[: upto + 1]))[0])]
-        reads = []
-        for c, n in sorted(zip(r.closed[completed], r.seqs[completed])):
-            for _ in range(int(n)):
-                rise = next((x for x in rises if not x[2] and x[0] < c and x[1] >= c - LAG_S), None)
-                if rise is not None:
-                    rise[2] = True
-                    reads.append(c)
-        return [tuple(x) for x in rises], reads
-
     @cached_property
     def blocks_of_the_running(self) -> np.ndarray:
         """Per sample of the stretch: every KV block in use is one the running requests hold, at one each (KV
@@ -707,14 +700,15 @@ class VllmCase(Case):
         times, fin = self.sched["t_s"], self.sched["finished"]
         before = np.nonzero(self.baseline.before)[0]
         at = int(np.searchsorted(times, t, side="right")) - 1
-        if not len(before) or at < 0 or np.isnan(fin[before[-1]]) or np.isnan(fin[at]):
+        if not len(before) or at < 0 or np.isnan(fin[before[-1]]) or np.isnan(fin[at]) or self.ends_paired is None:
             return tokens_out or "its last tokens (the engine does not say why its requests ended)"
-        # each end counted paired with the close that reads it (ends_read): a close after the last sample before the
+        # each end counted paired with the close that reads it (ends_paired): a close after the last sample before the
         # stop reads an end counted before that sample too (an end counted a step before the request left, a
         # stop string's; a scrape answered after its tick), and excuses none of this one's
-        t_b = float(times[before[-1]])
-        rises, _ = self.ends_read(at)
-        if not any(not read and by > t_b for _, by, read in rises):
+        t_b, t_at = float(times[before[-1]]), float(times[at])
+        _, shown, read_by, reader = self.ends_paired
+        mine = reader == self.reqs.row.get(self.rid, -2)  # its own close reads no other's end
+        if not ((shown > t_b) & (shown <= t_at) & ((read_by > t_at) | mine)).any():
             return None
         return tokens_out or "its last tokens (the engine ended requests of its own then that no other's end accounts for)"
 
