@@ -53,3 +53,27 @@ def test_the_report_of_a_run_lists_the_assumptions_its_verdicts_rest_on():
     doc = report_document(run, verdicts=verdicts)
     assert [a["assumption"] for a in doc["assumptions"]] == [
         code for code in ASSUMPTIONS if any(code in (v.evidence.assumes or []) for v in verdicts)]
+
+
+def test_the_engine_ending_more_requests_than_the_run_sent_contradicts_no_traffic_beside_the_run():
+    """Without the request log, the engine's own ends (vllm:request_success_total by finish reason) say what the count
+    cannot: it ended 6 requests by themselves where the run sent 3 (the neighbour, the target, the probe) and the
+    engine held 2 at its first sample, so others' requests reached it. Where the ends stay within the run's, nothing
+    is said."""
+    from cancelwatch.analysis.verdicts.families import FAMILIES
+    from cancelwatch.analysis.verdicts.vllm_frames import ends_beyond_the_run
+
+    def run(ends):
+        return build_run(lambda t: 2.0 if t < 2.05 else 1.0, lambda t: 0.4 if t < 2.05 else 0.1, steady_gen,
+                         probe_first_s=2.3, engine_log=None, finished=ends)
+
+    busy = run(lambda t: 0.0 if t < 3.0 else 6.0)
+    (v,) = judge_run(busy)
+    assert "no_traffic_beside_the_run" in v.evidence.assumes
+    said = ends_beyond_the_run(busy)
+    assert said and "6 request(s)" in said and "the 5 " in said
+    assert FAMILIES["vllm"].traffic_beyond is ends_beyond_the_run  # what report_document tells run_assumptions
+    (a,) = run_assumptions([v], said)
+    assert a["assumption"] == "no_traffic_beside_the_run" and a["contradicted"] == said
+    quiet = run(lambda t: 0.0 if t < 3.0 else 5.0)  # as many as the run could account for
+    assert ends_beyond_the_run(quiet) is None

@@ -131,3 +131,25 @@ def test_the_engine_made_a_token_or_more_for_each_chunk_its_clients_got(manifest
                                              float(made[short][0]), float(got[short][0]))
                     checked += int(steady.sum())
     assert len(runs) >= 2 and checked > 1000, (runs, checked)
+
+
+def test_the_engines_own_ends_beyond_the_runs_requests_show_traffic_only_where_there_was_some(manifest, tmp_path_factory):
+    """Family.traffic_beyond on every recorded vLLM run: the engine ending more requests by themselves than the run
+    sent (vllm:request_success_total by finish reason) contradicts no_traffic_beside_the_run. Said on the run with
+    strangers' streams beside it; never on a run that had none (a case built with a stranger may or may not end it
+    by itself inside the run)."""
+    from cancelwatch.analysis.verdicts.families import family_of
+    from cancelwatch.analysis.verdicts.vllm_frames import ends_beyond_the_run
+    from cancelwatch.runstore.reader import load_run
+    from tests.corpus.check import corpus_stores
+
+    said = {}
+    for name, store, entry in corpus_stores(tmp_path_factory.mktemp("beyond"), manifest):
+        for run_id in entry["runs"]:
+            run = load_run(store, int(run_id))
+            if family_of(run) == "vllm":
+                said[(name, run_id)] = ends_beyond_the_run(run)
+    with_strangers = {k for k in said if manifest["runs"][k[0]]["recorded"].get("foreign_streams")}
+    assert with_strangers and all(said[k] for k in with_strangers), with_strangers
+    quiet = {k: v for k, v in said.items() if k not in with_strangers and not k[0].startswith("case_foreign")}
+    assert len(quiet) > 40 and not any(quiet.values()), {k: v for k, v in quiet.items() if v}

@@ -388,19 +388,21 @@ TRAFFIC_RULES = frozenset({"other_traffic_logged", "other_traffic_counted", "rel
                            "no_abort_beside_traffic"})
 
 
-def run_assumptions(verdicts: list) -> list[dict]:
+def run_assumptions(verdicts: list, traffic_beyond: str | None = None) -> list[dict]:
     """Per assumption the run's verdicts rest on (ASSUMPTIONS): what it is, which verdicts rest on it, and where the
-    run's own evidence contradicts it (None: nowhere it can tell)."""
+    run's own evidence contradicts it (None: nowhere it can tell). `traffic_beyond`: the run's own evidence, beyond
+    its cancels', of requests it did not send reaching the engine (its family's Family.traffic_beyond)."""
     out = []
     for code, what in ASSUMPTIONS.items():
         resting = [v.request_id for v in verdicts if code in (v.evidence.assumes or [])]
         if not resting:
             continue
         contradicted = None
-        seen = [v.request_id for v in verdicts if v.evidence.rule in TRAFFIC_RULES]
-        if code == "no_traffic_beside_the_run" and seen:
-            contradicted = (f"{len(seen)} cancel(s) of the run saw requests it did not send reach the engine "
-                            f"({', '.join(seen[:3])}{', ...' if len(seen) > 3 else ''})")
+        if code == "no_traffic_beside_the_run":
+            seen = [v.request_id for v in verdicts if v.evidence.rule in TRAFFIC_RULES]
+            said = [f"{len(seen)} cancel(s) of the run saw requests it did not send reach the engine "
+                    f"({', '.join(seen[:3])}{', ...' if len(seen) > 3 else ''})"] if seen else []
+            contradicted = "; ".join(said + ([traffic_beyond] if traffic_beyond else [])) or None
         out.append({"assumption": code, "what": what, "verdicts": len(resting), "request_ids": resting,
                      "contradicted": contradicted})
     return out

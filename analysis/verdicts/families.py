@@ -21,7 +21,7 @@ from cancelwatch.analysis.verdicts.core import TAP_RECEIVED, CancelVerdict, run_
 from cancelwatch.analysis.verdicts.ghost_list import ghost_table
 from cancelwatch.analysis.verdicts.triton import TRITON, judge_triton, report_fields
 from cancelwatch.analysis.verdicts.vllm import VLLM, judge_vllm
-from cancelwatch.analysis.verdicts.vllm_frames import vllm_in_engine
+from cancelwatch.analysis.verdicts.vllm_frames import ends_beyond_the_run, vllm_in_engine
 from cancelwatch.analysis.verdicts.vllm_log import vllm_report_fields
 from cancelwatch.runstore.errors import StoreError
 from cancelwatch.runstore.reader import Run
@@ -36,6 +36,10 @@ def _no_count(run: Run, target: str | None) -> None:
     return None
 
 
+def _no_traffic(run: Run) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class Family:
     # one verdict per cancel: (run, grace_s, metrics_target) -> verdicts
@@ -45,10 +49,13 @@ class Family:
     # the engine's count of requests against the ledger's requests in it (run, target) -> EngineReading, for
     # ghosts (analysis/ghosts.py); None where the family's gauges count no requests
     in_engine: Callable[[Run, str | None], EngineReading | None] = _no_count
+    # the run's own evidence, beyond its cancels', that requests it did not send reached the engine (a sentence; None
+    # where it shows none): what contradicts the assumption no_traffic_beside_the_run
+    traffic_beyond: Callable[[Run], str | None] = _no_traffic
 
 
 FAMILIES: dict[str, Family] = {
-    VLLM: Family(judge_vllm, vllm_report_fields, vllm_in_engine),
+    VLLM: Family(judge_vllm, vllm_report_fields, vllm_in_engine, ends_beyond_the_run),
     TRITON: Family(judge_triton, report_fields),
 }
 
@@ -194,6 +201,6 @@ def report_document(run: Run, grace_s: float | None = None, verdicts: list[Cance
         # the leaked requests: which the engine still held at the last sample, and each one's age
         "ghosts": ghost_records(ghosts_of(run, verdicts)),
         # what the verdicts rest on that their evidence does not show, and where the run contradicts it
-        "assumptions": run_assumptions(verdicts),
+        "assumptions": run_assumptions(verdicts, FAMILIES[family].traffic_beyond(run)),
         **FAMILIES[family].report_fields(run),
     }

@@ -14,7 +14,7 @@ import pandas as pd
 from cancelwatch.analysis.bounds import ENTER_S, LAG_S, SURPLUS_HOLD_S
 from cancelwatch.analysis.ghosts import EngineReading, Ghosts
 from cancelwatch.analysis.rows import frame_rows
-from cancelwatch.analysis.series import scheduler_columns
+from cancelwatch.analysis.series import own_ends, scheduler_columns
 from cancelwatch.analysis.verdicts.core import LOG_SLACK_S, engine_log_state
 from cancelwatch.analysis.verdicts.requests import Requests, quiet_instants, requests_of, weighted_between
 from cancelwatch.analysis.verdicts.vllm_log import _EngineLog, _Gaps, _events, _scrape_spans, _target_gaps, _trace_events
@@ -316,3 +316,24 @@ def _settled(gen: np.ndarray) -> np.ndarray:
     two = k >= 2
     out[two] = rises[k[two] - 2] - 1
     return out
+
+
+def ends_beyond_the_run(run: Run) -> str | None:
+    """Where the engine ended more requests by themselves (vllm:request_success_total by finish reason: stop, length;
+    never an abort) than the run's requests and those it held at its first sample could: requests the run did not see
+    reached the engine, and a count read as the run's alone may hold them. Each request ends by itself at most once;
+    a counter that fell (a restart) counts from its next rise. None where the run's evidence does not say so (no such
+    counter, or no count at its first sample)."""
+    ended = 0.0
+    could = float(requests_of(run.ledger, run.info["started_mono_ns"]).seqs.sum()) if len(run.ledger) else 0.0
+    for target in [t["label"] for t in run.info.get("targets", [])] or [None]:
+        _, fin = own_ends(run, target)
+        count = scheduler_columns(run, target)["count"]
+        if len(fin) < 2 or not len(count) or np.isnan(count[0]):
+            continue
+        ended += float(np.clip(np.diff(fin), 0.0, None).sum())
+        could += float(count[0])
+    if ended <= could + 1e-9:
+        return None
+    return (f"the engine ended {ended:.0f} request(s) by themselves (vllm:request_success_total: stop, length), more "
+            f"than the {could:.0f} the run sent or found in the engine when it began")
