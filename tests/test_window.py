@@ -145,30 +145,3 @@ def test_windows_read_in_the_recorders_own_process_lose_nothing_it_writes(tmp_pa
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "kept 2500 2500 of 2500; errors []", res.stdout + res.stderr[-1000:]
 
-
-def test_the_pace_a_cancel_is_judged_by_is_its_windows_so_live_and_whole_agree():
-    """No abort for the target beside a stranger the log names: whether it could have run out by the grace's end
-    rests on the fastest one sequence went alone (VllmCase.pace). Here one went alone only in the run's first half
-    second, long before the stop at 8 s: the window the live judge reads (BEFORE_S before the stop) holds no such
-    stretch. Judged whole, the run's early stretch made it `no_abort_beside_traffic`; on its window, `other_traffic_logged`.
-    Both read the window's pace now."""
-    from cancelwatch.analysis.bounds import BEFORE_S
-    from cancelwatch.analysis.verdicts import judge_run
-    from tests.test_verdict_rules import alone_first, with_max_tokens
-    from tests.test_verdicts import ADDED, build_run, steady_gen
-
-    def run():
-        return with_max_tokens(build_run(alone_first(lambda t: 2.0), lambda t: 0.4, steady_gen, stop_s=8.0,
-                                         abort_s=8.002, length_s=14.0,
-                                         engine_log=[*ADDED, ("engine_added", "stranger", 8.1)]))
-
-    whole, window = run(), run()
-    window.samples = window.samples[window.samples["t_s"] >= 8.0 - BEFORE_S].reset_index(drop=True)
-    (a,), (b,) = judge_run(whole), judge_run(window)
-    assert (a.verdict, a.rule) == (b.verdict, b.rule) == ("inconclusive", "other_traffic_logged")
-    # with a sequence alone inside the window, the pace bounds it: 500 tokens at 25 a second outlast the grace
-    paced = with_max_tokens(build_run(lambda t: 1.0 if 5.0 <= t < 6.0 else 2.0, lambda t: 0.4, steady_gen,
-                                      stop_s=8.0, abort_s=8.002, length_s=14.0,
-                                      engine_log=[*ADDED, ("engine_added", "stranger", 8.1)]))
-    (c,) = judge_run(paced)
-    assert (c.verdict, c.rule) == ("leaked", "no_abort_beside_traffic")

@@ -417,7 +417,7 @@ SEEN_LEAVING = "seen_leaving"
 # the rules whose left_scheduler is when the request had left by, not when it left (others left beside it)
 LEFT_BY_RULES = frozenset({"no_abort_left_among_others", "no_abort_left_oldest_first"})
 # the rules whose left_scheduler rests on an assumption (which lost request a fall took): never told to the
-# cancels judged after it as where the request left (judge_vllm's stop order, a watch's windows)
+# cancels judged after it as where the request left (judge_vllm's passes, a watch's windows)
 ASSUMED_LEFT_RULES = frozenset({"no_abort_left_oldest_first"})
 
 

@@ -38,7 +38,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from cancelwatch.analysis.bounds import SURPLUS_HOLD_S
+from cancelwatch.analysis.bounds import JUDGE_PASSES, SURPLUS_HOLD_S
 from cancelwatch.analysis.rows import frame_rows
 from cancelwatch.analysis.verdicts.core import (
     CancelVerdict, LOG_SLACK_S, NO_REQUESTS, SEEN_LEAVING, climb, judge, ledger_by_scenario, left_seen_at
@@ -62,12 +62,23 @@ def judge_vllm(run: Run, grace_s: float, metrics_target: str | None = None) -> l
     if ledger.empty or _events(run, "user_stop").empty:
         return []
     # a request whose cancel never reached the engine stays the ledger's until its scenario ends (or the engine is
-    # idle): where its own verdict saw it leave, the cancels after it are judged with it gone then (_judge_all, in stop
-    # order: each verdict tells the later ones, as a watch's windows are told the earlier verdicts). Seen under AIPerf
-    # behind a proxy that passes no cancel on: three leaked requests ran out 0.6 s after their stops and the ledger
-    # held them for the rest of the watch, so every later cancel read as `already_finished`. One pass: the live judge
-    # can know only the cancels before a cancel, and the whole run is judged the same way
-    return _judge_all(run, grace_s, _RunFrames(run, metrics_target, dict(run.info.get(SEEN_LEAVING) or {})))
+    # idle): where its own verdict saw it leave, every other cancel is judged again with it gone then. Seen under
+    # AIPerf behind a proxy that passes no cancel on: three leaked requests ran out 0.6 s after their stops and the
+    # ledger held them for the rest of the watch, so every later cancel read as `already_finished`. A later cancel's
+    # leaving can decide an earlier one too (a review built one: an earlier lost request read as a leak only once a
+    # later one was seen gone), so the run is judged again, its frames made anew, while its verdicts see more leave
+    seen: dict[str, float] = dict(run.info.get(SEEN_LEAVING) or {})
+    frames = _RunFrames(run, metrics_target, seen)
+    for i in range(JUDGE_PASSES):
+        if i:
+            frames.told(seen)
+        out = _judge_all(run, grace_s, frames)
+        left = {v.request_id: t for v in out if v.request_id in frames.unaborted and (t := left_seen_at(v)) is not None}
+        more = {rid: t for rid, t in left.items() if t < seen.get(rid, math.inf)}
+        if not more:
+            break
+        seen.update(more)
+    return out
 
 
 def _judge_all(run: Run, grace_s: float, frames: _RunFrames) -> list[CancelVerdict]:

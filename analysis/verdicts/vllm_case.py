@@ -11,13 +11,12 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from cancelwatch.analysis.bounds import BEFORE_S, ENTER_S, LAG_S, PACE_MARGIN, READ_BACK_S, SETTLE_S
+from cancelwatch.analysis.bounds import BEFORE_S, ENTER_S, LAG_S, PACE_MARGIN, READ_BACK_S
 from cancelwatch.analysis.evidence import Evidence
 from cancelwatch.analysis.verdicts.core import (
     ASSUMED_LEFT_RULES, COUNT_READING_RULES, HORIZON_S, LOG_SLACK_S, NO_APP, NO_LOG, RACE_TOKENS, CancelVerdict,
     Case, engine_log_state, first_probe_s
 )
-from cancelwatch.analysis.verdicts.engine_done import solo_tokens_per_s
 from cancelwatch.analysis.verdicts.requests import Requests, in_between, sum_through, weighted_between
 from cancelwatch.analysis.verdicts.vllm_frames import _Frame, _pool_blocks, _settled
 from cancelwatch.analysis.verdicts.vllm_log import _EngineLog, _Gaps, _gaps_over, _log_holes, _outage_end
@@ -75,6 +74,7 @@ class VllmCase(Case):
     gone_until: float  # at the latest, the request left the engine then (inf: not known)
     hits_at_admission: float | None = None  # prefix-cache hit tokens while it was admitted (None: unknown)
     frame_cols: dict = field(default_factory=dict)  # the target's whole scheduler frame (sched is its stretch)
+    solo_rate: float | None = None  # _Frame.solo_rate
     # request id -> where the ledger stops counting it, when not its client's close (ledger_inflight)
     ledger_ends: dict[str, float] = field(default_factory=dict)
     assumed_gone: dict[str, float] = field(default_factory=dict)  # _Frame.assumed_gone
@@ -118,18 +118,14 @@ class VllmCase(Case):
             ahead = count_before < ledger_before - 1e-9 and not not_yet_counted
         return _Baseline(before, count_before, ledger_before, kv_before, ahead)
 
-    @cached_property
+    @property
     def pace(self) -> float | None:
         """The fastest a sequence can run, tokens/s: PACE_MARGIN times the fastest one sequence went alone in the
-        cancel's own window, BEFORE_S before its stop to SETTLE_S past its grace (solo_tokens_per_s: no sequence in a
-        batch runs faster than one alone). The live judge's window holds the same samples, so a cancel judged live
-        and judged whole reads the same pace. None where none ran alone there: nothing bounds it."""
-        cols = self.frame_cols
-        lo, hi = np.searchsorted(cols["t_s"], (self.t_stop - BEFORE_S, self.t_stop + self.grace_s + SETTLE_S),
-                                 side="right")
-        count, waiting = cols["count"][lo:hi], cols["waiting"][lo:hi]
-        solo = solo_tokens_per_s(cols["t_s"][lo:hi], count - np.nan_to_num(waiting), waiting, cols["gen_tokens"][lo:hi])
-        return None if solo is None else PACE_MARGIN * solo
+        frame (solo_tokens_per_s: no sequence in a batch runs faster than one alone). The whole run's frame when it is
+        judged whole, the window's in a watch: the fastest over more of the run is the safer bound (a review built
+        false releases from the pace of the cancel's own few seconds: a starved host, a long prompt slowing every step
+        there). None where none ran alone: nothing bounds it."""
+        return None if self.solo_rate is None else PACE_MARGIN * self.solo_rate
 
     @cached_property
     def runs_out_from(self) -> np.ndarray:
@@ -959,7 +955,7 @@ def _case(run: Run, frame: _Frame, englog: _EngineLog, trace: dict, same: dict, 
                     run=run, englog=englog, target=target, has_log=has_log, t_log_abort=t_log_abort, t_ref=t_ref,
                     t_end=t_end, sched=sched, inflight=inflight, lrow=lrow,
                     tokens_at_cancel=data.get("tokens_at_cancel"), gone_until=gone_until,
-                    hits_at_admission=hits_at_admission, frame_cols=cols_all,
+                    hits_at_admission=hits_at_admission, frame_cols=cols_all, solo_rate=frame.solo_rate,
                     ledger_ends=ledger_ends, assumed_gone=frame.assumed_gone, not_entered=not_entered,
                     reqs=frame.reqs, added_s=frame.added_s, aborted_s=frame.aborted_s, gaps=frame.gaps,
                     ends_s=frame.ends_s.copy(), delivered=frame.delivered, quiet_s=frame.quiet_s)

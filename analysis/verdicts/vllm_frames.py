@@ -15,6 +15,7 @@ from cancelwatch.analysis.bounds import ENTER_S, LAG_S, SURPLUS_HOLD_S
 from cancelwatch.analysis.ghosts import EngineReading, Ghosts
 from cancelwatch.analysis.rows import frame_rows
 from cancelwatch.analysis.series import own_ends, scheduler_columns
+from cancelwatch.analysis.verdicts.engine_done import solo_tokens_per_s
 from cancelwatch.analysis.verdicts.core import LOG_SLACK_S, engine_log_state
 from cancelwatch.analysis.verdicts.requests import Requests, quiet_instants, requests_of, weighted_between
 from cancelwatch.analysis.verdicts.vllm_log import _EngineLog, _Gaps, _events, _scrape_spans, _target_gaps, _trace_events
@@ -171,14 +172,17 @@ class _RunFrames:
         self.trace = _trace_events(run)
         self.englog = _EngineLog(run, set(run.ledger["request_id"]) if not run.ledger.empty else set())
         self.reqs = requests_of(run.ledger, self.t0)
-        self.quiet_s = quiet_instants(self.reqs)  # of the ledger alone: the same for every target
+        self.quiet_s = quiet_instants(self.reqs)  # of the ledger alone: the same for every target and pass
         self.evidence_gone, self.unaborted = _gone_at(run, self.stops, self.englog, self.trace, self.target_of)
         self.stopped = {s.request_id: (float(s.t_s), self.target_of(json.loads(s.data)))
                         for s in frame_rows(self.stops)}
-        # the stopped requests with no abort that verdicts saw leave the engine (a watch's earlier windows) are gone
-        # then; the others as the evidence says
+        self.told(seen_leaving or {})
+
+    def told(self, seen_leaving: dict[str, float]) -> None:
+        """Start again from the evidence, with the stopped requests with no abort that verdicts saw leave the
+        engine (judge_vllm's earlier pass, a watch's earlier windows) gone then; the frames are made anew."""
         self.gone_at = dict(self.evidence_gone)
-        for rid, t in (seen_leaving or {}).items():
+        for rid, t in seen_leaving.items():
             if rid in self.unaborted and t < self.gone_at.get(rid, math.inf):
                 self.gone_at[rid] = t
         self.frames: dict = {}
@@ -252,7 +256,9 @@ class _RunFrames:
                     ends = {**gone, **englog.done_with(run, ledger, target, cols, gone, added)}
             inflight = ledger_inflight(ledger, self.t0, times, ends, added, not_entered, self.reqs) if len(times) \
                 else np.array([])
-            self.frames[target] = _Frame(cols, inflight, ends, not_entered, gone, assumed, self.reqs,
+            solo = solo_tokens_per_s(cols["t_s"], cols["count"] - np.nan_to_num(cols["waiting"]), cols["waiting"],
+                                     cols["gen_tokens"]) if len(times) else None
+            self.frames[target] = _Frame(cols, inflight, solo, ends, not_entered, gone, assumed, self.reqs,
                                          self.reqs.per_row(englog.added, target, math.nan),
                                          self.reqs.per_row(englog.aborted, target, math.inf), _target_gaps(run, target),
                                          self.reqs.ends(ends), _delivered(run, target), self.quiet_s)
@@ -282,6 +288,7 @@ class _Frame(NamedTuple):
 
     cols: dict[str, np.ndarray]  # the scheduler frame: t_s, count, waiting, kv, gen_tokens, ...
     inflight: np.ndarray  # the ledger's sequences in the engine at each sample (ledger_inflight)
+    solo_rate: float | None  # tokens/s of one sequence running alone, the fastest in the frame (VllmCase.pace)
     ends: dict[str, float]  # request id -> where the ledger stops counting it
     not_entered: frozenset[str]  # _EngineLog.not_entered
     gone: dict[str, float]  # stopped request id -> gone at the latest (_gone_at, bounded by _gone_by_idle and
