@@ -77,3 +77,16 @@ def test_the_engine_ending_more_requests_than_the_run_sent_contradicts_no_traffi
     assert a["assumption"] == "no_traffic_beside_the_run" and a["contradicted"] == said
     quiet = run(lambda t: 0.0 if t < 3.0 else 5.0)  # as many as the run could account for
     assert ends_beyond_the_run(quiet) is None
+
+
+def test_what_the_engine_held_when_the_run_began_is_read_at_its_first_two_samples():
+    """A long run's overview shows each bucket's lowest value first: the engine's count at the run's first sample can
+    read 0 there though it held requests (here 2, ended by themselves in the first bucket). Their ends are no
+    traffic beyond the run."""
+    from cancelwatch.analysis.verdicts.vllm_frames import ends_beyond_the_run
+
+    def run(ends):
+        return build_run(lambda t: 0.0 if t < 0.05 else 2.0, lambda t: 0.4, steady_gen, engine_log=None, finished=ends)
+
+    assert ends_beyond_the_run(run(lambda t: 0.0 if t < 3.0 else 4.0)) is None  # nb, tg and the two held at the start
+    assert ends_beyond_the_run(run(lambda t: 0.0 if t < 3.0 else 5.0))

@@ -329,8 +329,9 @@ def ends_beyond_the_run(run: Run) -> str | None:
     """Where the engine ended more requests by themselves (vllm:request_success_total by finish reason: stop, length;
     never an abort) than the run's requests and those it held at its first sample could: requests the run did not see
     reached the engine, and a count read as the run's alone may hold them. Each request ends by itself at most once;
-    a counter that fell (a restart) counts from its next rise. None where the run's evidence does not say so (no such
-    counter, or no count at its first sample)."""
+    a counter that fell (a restart) counts from its next rise. What the engine held when the run began is the count
+    at its first two samples, the higher (a long run's overview holds its first bucket's lowest first). None where the
+    run's evidence does not say so (no such counter, or no count at its first sample)."""
     ended = 0.0
     could = float(requests_of(run.ledger, run.info["started_mono_ns"]).seqs.sum()) if len(run.ledger) else 0.0
     for target in [t["label"] for t in run.info.get("targets", [])] or [None]:
@@ -339,7 +340,7 @@ def ends_beyond_the_run(run: Run) -> str | None:
         if len(fin) < 2 or not len(count) or np.isnan(count[0]):
             continue
         ended += float(np.clip(np.diff(fin), 0.0, None).sum())
-        could += float(count[0])
+        could += float(np.nanmax(count[:2]))
     if ended <= could + 1e-9:
         return None
     return (f"the engine ended {ended:.0f} request(s) by themselves (vllm:request_success_total: stop, length), more "
