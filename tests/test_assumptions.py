@@ -79,14 +79,22 @@ def test_the_engine_ending_more_requests_than_the_run_sent_contradicts_no_traffi
     assert ends_beyond_the_run(quiet) is None
 
 
-def test_what_the_engine_held_when_the_run_began_is_read_at_its_first_two_samples():
-    """A long run's overview shows each bucket's lowest value first: the engine's count at the run's first sample can
-    read 0 there though it held requests (here 2, ended by themselves in the first bucket). Their ends are no
-    traffic beyond the run."""
+def test_traffic_beyond_is_said_only_where_the_ledger_counts_every_engine_request_of_one_engine():
+    """A watch's row may stand for several engine requests (a batch of prompts, a beam search, a tool's calls);
+    another replica's users are not the judged engine's traffic; an overview's bucket shows its lowest value first,
+    and a restart inside it reads as the counter's whole life. On those runs, nothing is said."""
     from cancelwatch.analysis.verdicts.vllm_frames import ends_beyond_the_run
+    from cancelwatch.runstore.records import WATCHED_SCENARIO
 
-    def run(ends):
-        return build_run(lambda t: 0.0 if t < 0.05 else 2.0, lambda t: 0.4, steady_gen, engine_log=None, finished=ends)
+    def run():
+        return build_run(lambda t: 2.0, lambda t: 0.4, steady_gen, engine_log=None,
+                         finished=lambda t: 0.0 if t < 3.0 else 9.0)
 
-    assert ends_beyond_the_run(run(lambda t: 0.0 if t < 3.0 else 4.0)) is None  # nb, tg and the two held at the start
-    assert ends_beyond_the_run(run(lambda t: 0.0 if t < 3.0 else 5.0))
+    assert ends_beyond_the_run(run())  # 9 ends, where the run sent 2 and the engine held 2
+    watched = run()
+    watched.ledger["scenario"] = WATCHED_SCENARIO
+    two = run()
+    two.info["targets"] = [{"label": "t0", "url": "http://127.0.0.1:8000"}, {"label": "t1", "url": "http://127.0.0.1:8001"}]
+    overview = run()
+    overview.info["overview"] = {"bucket_s": 10}
+    assert [ends_beyond_the_run(r) for r in (watched, two, overview)] == [None, None, None]

@@ -20,6 +20,7 @@ from cancelwatch.analysis.verdicts.core import LOG_SLACK_S, engine_log_state
 from cancelwatch.analysis.verdicts.requests import Requests, quiet_instants, requests_of, weighted_between
 from cancelwatch.analysis.verdicts.vllm_log import _EngineLog, _Gaps, _events, _scrape_spans, _target_gaps, _trace_events
 from cancelwatch.runstore.reader import Run
+from cancelwatch.runstore.records import WATCHED_SCENARIO
 
 CLIENT_CHUNKS = "client_chunks_total"  # collectors/sources/clients.py's METRIC: analysis imports no collector
 
@@ -328,19 +329,24 @@ def _settled(gen: np.ndarray) -> np.ndarray:
 def ends_beyond_the_run(run: Run) -> str | None:
     """Where the engine ended more requests by themselves (vllm:request_success_total by finish reason: stop, length;
     never an abort) than the run's requests and those it held at its first sample could: requests the run did not see
-    reached the engine, and a count read as the run's alone may hold them. Each request ends by itself at most once;
-    a counter that fell (a restart) counts from its next rise. What the engine held when the run began is the count
-    at its first two samples, the higher (a long run's overview holds its first bucket's lowest first). None where the
-    run's evidence does not say so (no such counter, or no count at its first sample)."""
-    ended = 0.0
-    could = float(requests_of(run.ledger, run.info["started_mono_ns"]).seqs.sum()) if len(run.ledger) else 0.0
-    for target in [t["label"] for t in run.info.get("targets", [])] or [None]:
-        _, fin = own_ends(run, target)
-        count = scheduler_columns(run, target)["count"]
-        if len(fin) < 2 or not len(count) or np.isnan(count[0]):
-            continue
-        ended += float(np.clip(np.diff(fin), 0.0, None).sum())
-        could += float(np.nanmax(count[:2]))
+    reached the engine, and a count read as the run's alone may hold them. vLLM counts an end per sequence (an n>1
+    request's children each end), as the ledger counts its sequences; a counter that fell (a restart) counts from its
+    next rise. Said only where the ledger says how many engine requests each of its requests made, the driver's (a
+    watch's row may stand for a batch of prompts, a beam search or a tool's calls, each an engine request of its own),
+    on a run of one target (another replica's users are not this one's traffic), read at full resolution (an
+    overview's bucket shows its lowest value first: a restart inside it reads as the counter's whole life). None
+    elsewhere, and where the run's evidence does not say so."""
+    targets, ledger = run.info.get("targets") or [], run.ledger
+    if run.info.get("overview") is not None or len(targets) > 1 or not len(ledger) or \
+            ("scenario" in ledger and (ledger["scenario"] == WATCHED_SCENARIO).any()):
+        return None
+    target = targets[0]["label"] if targets else None
+    _, fin = own_ends(run, target)
+    count = scheduler_columns(run, target)["count"]
+    if len(fin) < 2 or not len(count) or np.isnan(count[0]):
+        return None
+    ended = float(np.clip(np.diff(fin), 0.0, None).sum())
+    could = float(requests_of(ledger, run.info["started_mono_ns"]).seqs.sum()) + float(count[0])
     if ended <= could + 1e-9:
         return None
     return (f"the engine ended {ended:.0f} request(s) by themselves (vllm:request_success_total: stop, length), more "
