@@ -114,3 +114,25 @@ def test_a_waiter_still_on_its_way_through_the_hops_at_the_first_sample_is_queue
     # and a waiter that came and went before waiting again is counted from its last unbroken wait only
     v = watched(waiting=lambda t: 1.0 if 1.12 <= t < 1.5 or 1.96 <= t < LEFT_S else 0.0)
     assert v.timepoints["reusable"] is None and "too briefly" in v.sources["reusable"]["reason"], v.sources["reusable"]
+
+
+def test_a_release_read_a_sample_after_the_queued_request_got_in_is_still_its_reuse():
+    """tg's abort at 2.002; the engine's next step drops it and lets q in (the sample at 2.05: q running, none
+    waiting), and q's blocks are tg's (KV usage falls only as q ends, at 2.95). q is counted for sure only once its first token is
+    out (2.07), so the release is read at the sample after, 2.10. The queue behind tg is the one before its abort, not
+    the one at 2.05 (seen behind a browser's Stop in CI: reusable read as "no request was waiting")."""
+    count = lambda t: 3.0 - (t < 1.0) - (t >= 2.05) - (t >= 2.95)  # noqa: E731  (q ends at 2.95)
+    more = [{"request_id": "q", "scenario": "s", "role": "target", "n": 1, "sent_mono_ns": ns(1.0),
+             "first_token_mono_ns": ns(2.07), "closed_mono_ns": ns(3.0), "cancel_mono_ns": None,
+             "terminal_state": "completed"}]
+    run = build_run(count, lambda t: 0.5 if t < 2.95 else 0.3, steady_gen, extra_ledger=more, waiting=lambda t: 1.0 if 1.0 <= t < 2.05 else 0.0,
+                    finished=lambda t: 0.0, engine_log=[("engine_added", "nb", 0.1), ("engine_added", "tg", 0.5),
+                                                        ("engine_added", "q", 1.0), ("engine_aborted", "tg", 2.002)])
+    run.ledger["scenario"] = WATCHED_SCENARIO
+    stop = run.events["kind"] == "user_stop"
+    run.events.loc[stop, "data"] = [json.dumps({**json.loads(d), "scenario": WATCHED_SCENARIO})
+                                    for d in run.events.loc[stop, "data"]]
+    v = next(v for v in judge_run(run) if v.request_id == "tg")
+    assert v.verdict == "released" and abs(v.timepoints["left_scheduler"] - 2.10) < 1e-9, (v.rule, v.timepoints)
+    assert v.timepoints["reusable"] is not None and abs(v.timepoints["reusable"] - 2.07) < 1e-6, v.sources["reusable"]
+    assert v.sources["reusable"]["reason"].startswith("request q waited behind it (1 waiting)"), v.sources["reusable"]

@@ -29,14 +29,20 @@ QUEUED = "request {queued} waited behind it ({waiting} waiting) and got its firs
 
 
 def queued_behind(c: VllmCase, v: CancelVerdict) -> None:
-    """A watch's cancel: `reusable` at the first token of the oldest request waiting at the last sample that held
-    it (VllmCase.waiters_at), where that request stayed waiting while the engine stepped (the engine was full),
+    """A watch's cancel: `reusable` at the first token of the oldest request waiting at the last sample that surely
+    held it (VllmCase.waiters_at), where that request stayed waiting while the engine stepped (the engine was full),
     got in after the cancel left and within the grace, and nothing else left the engine in the meantime."""
     times, t_left = c.sched["t_s"], v.timepoints.get("left_scheduler")
     i_left = len(times) if t_left is None else int(np.searchsorted(times, t_left, side="left"))
     if t_left is None or not 0 < i_left < len(times):
         return _open(v, NOT_LEFT)
-    i_in = i_left - 1  # the last sample it was still in
+    # the last sample it was surely still in: before its abort (else its stop), and before the sample that shows it
+    # gone. The release can be read a sample after the step that dropped it (the request let in is counted for sure
+    # only once its first token is out), and a sample there holds the queue already let in (seen behind a browser's
+    # Stop: the abort, the queued request let in at the next step, the release read a sample later)
+    i_in = min(i_left, int(np.searchsorted(times, c.t_ref, side="right"))) - 1
+    if i_in < 0:
+        i_in = i_left - 1
     waiters = c.waiters_at(i_in)
     r = c.reqs
     if c.rid in {r.ids[k] for k in waiters}:
