@@ -54,7 +54,9 @@ class Evidence:
         have gone back before the stop), "prefix_shared" (the prefix cache gave it part of its prompt
         while another request of the run ran beside it: those blocks stay held), "taken_in_its_place"
         (a request the count did not hold at the stop entered it, with KV usage no higher than at the stop:
-        the newcomer's prefill took the freed blocks),
+        the newcomer's prefill took the freed blocks), "seat_taken" (every seat of the engine taken before the abort,
+        max_num_seqs of its shape, and the request waiting behind it let in with nothing else leaving: its seat
+        and blocks were this one's, whatever the newcomer's prompt took besides),
         "blocks_of_the_running" (no more blocks in use than running requests, with no prefix-cache hit or
         preemption since the first entered: each holds one of its own, none is left for this one); both
         read only where the count is exactly the other requests of the ledger that are surely counted (their

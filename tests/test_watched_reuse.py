@@ -136,3 +136,36 @@ def test_a_release_read_a_sample_after_the_queued_request_got_in_is_still_its_re
     assert v.verdict == "released" and abs(v.timepoints["left_scheduler"] - 2.10) < 1e-9, (v.rule, v.timepoints)
     assert v.timepoints["reusable"] is not None and abs(v.timepoints["reusable"] - 2.07) < 1e-6, v.sources["reusable"]
     assert v.sources["reusable"]["reason"].startswith("request q waited behind it (1 waiting)"), v.sources["reusable"]
+
+
+def seats_full_run(seats, other_close_s=None):
+    """Every seat taken at the stop (2 running, max_num_seqs 2), q waiting behind tg; tg's abort at 2.002 and q let
+    in at the next step (first token 2.06). q's prompt takes more blocks than tg gave back, so KV usage rises."""
+    count = lambda t: 3.0 - (t < 1.0) - (t >= 2.05) - (t >= 4.5)  # noqa: E731  (q ends at 4.5, past the grace)
+    more = [{"request_id": "q", "scenario": "s", "role": "target", "n": 1, "sent_mono_ns": ns(1.0),
+             "first_token_mono_ns": ns(2.06), "closed_mono_ns": ns(4.55), "cancel_mono_ns": None,
+             "terminal_state": "completed"}]
+    if other_close_s is not None:  # another request of the run, beside them, its client gone before q got in
+        more.append({"request_id": "ot", "scenario": "s", "role": "target", "n": 1, "sent_mono_ns": ns(0.2),
+                     "first_token_mono_ns": ns(0.3), "closed_mono_ns": ns(other_close_s),
+                     "cancel_mono_ns": ns(other_close_s), "terminal_state": "cancelled"})
+    run = build_run(count, lambda t: 0.4 if t < 2.05 else 0.6 if t < 4.5 else 0.3, steady_gen, extra_ledger=more,
+                    waiting=lambda t: 1.0 if 1.0 <= t < 2.05 else 0.0, finished=lambda t: 0.0,
+                    series={"preemptions_total": lambda t: 0.0},
+                    engine_log=[("engine_added", "nb", 0.1), ("engine_added", "tg", 0.5), ("engine_added", "q", 1.0),
+                                ("engine_aborted", "tg", 2.002)])
+    run.info.setdefault("engine", {})["targets"] = {"t0": {"shape": {"max_num_seqs": seats}}} if seats else {}
+    return next(v for v in judge_run(run) if v.request_id == "tg")
+
+
+def test_a_request_let_in_to_the_seat_of_a_full_engine_shows_the_release_when_kv_usage_rises():
+    """The engine's seats all taken, the request waiting behind the cancel got in at the step after its abort and
+    nothing else left: the seat, and the blocks, were the cancel's (seat_taken), though KV usage rose with the
+    newcomer's longer prompt. Seen behind a browser's Stop in CI (fillers crossing into new blocks as well)."""
+    v = seats_full_run(2)
+    assert (v.verdict, v.rule, v.evidence.kv_drop_waived) == ("released", "released", "seat_taken"), v.evidence.why
+    assert abs(v.timepoints["left_scheduler"] - 2.10) < 1e-9, v.timepoints
+    # the engine's seats not known (not started by cancelwatch): KV usage never fell
+    assert (seats_full_run(None).verdict, seats_full_run(None).rule) == ("inconclusive", "kv_did_not_fall")
+    # another request left in between: whose seat q took is not known
+    assert seats_full_run(2, other_close_s=2.03).evidence.kv_drop_waived != "seat_taken"

@@ -72,30 +72,12 @@ def queued_behind(c: VllmCase, v: CancelVerdict) -> None:
     j = int(np.searchsorted(times, t_first, side="left"))
     if j >= len(times):
         return _open(v, NO_SAMPLE_AFTER.format(queued=queued, ms=ms))
-    others = _others_leaving(c, k, float(times[i_in]), t_first, j, i_in)
+    others = c.others_leaving(k, float(times[i_in]), t_first, j, i_in)
     if others:
         return _open(v, OTHERS_LEFT.format(queued=queued, ms=ms, others=", ".join(others)))
     v.timepoints["reusable"] = t_first
     v.sources["reusable"] = {"source": "queued", "reason": QUEUED.format(
         queued=queued, waiting=f"{float(c.sched['waiting'][i_in]):.0f}", ms=ms)}
-
-
-def _others_leaving(c: VllmCase, queued: int, t_in: float, t_first: float, j: int, i_in: int) -> list[str]:
-    """What else may have left the engine between the last sample holding the cancel (`t_in`) and the queued
-    request's first token: an end of the engine's own (its counter; one it does not count, as good as one),
-    another request's abort line, or its client's close where the engine's leaving is not logged (a cancel with
-    no abort line may leave the engine any time after its close)."""
-    fin = c.sched["finished"]
-    own = float(fin[j] - fin[i_in])
-    out = ["an end of the engine's own"] if own > 0 else ["an end its counter did not read"] if own != 0 else []
-    r = c.reqs
-    others = (r.ids != c.rid) & (np.arange(len(r.ids)) != queued)
-    aborted = np.isfinite(c.aborted_s)
-    with np.errstate(invalid="ignore"):
-        left = others & aborted & (c.aborted_s > t_in) & (c.aborted_s < t_first)
-        closed = others & ~aborted & (r.closed < t_first) & (r.closed > t_in - (0.0 if c.has_log else c.grace_s))
-        closed &= ~r.completed | (r.closed > t_in)  # a completed one before the sample had left by then
-    return out + [str(x) for x in r.ids[left | closed]]
 
 
 def _open(v: CancelVerdict, why: str) -> None:

@@ -324,7 +324,7 @@ def released(c: VllmCase) -> CancelVerdict | None:
     # a request that held KV must give it back: the probe taking blocks does not excuse a KV usage
     # that never fell, only what shows its blocks went back all the same
     waivers = {"taken_in_its_place": c.taken_in_its_place(kv_before),
-               "blocks_of_the_running": c.blocks_of_the_running} if needs_kv_drop else {}
+               "blocks_of_the_running": c.blocks_of_the_running, "seat_taken": c.seat_taken} if needs_kv_drop else {}
     kv_ok = np.logical_or.reduce([below, *waivers.values()]) if needs_kv_drop else np.ones(len(times), dtype=bool)
     hits = after[(count_ok & kv_ok & c.moved)[after]]
     if not len(hits):

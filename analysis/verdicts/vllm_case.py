@@ -272,6 +272,59 @@ class VllmCase(Case):
             seqs += float(r.seqs[k])
         return newest
 
+    def others_leaving(self, queued: int, t_in: float, t_first: float, j: int, i_in: int) -> list[str]:
+        """What else may have left the engine between the last sample holding this request (`t_in`, sample `i_in`) and
+        the first token of the request waiting behind it (row `queued`; `j`, the first sample at or after it): an end
+        of the engine's own (its counter; one it does not count, as good as one), another request's abort line, or
+        its client's close where the engine's leaving is not logged (a cancel with no abort line may leave the
+        engine any time after its close)."""
+        fin = self.sched["finished"]
+        own = float(fin[j] - fin[i_in])
+        out = ["an end of the engine's own"] if own > 0 else ["an end its counter did not read"] if own != 0 else []
+        r = self.reqs
+        others = (r.ids != self.rid) & (np.arange(len(r.ids)) != queued)
+        aborted = np.isfinite(self.aborted_s)
+        with np.errstate(invalid="ignore"):
+            left = others & aborted & (self.aborted_s > t_in) & (self.aborted_s < t_first)
+            closed = others & ~aborted & (r.closed < t_first) & (r.closed > t_in - (0.0 if self.has_log else self.grace_s))
+            closed &= ~r.completed | (r.closed > t_in)  # a completed one before the sample had left by then
+        return out + [str(x) for x in r.ids[left | closed]]
+
+    @cached_property
+    def seat_taken(self) -> np.ndarray:
+        """Per sample of the stretch: every seat of the engine was taken at the last sample before this request's abort
+        (running at max_num_seqs, the shape cancelwatch started the engine with), a request waited behind it, and that
+        request got in by the sample with nothing else leaving the engine in between (others_leaving; no preemption):
+        the seat it took was this one's, and with it the blocks this one held. A newcomer longer than this one, or
+        neighbours growing into new blocks, keep KV usage from falling (seen behind a browser's Stop in CI: the
+        request let in prefilled into more blocks than the cancelled one gave back). False everywhere where the
+        abort or the engine's seats are not known."""
+        times, sched = self.sched["t_s"], self.sched
+        out = np.zeros(len(times), dtype=bool)
+        shape = (((self.run.info.get("engine") or {}).get("targets") or {}).get(self.target or "") or {}).get("shape")
+        seats = (shape or {}).get("max_num_seqs")
+        i_in = int(np.searchsorted(times, self.t_ref, side="right")) - 1
+        if self.t_abort is None or not isinstance(seats, int) or i_in < 0:
+            return out
+        if not sched["count"][i_in] - sched["waiting"][i_in] >= seats - 0.5:
+            return out
+        waiters = self.waiters_at(i_in)
+        r = self.reqs
+        if not waiters or self.rid in {r.ids[k] for k in waiters}:
+            return out
+        k = waiters[-1]  # the oldest: the next let in
+        t_first = float(r.first[k])
+        j = int(np.searchsorted(times, t_first, side="left"))
+        if not max(float(times[i_in]), self.t_abort) < t_first or j >= len(times):
+            return out
+        pre = sched["preemptions"]
+        if np.isnan(pre[j]) or np.isnan(pre[i_in]) or pre[j] > pre[i_in]:
+            return out  # a preempted request gives its seat back too
+        if self.others_leaving(k, float(times[i_in]), t_first, j, i_in):
+            return out
+        out[j:] = True
+        return out
+
     def judged_beside_traffic(self) -> bool:
         return self.has_log and self.englog.names_requests(self.target)
 
