@@ -45,12 +45,12 @@ PACE_MARGIN = 1.25
 # (VllmCase.ends_unread): a close just inside it reads its own end, counted just before it, and not another's. Four
 # times LAG_S: a close LAG_S into the look-back may read an end LAG_S before it, and so on
 READ_BACK_S = 1.0
-# passes of judge_vllm at the most: each ends the ledger's no-abort requests where their verdicts saw them leave
-JUDGE_PASSES = 3
 # a request seen waiting shows the engine full where it stayed waiting while the engine made tokens in this many
 # sample intervals after it entered: the scheduler ran a whole step after it came, and did not let it in (a watch's
 # `reusable`: analysis/verdicts/reuse.py)
 FULL_STEPS = 2
+# passes of judge_vllm at the most: each ends the ledger's no-abort requests where their verdicts saw them leave
+JUDGE_PASSES = 3
 
 # ------------------------------------------------------------------------------------------ a slow reader
 # the server counting fewer than the ledger for this long (and at least this many sample periods) after a fall is

@@ -212,7 +212,9 @@ class VllmCase(Case):
         times, fin = self.frame_cols["t_s"], self.frame_cols["finished"]
         lo = max(int(np.searchsorted(times, t_from, side="left")) - 1, 0)
         hi = int(np.searchsorted(times, float(self.sched["t_s"][-1]), side="right"))
-        return _rises(times, fin, np.nonzero(~np.isnan(fin[lo:hi]))[0] + lo)
+        read = np.nonzero(~np.isnan(fin[lo:hi]))[0] + lo
+        return [(float(times[p]), float(times[q])) for p, q in zip(read[:-1], read[1:])
+                for _ in range(int(round(max(fin[q] - fin[p], 0.0))))]
 
     @cached_property
     def ended_unread_most(self) -> np.ndarray:
@@ -1123,9 +1125,3 @@ def _restart_in(gaps: _Gaps, sched: dict[str, np.ndarray], t_from: float, t_to: 
             return "generation_tokens_total went back"
     return None
 
-
-def _rises(times: np.ndarray, fin: np.ndarray, read: np.ndarray) -> list[tuple[float, float]]:
-    """The engine's own ends vllm:request_success_total (`fin`) shows between its `read` samples, one per end, each as
-    (after, by): counted after the read sample before the one that shows it, by that one."""
-    return [(float(times[p]), float(times[q])) for p, q in zip(read[:-1], read[1:])
-            for _ in range(int(round(max(fin[q] - fin[p], 0.0))))]

@@ -14,9 +14,9 @@ import pandas as pd
 from cancelwatch.analysis.bounds import ENTER_S, LAG_S, SURPLUS_HOLD_S
 from cancelwatch.analysis.ghosts import EngineReading, Ghosts
 from cancelwatch.analysis.rows import frame_rows
-from cancelwatch.analysis.series import own_ends, scheduler_columns
-from cancelwatch.analysis.verdicts.engine_done import solo_tokens_per_s
+from cancelwatch.analysis.series import scheduler_columns
 from cancelwatch.analysis.verdicts.core import LOG_SLACK_S, engine_log_state
+from cancelwatch.analysis.verdicts.engine_done import solo_tokens_per_s
 from cancelwatch.analysis.verdicts.requests import Requests, quiet_instants, requests_of, weighted_between
 from cancelwatch.analysis.verdicts.vllm_log import _EngineLog, _Gaps, _events, _scrape_spans, _target_gaps, _trace_events
 from cancelwatch.runstore.reader import Run
@@ -341,8 +341,8 @@ def ends_beyond_the_run(run: Run) -> str | None:
             ("scenario" in ledger and (ledger["scenario"] == WATCHED_SCENARIO).any()):
         return None
     target = targets[0]["label"] if targets else None
-    _, fin = own_ends(run, target)
-    count = scheduler_columns(run, target)["count"]
+    cols = scheduler_columns(run, target)  # the own-ends counter beside the gauges, read once
+    fin, count = cols["finished"][~np.isnan(cols["finished"])], cols["count"]
     if len(fin) < 2 or not len(count) or np.isnan(count[0]):
         return None
     ended = float(np.clip(np.diff(fin), 0.0, None).sum())
