@@ -73,7 +73,9 @@ class Evidence:
         two apart: {request_id, reason} with reason first_token_not_at_client, ended_after_engines_last_step or
         ended_by_itself_unread (request_id None, with their count), and for a lost cancel's reading (app_lost_*)
         end_read_within_lag, sent_within_lag or sent_during_its_scrape, and for a leak read past other lost
-        requests (still_counted_oldest_first) assumed_left_oldest_first; None where no count decided
+        requests (still_counted_oldest_first) assumed_left_oldest_first; for Triton without its log
+        sent_within_lag, end_read_within_lag, stopped_no_server_end and beyond_the_ledger_at_stop (request_id
+        None, with their count) (OPEN_REASONS holds them all); None where no count decided
     release_ms: duration, ms from engine abort (the completion, for a race) to left scheduler
     samples_to_release: count of samples from the first at or after the abort to the one that showed
         the release, both included
@@ -199,7 +201,10 @@ OPEN_REASONS = {"first_token_not_at_client": "first token not at its client yet"
                 "sent_within_lag": "sent just before the sample",
                 "sent_during_its_scrape": "sent while the sample's scrape was being answered",
                 # a lost request the ledger took out at a fall of the count, oldest first: it may be there still
-                "assumed_left_oldest_first": "taken to have left first, as the oldest of the lost"}
+                "assumed_left_oldest_first": "taken to have left first, as the oldest of the lost",
+                # Triton's, without its log: a request its client stopped, and the server's own traffic
+                "stopped_no_server_end": "stopped by its client; nothing shows the server let it go",
+                "beyond_the_ledger_at_stop": "counted at the stop beyond the run's requests, taken as steady"}
 
 
 def count_reading_text(reading: dict | None) -> str:

@@ -247,6 +247,25 @@ def buffer_held(scenario: str, model: str):
     return change
 
 
+def closed_with_stop(scenario: str, role: str):
+    """The scenario's `role` request closed by its client 50 ms after the stop (within LEDGER_LAG_S)."""
+    def change(run):
+        t = float(run.events[stop_of(run, scenario)]["t_s"].iloc[0])
+        row = (run.ledger["scenario"] == scenario) & (run.ledger["role"] == role)
+        run.ledger.loc[row, "closed_mono_ns"] = run.info["started_mono_ns"] + int((t + 0.05) * 1e9)
+    return change
+
+
+def unread(scenario: str, metric: str, from_s: float, to_s: float):
+    """No reading of `metric` from `from_s` to `to_s` after the scenario's stop."""
+    def change(run):
+        t = float(run.events[stop_of(run, scenario)]["t_s"].iloc[0])
+        s = run.samples
+        gone = (s["metric"] == metric) & (s["t_s"] > t + from_s) & (s["t_s"] < t + to_s)
+        run.samples = s[~gone].reset_index(drop=True)
+    return change
+
+
 EXEC, DEAF, HTTP = "triton_executing", "triton_deaf", "triton_http_timeout"
 # rule -> (the scenario whose target reaches it, the changes to the recorded suite)
 TRITON_RUNS = {
@@ -274,6 +293,10 @@ TRITON_RUNS = {
     "gauge_up_through_grace": (DEAF, [without_log, gauge_held(DEAF, "generator_deaf")]),
     "steps_kept_rising": (EXEC, [without_log, stop_data(EXEC, drop=("inputs",)), gauge_held(EXEC, "generator")]),
     "no_server_evidence": (EXEC, [without_log, no_series("model_active_requests", "triton_request_failure_total")]),
+    "gauge_within_others": (EXEC, [without_log, closed_with_stop(EXEC, "neighbour")]),
+    "gauge_up_no_steps": (EXEC, [without_log, stop_data(EXEC, drop=("inputs",)), gauge_held(EXEC, "generator"),
+                                 no_series("model_steps_total")]),
+    "no_gauge_reading": (EXEC, [without_log, unread(EXEC, "model_active_requests", 0.0, 3.0)]),
     "never_named": (EXEC, [model_lines(EXEC, "engine_added", "engine_aborted", drop=True),
                            no_series("triton_request_failure_total")]),
     "still_running_at_end": (EXEC, [model_lines(EXEC, "engine_aborted", drop=True),

@@ -352,6 +352,12 @@ RULES: dict[str, Rule] = {
                                    "ran for nobody"),
     "steps_kept_rising": Rule(LEAKED, "no server log; the model's active gauge stayed up and its steps kept rising "
                               "through the grace"),
+    "gauge_within_others": Rule(INCONCLUSIVE, "no server log; the model's count after the stop is within what its "
+                                "other requests can make it: they, not this one, may be what it counts"),
+    "gauge_up_no_steps": Rule(INCONCLUSIVE, "no server log; the model's count held the request through the grace, "
+                              "but its steps did not rise: nothing says whether it still worked on it"),
+    "no_gauge_reading": Rule(INCONCLUSIVE, "no server log, and no reading of the model's gauge between the stop and "
+                             "{until}: nothing shows whether the request stayed"),
     "no_server_evidence": Rule(INCONCLUSIVE, "no server evidence names this request (no server log, no CANCELED "
                                "drop, no model gauge): the client's CANCELLED alone proves nothing"),
     "never_named": Rule(INCONCLUSIVE, "the server log never names this request and the core counted no CANCELED "
@@ -366,7 +372,11 @@ RULES: dict[str, Rule] = {
 COUNT_READING_RULES = frozenset({"released", "released_beside_traffic", "gauges_not_refreshed", "kv_did_not_fall",
                                  "finished_unseen", "abort_logged_still_generating", "abort_logged_gauges_stale",
                                  "still_counted_generating", "gauges_stale", "app_lost_cancel",
-                                 "still_counted_oldest_first", "counted_beside_lost"})
+                                 "still_counted_oldest_first", "counted_beside_lost",
+                                 # Triton's, without its log
+                                 "gauge_fell_end_unknown", "gauge_fell_before_natural_end", "gauge_up_to_natural_end",
+                                 "gauge_up_through_grace", "steps_kept_rising", "gauge_within_others",
+                                 "gauge_up_no_steps"})
 # what a verdict can rest on that its evidence alone does not show: code -> what is assumed. A verdict names those it
 # rests on (evidence.assumes), and the report says where the run's own evidence contradicts one (run_assumptions)
 ASSUMPTIONS = {
@@ -378,6 +388,10 @@ ASSUMPTIONS = {
     "counted_once_sent": "a request the client sent was in the engine's count within ENTER_S + LAG_S of its send "
                          "(analysis/bounds.py), before any of its tokens reached its client: a hop that held it longer "
                          "left its room in the count to this one",
+    "traffic_beside_held_steady": "the requests the run did not send held steady through the cancel (as many as "
+                                  "the model's count held beyond the run's at the stop; none where it held none): "
+                                  "without its log, Triton's gauge cannot tell another client's request from this "
+                                  "one",
     "no_faster_than_the_pace_margin": "no sequence ran faster than the fastest one went alone in the window, a "
                                       "quarter added (analysis/bounds.py, PACE_MARGIN): the request could not have "
                                       "made its tokens sooner",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import string
 import sys
 
+from cancelwatch.analysis.evidence import OPEN_REASONS
 from cancelwatch.analysis.verdicts.core import ASSUMPTIONS, COUNT_READING_RULES, RULES, VERDICTS
 
 
@@ -29,8 +30,7 @@ def reference_markdown() -> str:
              "- **count_reading**: the rule read the scheduler's count at a deciding sample; `evidence.count_reading` "
              "holds that count, the fewest and the most other requests the engine could hold there, the bound the "
              "count was held to, and the requests that keep the two apart, each with its reason "
-             "(`first_token_not_at_client`, `ended_after_engines_last_step`, `ended_by_itself_unread`; for a lost "
-             "cancel's reading `end_read_within_lag`, `sent_within_lag`, `sent_during_its_scrape`). "
+             f"({', '.join(f'`{code}`' for code in OPEN_REASONS)}: `analysis/evidence.py`, OPEN_REASONS). "
              "`app_lost_unconfirmed` carries one where a sample short of the ledger kept the loss open.",
              "- **race**: the evidence concluded a race the completion won; **quiet**: a plain release, `why` empty.", ""]
     for verdict in VERDICTS:

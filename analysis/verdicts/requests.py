@@ -109,3 +109,35 @@ def quiet_instants(reqs: Requests) -> np.ndarray:
     before = np.concatenate(([-math.inf], np.maximum.accumulate(closed)[:-1]))
     first_of_instant = np.concatenate(([True], sent[1:] > sent[:-1]))
     return sent[first_of_instant & (before <= sent)]
+
+
+class Stays(NamedTuple):
+    """Requests' stays in a server as the evidence bounds them, one row each: surely inside over [surely_from,
+    surely_to), maybe inside over [maybe_from, maybe_to) (which holds the first). At each instant the server can
+    count no fewer than the sure ones and no more than the maybes; the rows between are the requests that keep a
+    count's reading open, each with its reason (OPEN_REASONS in evidence.py): `before` while it may not be counted
+    yet, `after` once it may have left. The count readings of both families are read on such stays."""
+
+    ids: np.ndarray  # object
+    weights: np.ndarray  # what each counts for (a completion's sequences)
+    surely_from: np.ndarray
+    surely_to: np.ndarray
+    maybe_from: np.ndarray
+    maybe_to: np.ndarray
+    before: np.ndarray  # object: the reason it may not be counted yet
+    after: np.ndarray  # object: the reason it may have left
+
+    def fewest(self, times: np.ndarray) -> np.ndarray:
+        return weighted_between(times, self.surely_from, self.surely_to, self.weights)
+
+    def most(self, times: np.ndarray) -> np.ndarray:
+        return weighted_between(times, self.maybe_from, self.maybe_to, self.weights)
+
+    def open_at(self, t: float) -> list[dict]:
+        """The rows that may be inside at `t` but are not surely: {request_id, reason}."""
+        maybe = (self.maybe_from <= t) & (t < self.maybe_to)
+        out = []
+        for i in np.nonzero(maybe & ~((self.surely_from <= t) & (t < self.surely_to)))[0]:
+            out.append({"request_id": str(self.ids[i]), "reason": self.before[i] if t < self.surely_from[i]
+                        else self.after[i]})
+        return out

@@ -30,13 +30,14 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import pandas as pd
 
 from cancelwatch.analysis.bounds import LEDGER_LAG_S, RACE_S
 from cancelwatch.analysis.rows import frame_rows
-from cancelwatch.analysis.verdicts.requests import Requests, requests_of, weighted_between
+from cancelwatch.analysis.verdicts.requests import Requests, Stays, requests_of, weighted_between
 from cancelwatch.analysis.evidence import Evidence
 from cancelwatch.analysis.verdicts.core import (
     LOG_SLACK_S,
@@ -161,14 +162,20 @@ def judge_triton(run: Run, grace_s: float, metrics_target: str | None = None) ->
     spans = {r: (row.get("sent_mono_ns"), row.get("closed_mono_ns")) for r, row in rows.items()}
     reqs = requests_of(ledger, t0)
     row_models = np.array([models.get(rid) for rid in reqs.ids], dtype=object)
+    naturals = {s.request_id: _natural_end(d, float(s.t_s), t0) for s, d in zip(frame_rows(stops), datas)}
+    seen_leaving: dict[str, float] = {}
     out = []
     for stop, data in zip(frame_rows(stops), datas):
         case = _case(run, slog, rows, by_scenario.get(data.get("scenario"), NO_REQUESTS), scrape_times, data=data,
                      rid=stop.request_id, t_stop=float(stop.t_s), t0=t0, target=target, grace_s=grace_s,
                      log_state=log_state, missed=missed.get(stop.request_id),
                      together=together[(data.get("model"), round(float(stop.t_s), 4))], models=models,
-                     spans=spans, reqs=reqs, row_models=row_models)
-        out.append(judge(case, EVIDENCE_RULES))
+                     spans=spans, reqs=reqs, row_models=row_models, naturals=naturals, seen_leaving=seen_leaving)
+        v = judge(case, EVIDENCE_RULES)
+        if v.timepoints.get("left_scheduler") is not None:
+            # the server's own evidence showed it gone: the cancels after it read it so (ledger_stays)
+            seen_leaving[v.request_id] = float(v.timepoints["left_scheduler"])
+        out.append(v)
     return out
 
 
@@ -204,39 +211,79 @@ class TritonCase(Case):
     ledger_spans: dict  # request id -> (sent_mono_ns, closed_mono_ns)
     reqs: Requests | None = None  # the ledger as arrays (requests.py): its stays as the vLLM model reads them
     row_models: np.ndarray | None = None  # per row of reqs: the model its request_sent event names
+    naturals: dict | None = None  # request id -> when its stopped request would have ended on its own (_natural_end)
+    seen_leaving: dict | None = None  # request id -> where an earlier cancel's verdict saw its stopped request gone
 
     @property
     def model(self) -> str | None:
         return self.data.get("model")
 
     def others(self, times: np.ndarray) -> np.ndarray | None:
-        """Per instant: the model's requests other than this one it should be counting: by its log (started,
-        not yet ended); without one, the ledger's requests of the model in flight (sent, not yet closed),
-        plus whatever the gauge counted at the stop beyond the ledger (traffic the client does not know,
-        taken as steady). None without a gauge reading before the stop."""
-        if self.has_log:
-            return self.slog.others_running(self.model, self.rid, times)
-        t_act, v_act = self.series["active"]
-        before = _before(t_act, v_act, self.t_stop) if len(t_act) else None
-        if before is None:
-            return None
-        if not self.models:  # a run whose sends do not name their model: the others at the stop, held steady
-            return np.full(len(times), before - self.together)
-        mine = self.ledger_in_flight(times)
-        at_stop = float(self.ledger_in_flight(np.array([self.t_stop - 1e-6]))[0])
-        # at the stop the gauge counted this request, the ledger's others (the co-stopped targets among
-        # them) and whatever the client does not know: that last part is taken as steady
-        return mine + max(0.0, before - at_stop - 1)
+        """Per instant: the fewest of the model's requests other than this one the server can be counting
+        (others_bounds); None without a gauge reading before the stop."""
+        bounds = self.others_bounds(times)
+        return None if bounds is None else bounds[0]
 
-    def ledger_in_flight(self, times: np.ndarray) -> np.ndarray:
-        """Per instant: requests of this model the ledger had in the server, this one left out: from LEDGER_LAG_S
-        after their send to LEDGER_LAG_S before their client closed them (the server takes a request up a
-        moment after the send and ends it a moment before its client reads the end). Counted short at both
-        ends: an other counted too few makes a release harder to show, never easier."""
+    def others_bounds(self, times: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Per instant: (the fewest, the most) of the model's requests other than this one the server can be
+        counting. By its log, the requests it had started and not yet ended (both). Without one, the ledger's
+        (ledger_stays), plus what the server counted at the stop beyond them: traffic the client does not know,
+        taken as steady (between the count less this one and the most of the ledger's, and the count less this one
+        and the fewest). None without a gauge reading before the stop."""
+        if self.has_log:
+            running = self.slog.others_running(self.model, self.rid, times)
+            return running, running
+        if self.count_before is None:
+            return None
+        t_before, before = self.count_before
+        if not self.models:  # a run whose sends do not name their model: the others at the stop, held steady
+            held = np.full(len(times), before - self.together)
+            return held, held
+        stays, at_stop = self.ledger_stays, np.array([t_before])
+        beyond_lo = max(0.0, before - 1 - float(stays.most(at_stop)[0]))
+        beyond_hi = max(0.0, before - 1 - float(stays.fewest(at_stop)[0]))
+        return stays.fewest(times) + beyond_lo, stays.most(times) + beyond_hi
+
+    @cached_property
+    def count_before(self) -> tuple[float, float] | None:
+        """(instant, count) of the server's last reading for the model before the stop (counted)."""
+        t_act, v_act = self.counted()
+        i = int(np.searchsorted(t_act, self.t_stop, side="left")) - 1
+        return (float(t_act[i]), float(v_act[i])) if i >= 0 else None
+
+    @cached_property
+    def ledger_stays(self) -> Stays:
+        """The ledger's other requests of this model as stays in the server (requests.py). Surely the server's from
+        LEDGER_LAG_S after the send to LEDGER_LAG_S before the client was done with it (the server takes a request
+        up a moment after its send and ends it a moment before its client reads the end, or drops it after its cancel
+        at the soonest); maybe from the send to
+        the client's close. One its client stopped may run on for nobody: maybe to its natural end, where the run
+        says when that is (its stop's inputs), or to where its own verdict saw it gone, else to the end of the run."""
         r = self.reqs
         mine = (r.ids != self.rid) & (self.row_models == self.model) & ~np.isnan(r.sent)
-        end = np.where(np.isnan(r.closed), math.inf, r.closed - LEDGER_LAG_S)
-        return weighted_between(times, r.sent[mine] + LEDGER_LAG_S, end[mine], np.ones(int(mine.sum())))
+        closed = np.nan_to_num(r.closed[mine], nan=math.inf)
+        cancel = r.cancel[mine]
+        stopped = ~np.isnan(cancel) & ~r.completed[mine]
+        # a request is dropped after its cancel, never before it: surely the server's up to the cancel itself
+        surely_to = np.where(stopped, cancel, closed - LEDGER_LAG_S)
+        natural = np.array([(self.naturals or {}).get(rid) or math.inf for rid in r.ids[mine]], dtype=float)
+        seen = np.array([(self.seen_leaving or {}).get(rid, math.inf) for rid in r.ids[mine]], dtype=float)
+        maybe_to = np.where(stopped, np.maximum(closed, np.minimum(natural + RACE_S, seen)), closed)
+        n = int(mine.sum())
+        return Stays(ids=r.ids[mine], weights=np.ones(n), surely_from=r.sent[mine] + LEDGER_LAG_S,
+                     surely_to=surely_to, maybe_from=r.sent[mine], maybe_to=maybe_to,
+                     before=np.full(n, "sent_within_lag", dtype=object),
+                     after=np.where(stopped, "stopped_no_server_end", "end_read_within_lag").astype(object))
+
+    def count_reading(self, t: float, count: float, fewest: float, most: float) -> dict:
+        """What the count at instant `t` was read against (Evidence.count_reading, as the vLLM rules give it): the
+        fewest and the most others, and the requests that keep them apart."""
+        open_ = [] if self.has_log or not self.models else self.ledger_stays.open_at(t)
+        beyond = most - fewest - len(open_)
+        if beyond >= 0.5:
+            open_.append({"request_id": None, "reason": "beyond_the_ledger_at_stop", "count": int(round(beyond))})
+        return {"at_s": round(t, 3), "count": float(count), "others_fewest": float(fewest), "others_most": float(most),
+                "compared_with": None, "open": open_}
 
     def counted(self) -> tuple[np.ndarray, np.ndarray]:
         """(instants, requests) the server counted for the model: executing (its active gauge), and, without
@@ -303,7 +350,8 @@ class TritonCase(Case):
 
 def _case(run: Run, slog: _ServerLog, rows: dict, same: dict, scrape_times: np.ndarray, *, data: dict, rid: str,
           t_stop: float, t0: int, target: str | None, grace_s: float, log_state: str, missed: dict | None,
-          together: int, models: dict, spans: dict, reqs: Requests, row_models: np.ndarray) -> TritonCase:
+          together: int, models: dict, spans: dict, reqs: Requests, row_models: np.ndarray,
+          naturals: dict, seen_leaving: dict) -> TritonCase:
     has_log = log_state == "read"
     model, lrow = data.get("model"), rows.get(rid)
     t_added = slog.first("engine_added", rid)
@@ -338,7 +386,8 @@ def _case(run: Run, slog: _ServerLog, rows: dict, same: dict, scrape_times: np.n
                       finished_detail=slog.detail.get(("engine_finished", rid), ""),
                       polls="poll=false" not in slog.detail.get(("engine_added", rid), ""), together=together,
                       natural=_natural_end(data, t_stop, t0), series=series, run=run, models=models,
-                      ledger_spans=spans, reqs=reqs, row_models=row_models)
+                      ledger_spans=spans, reqs=reqs, row_models=row_models, naturals=naturals,
+                      seen_leaving=seen_leaving)
 
 
 # ------------------------------------------------------------------------------------------ the rules
@@ -418,7 +467,9 @@ def dropped_in_queue(c: TritonCase) -> CancelVerdict | None:
 
 
 def metrics_alone(c: TritonCase) -> CancelVerdict | None:
-    """No server log: the model's own gauge, against when the request would have ended anyway."""
+    """No server log: the model's count against the fewest and the most of its other requests (others_bounds), and
+    when the request would have ended anyway. Out where the count is no more than the fewest before then; in where
+    it is more than the most at the last reading before then (the grace's end, else its natural end)."""
     if c.has_log:
         return None
     natural, t_stop, grace_s = c.natural, c.t_stop, c.grace_s
@@ -426,27 +477,40 @@ def metrics_alone(c: TritonCase) -> CancelVerdict | None:
         c.ev.race = "the request was due to end with the stop"
         return c.verdict("due_to_end_with_stop")
     t_act, v_act = c.counted()
-    has_gauge = len(t_act) > 0
-    sel = (t_act >= t_stop) & (t_act <= t_stop + grace_s) if has_gauge else np.array([], dtype=bool)
-    before = _before(t_act, v_act, t_stop) if has_gauge else None
-    # the model's other requests at each sample, from the ledger (they come and go: never a constant)
-    others = c.others(t_act) if before is not None else None
-    t_fall = _first(t_act, sel & (v_act <= others + 0.5)) if others is not None else None
-    if t_fall is not None and (natural is None or t_fall < natural - RACE_S):
-        c.tp["left_scheduler"] = t_fall
+    bounds = c.others_bounds(t_act) if len(t_act) else None
+    if bounds is None:
+        return c.verdict("no_server_evidence")
+    # the gauge cannot tell another client's request from this one: the traffic beside the run's held steady
+    c.ev.assumes = ["traffic_beside_held_steady"]
+    fewest, most = bounds
+    sel = (t_act >= t_stop) & (t_act <= t_stop + grace_s)
+    out = np.nonzero(sel & (v_act <= fewest + 0.5))[0]
+    if len(out) and (natural is None or t_act[out[0]] < natural - RACE_S):
+        i = int(out[0])
+        c.tp["left_scheduler"] = float(t_act[i])
+        c.ev.count_reading = c.count_reading(float(t_act[i]), v_act[i], fewest[i], most[i])
         if natural is None:
             return c.verdict("gauge_fell_end_unknown")
-        return c.verdict("gauge_fell_before_natural_end", early_s=natural - t_fall)
-    if before is not None and natural is not None:
-        # the gauge stayed up to the request's natural end (or the end of the grace)
-        t_end = _first(t_act, (t_act >= natural - RACE_S) & (v_act <= others + 0.5))
+        return c.verdict("gauge_fell_before_natural_end", early_s=natural - t_act[i])
+    # the last reading before the request would have ended anyway, within the grace
+    until = t_stop + grace_s if natural is None else min(t_stop + grace_s, natural - RACE_S)
+    last = np.nonzero((t_act > t_stop) & (t_act < until))[0]
+    if not len(last):
+        return c.verdict("no_gauge_reading", until="its natural end" if until < t_stop + grace_s else "the grace's end")
+    i = int(last[-1])
+    c.ev.count_reading = c.count_reading(float(t_act[i]), v_act[i], fewest[i], most[i])
+    if v_act[i] <= most[i] + 0.5:
+        return c.verdict("gauge_within_others")
+    if natural is not None:
+        # the request was surely counted up to its natural end (or the end of the grace)
+        t_end = _first(t_act, (t_act >= natural - RACE_S) & (v_act <= fewest + 0.5))
         c.ev.kept_running_ms = round(((t_end if t_end is not None else t_stop + grace_s) - t_stop) * 1000, 1)
         return c.verdict("gauge_up_to_natural_end" if t_end is not None else "gauge_up_through_grace")
     t_steps, v_steps = c.series["steps"]
     steps_in = v_steps[(t_steps > t_stop + 0.5) & (t_steps <= t_stop + grace_s)] if len(t_steps) else np.array([])
-    if before and len(steps_in) >= 2 and steps_in[-1] > steps_in[0] and t_fall is None:
+    if len(steps_in) >= 2 and steps_in[-1] > steps_in[0]:
         return c.verdict("steps_kept_rising")
-    return c.verdict("no_server_evidence")
+    return c.verdict("gauge_up_no_steps")
 
 
 def never_named(c: TritonCase) -> CancelVerdict | None:
