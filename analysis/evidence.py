@@ -74,8 +74,9 @@ class Evidence:
         ended_by_itself_unread (request_id None, with their count), and for a lost cancel's reading (app_lost_*)
         end_read_within_lag, sent_within_lag or sent_during_its_scrape, and for a leak read past other lost
         requests (still_counted_oldest_first) assumed_left_oldest_first; for Triton without its log
-        sent_within_lag, end_read_within_lag, stopped_no_server_end and beyond_the_ledger_at_stop (request_id
-        None, with their count) (OPEN_REASONS holds them all); None where no count decided
+        sent_within_lag (this one's too, sent just before the reading the change is read from),
+        end_read_within_lag, stopped_no_server_end and model_not_named (OPEN_REASONS holds them all); None where
+        no count decided
     release_ms: duration, ms from engine abort (the completion, for a race) to left scheduler
     samples_to_release: count of samples from the first at or after the abort to the one that showed
         the release, both included
@@ -202,9 +203,9 @@ OPEN_REASONS = {"first_token_not_at_client": "first token not at its client yet"
                 "sent_during_its_scrape": "sent while the sample's scrape was being answered",
                 # a lost request the ledger took out at a fall of the count, oldest first: it may be there still
                 "assumed_left_oldest_first": "taken to have left first, as the oldest of the lost",
-                # Triton's, without its log: a request its client stopped, and the server's own traffic
+                # Triton's, without its log: a request its client stopped; a send that names no model
                 "stopped_no_server_end": "stopped by its client; nothing shows the server let it go",
-                "beyond_the_ledger_at_stop": "counted at the stop beyond the run's requests, taken as steady"}
+                "model_not_named": "its send names no model: it may be this model's"}
 
 
 def count_reading_text(reading: dict | None) -> str:

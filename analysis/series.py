@@ -128,3 +128,29 @@ def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> floa
     if not len(v) or cum[-1] <= 0:
         return float(np.quantile(values, q)) if len(values) else float("nan")
     return float(v[min(len(v) - 1, int(np.searchsorted(cum, q * cum[-1])))])
+
+
+def scrape_spans(run: Run, target: str | None, times: np.ndarray, source: str = "vllm") -> np.ndarray:
+    """Per sample instant of `target`'s server (its `source`'s scrapes): how long its scrape took to answer (s; 0
+    where the run did not record it). A reading stamped at its scrape's start counts what the server held at some
+    instant of that span. The server's scrapes only: another source of the target (the clients' count) reads on
+    the same tick grid, at the same instants."""
+    sc = run.scrapes
+    if sc is None or sc.empty or not len(times):
+        return np.zeros(len(times))
+    # in arrays: a frame's masks and a reindex cost a millisecond, and a watch judges every cancel on a window
+    mine = sc["ok"].to_numpy() == 1
+    if "source" in sc:
+        mine &= sc["source"].to_numpy(dtype=object) == source
+    if target is not None:
+        mine &= sc["target"].to_numpy(dtype=object) == target
+    at = np.round(sc["t_s"].to_numpy(float)[mine], 6)
+    took = sc["duration_ns"].to_numpy(float)[mine] / 1e9
+    if not len(at):
+        return np.zeros(len(times))
+    order = np.argsort(at, kind="stable")
+    at, took = at[order], took[order]
+    want = np.round(times.astype(float), 6)
+    # of a repeated instant the last row's, as a dict built in row order keeps it (the stable sort keeps row order)
+    i = np.clip(np.searchsorted(at, want, side="right") - 1, 0, None)
+    return np.nan_to_num(np.where(at[i] == want, took[i], 0.0), nan=0.0)

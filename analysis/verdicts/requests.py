@@ -116,7 +116,7 @@ class Stays(NamedTuple):
     surely_to), maybe inside over [maybe_from, maybe_to) (which holds the first). At each instant the server can
     count no fewer than the sure ones and no more than the maybes; the rows between are the requests that keep a
     count's reading open, each with its reason (OPEN_REASONS in evidence.py): `before` while it may not be counted
-    yet, `after` once it may have left. The count readings of both families are read on such stays."""
+    yet, `after` once it may have left. Triton's count readings are read on them (TritonCase.others_bounds)."""
 
     ids: np.ndarray  # object
     weights: np.ndarray  # what each counts for (a completion's sequences)
@@ -127,17 +127,36 @@ class Stays(NamedTuple):
     before: np.ndarray  # object: the reason it may not be counted yet
     after: np.ndarray  # object: the reason it may have left
 
-    def fewest(self, times: np.ndarray) -> np.ndarray:
-        return weighted_between(times, self.surely_from, self.surely_to, self.weights)
+    def _inside(self, lo, hi) -> tuple[np.ndarray, np.ndarray]:
+        """Rows x readings, each reading held over [lo, hi] (a scrape answered over a span): (surely inside
+        throughout, maybe inside at some instant)."""
+        lo, hi = np.atleast_1d(lo), np.atleast_1d(hi)
+        surely = (self.surely_from[:, None] <= lo) & (hi < self.surely_to[:, None])
+        maybe = (self.maybe_from[:, None] <= hi) & (lo < self.maybe_to[:, None])
+        return surely, maybe
 
-    def most(self, times: np.ndarray) -> np.ndarray:
-        return weighted_between(times, self.maybe_from, self.maybe_to, self.weights)
+    def change(self, base_lo: float, base_hi: float, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per reading over [lo, hi]: (the least, the most) the rows' weight inside can have changed by since a
+        reading over [base_lo, base_hi]. Each row has one stay: inside at the base and not at the reading, it
+        left (-1); outside at the base and inside at the reading, it entered, which only one not surely inside yet
+        at the base can have done (+1)."""
+        a_min, a_max = (m[:, 0] for m in self._inside(base_lo, base_hi))
+        c_min, c_max = self._inside(lo, hi)
+        a_min, a_max = a_min[:, None], a_max[:, None]
+        d_min = c_min.astype(float) - a_max
+        d_max = c_max.astype(float) - a_min
+        # in at the reading and out at the base: entered since, unless it had been in and left before the base
+        entered = (c_max & ~a_min) & ~(base_lo < self.surely_from)[:, None]
+        stays_put = (a_max & c_max) | (~a_min & ~c_min)
+        d_max = np.where(entered & stays_put, 0.0, d_max)
+        w = self.weights
+        return w @ d_min, w @ d_max
 
-    def open_at(self, t: float) -> list[dict]:
-        """The rows that may be inside at `t` but are not surely: {request_id, reason}."""
-        maybe = (self.maybe_from <= t) & (t < self.maybe_to)
+    def open_at(self, lo: float, hi: float | None = None) -> list[dict]:
+        """The rows that may be inside over [lo, hi] but are not surely: {request_id, reason}."""
+        surely, maybe = self._inside(lo, lo if hi is None else hi)
         out = []
-        for i in np.nonzero(maybe & ~((self.surely_from <= t) & (t < self.surely_to)))[0]:
-            out.append({"request_id": str(self.ids[i]), "reason": self.before[i] if t < self.surely_from[i]
+        for i in np.nonzero(maybe[:, 0] & ~surely[:, 0])[0]:
+            out.append({"request_id": str(self.ids[i]), "reason": self.before[i] if lo < self.surely_from[i]
                         else self.after[i]})
         return out

@@ -37,6 +37,7 @@ import pandas as pd
 
 from cancelwatch.analysis.bounds import LEDGER_LAG_S, RACE_S
 from cancelwatch.analysis.rows import frame_rows
+from cancelwatch.analysis.series import scrape_spans
 from cancelwatch.analysis.verdicts.requests import Requests, Stays, requests_of, weighted_between
 from cancelwatch.analysis.evidence import Evidence
 from cancelwatch.analysis.verdicts.core import (
@@ -162,7 +163,6 @@ def judge_triton(run: Run, grace_s: float, metrics_target: str | None = None) ->
     spans = {r: (row.get("sent_mono_ns"), row.get("closed_mono_ns")) for r, row in rows.items()}
     reqs = requests_of(ledger, t0)
     row_models = np.array([models.get(rid) for rid in reqs.ids], dtype=object)
-    naturals = {s.request_id: _natural_end(d, float(s.t_s), t0) for s, d in zip(frame_rows(stops), datas)}
     seen_leaving: dict[str, float] = {}
     out = []
     for stop, data in zip(frame_rows(stops), datas):
@@ -170,7 +170,7 @@ def judge_triton(run: Run, grace_s: float, metrics_target: str | None = None) ->
                      rid=stop.request_id, t_stop=float(stop.t_s), t0=t0, target=target, grace_s=grace_s,
                      log_state=log_state, missed=missed.get(stop.request_id),
                      together=together[(data.get("model"), round(float(stop.t_s), 4))], models=models,
-                     spans=spans, reqs=reqs, row_models=row_models, naturals=naturals, seen_leaving=seen_leaving)
+                     spans=spans, reqs=reqs, row_models=row_models, seen_leaving=seen_leaving)
         v = judge(case, EVIDENCE_RULES)
         if v.timepoints.get("left_scheduler") is not None:
             # the server's own evidence showed it gone: the cancels after it read it so (ledger_stays)
@@ -211,7 +211,6 @@ class TritonCase(Case):
     ledger_spans: dict  # request id -> (sent_mono_ns, closed_mono_ns)
     reqs: Requests | None = None  # the ledger as arrays (requests.py): its stays as the vLLM model reads them
     row_models: np.ndarray | None = None  # per row of reqs: the model its request_sent event names
-    naturals: dict | None = None  # request id -> when its stopped request would have ended on its own (_natural_end)
     seen_leaving: dict | None = None  # request id -> where an earlier cancel's verdict saw its stopped request gone
 
     @property
@@ -224,64 +223,87 @@ class TritonCase(Case):
         bounds = self.others_bounds(times)
         return None if bounds is None else bounds[0]
 
-    def others_bounds(self, times: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """Per instant: (the fewest, the most) of the model's requests other than this one the server can be
-        counting. By its log, the requests it had started and not yet ended (both). Without one, the ledger's
-        (ledger_stays), plus what the server counted at the stop beyond them: traffic the client does not know,
-        taken as steady (between the count less this one and the most of the ledger's, and the count less this one
-        and the fewest). None without a gauge reading before the stop."""
+    def others_bounds(self, times: np.ndarray, spans: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+        """Per reading at `times` (its scrape answered over `spans`): (the fewest, the most) of the requests other than
+        this one the server can be counting for the model. By its log, the requests it had started and not yet ended
+        (both). Without one, a change from its last reading before the stop (baseline): there it counted this one (or
+        not yet, sent just before), the ledger's others, and whatever the client does not know, taken as steady
+        (traffic_beside_held_steady). From there each of the ledger's others can have left, entered, or neither,
+        as its stay allows (ledger_stays: one stay each, never re-entered), so the count moved by as much as they
+        did, give or take this one. None without a reading before the stop."""
         if self.has_log:
             running = self.slog.others_running(self.model, self.rid, times)
             return running, running
-        if self.count_before is None:
+        base = self.baseline
+        if base is None:
             return None
-        t_before, before = self.count_before
-        if not self.models:  # a run whose sends do not name their model: the others at the stop, held steady
-            held = np.full(len(times), before - self.together)
-            return held, held
-        stays, at_stop = self.ledger_stays, np.array([t_before])
-        beyond_lo = max(0.0, before - 1 - float(stays.most(at_stop)[0]))
-        beyond_hi = max(0.0, before - 1 - float(stays.fewest(at_stop)[0]))
-        return stays.fewest(times) + beyond_lo, stays.most(times) + beyond_hi
+        t_b, span_b, count_b = base
+        spans = np.zeros(len(times)) if spans is None else spans
+        d_min, d_max = self.ledger_stays.change(t_b, t_b + span_b, times, times + spans)
+        own = self.own_stay
+        mine_lo = 1.0 if own.surely_from[0] <= t_b else 0.0  # this one, counted at the baseline: surely, or maybe
+        mine_hi = 1.0 if own.maybe_from[0] <= t_b + span_b else 0.0
+        return np.maximum(0.0, count_b - mine_hi + d_min), count_b - mine_lo + d_max
 
     @cached_property
-    def count_before(self) -> tuple[float, float] | None:
-        """(instant, count) of the server's last reading for the model before the stop (counted)."""
+    def baseline(self) -> tuple[float, float, float] | None:
+        """(instant, scrape span, count) of the server's last reading for the model before the stop (counted)."""
         t_act, v_act = self.counted()
         i = int(np.searchsorted(t_act, self.t_stop, side="left")) - 1
-        return (float(t_act[i]), float(v_act[i])) if i >= 0 else None
+        if i < 0:
+            return None
+        return float(t_act[i]), float(self.counted_spans[i]), float(v_act[i])
+
+    @cached_property
+    def counted_spans(self) -> np.ndarray:
+        return scrape_spans(self.run, self.ev.metrics_target, self.counted()[0], source=TRITON)
 
     @cached_property
     def ledger_stays(self) -> Stays:
-        """The ledger's other requests of this model as stays in the server (requests.py). Surely the server's from
-        LEDGER_LAG_S after the send to LEDGER_LAG_S before the client was done with it (the server takes a request
-        up a moment after its send and ends it a moment before its client reads the end, or drops it after its cancel
-        at the soonest); maybe from the send to
-        the client's close. One its client stopped may run on for nobody: maybe to its natural end, where the run
-        says when that is (its stop's inputs), or to where its own verdict saw it gone, else to the end of the run."""
-        r = self.reqs
-        mine = (r.ids != self.rid) & (self.row_models == self.model) & ~np.isnan(r.sent)
-        closed = np.nan_to_num(r.closed[mine], nan=math.inf)
-        cancel = r.cancel[mine]
-        stopped = ~np.isnan(cancel) & ~r.completed[mine]
-        # a request is dropped after its cancel, never before it: surely the server's up to the cancel itself
-        surely_to = np.where(stopped, cancel, closed - LEDGER_LAG_S)
-        natural = np.array([(self.naturals or {}).get(rid) or math.inf for rid in r.ids[mine]], dtype=float)
-        seen = np.array([(self.seen_leaving or {}).get(rid, math.inf) for rid in r.ids[mine]], dtype=float)
-        maybe_to = np.where(stopped, np.maximum(closed, np.minimum(natural + RACE_S, seen)), closed)
-        n = int(mine.sum())
-        return Stays(ids=r.ids[mine], weights=np.ones(n), surely_from=r.sent[mine] + LEDGER_LAG_S,
-                     surely_to=surely_to, maybe_from=r.sent[mine], maybe_to=maybe_to,
-                     before=np.full(n, "sent_within_lag", dtype=object),
-                     after=np.where(stopped, "stopped_no_server_end", "end_read_within_lag").astype(object))
+        """The ledger's other requests this model's count can hold, as stays in the server (requests.py). Surely the
+        server's from LEDGER_LAG_S after the send to LEDGER_LAG_S before the client was done with it (the server takes
+        a request up a moment after its send, and ends it, on its own or on its cancel, a moment before its client
+        reads the end or cancels); maybe from the send to the client's close. One its client stopped may run on for
+        nobody: maybe until its own verdict saw it gone, else to the end of the run (its natural end is only the
+        soonest it could end: queued, it ends later). A request whose send names no model may be this model's:
+        maybe, never surely, counted."""
+        return self._stays(self.reqs.ids != self.rid)
 
-    def count_reading(self, t: float, count: float, fewest: float, most: float) -> dict:
-        """What the count at instant `t` was read against (Evidence.count_reading, as the vLLM rules give it): the
-        fewest and the most others, and the requests that keep them apart."""
-        open_ = [] if self.has_log or not self.models else self.ledger_stays.open_at(t)
-        beyond = most - fewest - len(open_)
-        if beyond >= 0.5:
-            open_.append({"request_id": None, "reason": "beyond_the_ledger_at_stop", "count": int(round(beyond))})
+    @cached_property
+    def own_stay(self) -> Stays:
+        return self._stays(self.reqs.ids == self.rid)
+
+    def _stays(self, rows: np.ndarray) -> Stays:
+        r = self.reqs
+        unnamed = np.array([m is None for m in self.row_models], dtype=bool)
+        rows = rows & ((self.row_models == self.model) | unnamed) & ~np.isnan(r.sent)
+        closed = np.nan_to_num(r.closed[rows], nan=math.inf)
+        stopped = ~np.isnan(r.cancel[rows]) & ~r.completed[rows]
+        done = np.where(stopped, np.minimum(np.nan_to_num(r.cancel[rows], nan=math.inf), closed), closed)
+        seen = np.array([(self.seen_leaving or {}).get(rid, math.inf) for rid in r.ids[rows]], dtype=float)
+        n = int(rows.sum())
+        return Stays(ids=r.ids[rows], weights=np.ones(n),
+                     surely_from=np.where(unnamed[rows], math.inf, r.sent[rows] + LEDGER_LAG_S),
+                     surely_to=done - LEDGER_LAG_S, maybe_from=r.sent[rows],
+                     maybe_to=np.where(stopped, seen, closed),
+                     before=np.where(unnamed[rows], "model_not_named", "sent_within_lag").astype(object),
+                     after=np.where(unnamed[rows], "model_not_named",
+                                    np.where(stopped, "stopped_no_server_end", "end_read_within_lag")).astype(object))
+
+    def count_reading(self, i: int, t: float, count: float, fewest: float, most: float) -> dict:
+        """What the count at reading `i` (instant `t`) was read against (Evidence.count_reading, as the vLLM rules give
+        it): the fewest and the most others, and the requests that keep them apart (at that reading, or at the
+        baseline the change is read from)."""
+        open_: list[dict] = []
+        if not self.has_log and self.baseline is not None:
+            t_b, span_b, _ = self.baseline
+            span = float(self.counted_spans[i])
+            open_ = self.ledger_stays.open_at(t, t + span)
+            named = {o["request_id"] for o in open_}
+            open_ += [o for o in self.ledger_stays.open_at(t_b, t_b + span_b) if o["request_id"] not in named]
+            own = self.own_stay
+            if own.surely_from[0] > t_b and own.maybe_from[0] <= t_b + span_b:
+                open_.append({"request_id": self.rid, "reason": "sent_within_lag"})
         return {"at_s": round(t, 3), "count": float(count), "others_fewest": float(fewest), "others_most": float(most),
                 "compared_with": None, "open": open_}
 
@@ -351,7 +373,7 @@ class TritonCase(Case):
 def _case(run: Run, slog: _ServerLog, rows: dict, same: dict, scrape_times: np.ndarray, *, data: dict, rid: str,
           t_stop: float, t0: int, target: str | None, grace_s: float, log_state: str, missed: dict | None,
           together: int, models: dict, spans: dict, reqs: Requests, row_models: np.ndarray,
-          naturals: dict, seen_leaving: dict) -> TritonCase:
+          seen_leaving: dict) -> TritonCase:
     has_log = log_state == "read"
     model, lrow = data.get("model"), rows.get(rid)
     t_added = slog.first("engine_added", rid)
@@ -386,7 +408,7 @@ def _case(run: Run, slog: _ServerLog, rows: dict, same: dict, scrape_times: np.n
                       finished_detail=slog.detail.get(("engine_finished", rid), ""),
                       polls="poll=false" not in slog.detail.get(("engine_added", rid), ""), together=together,
                       natural=_natural_end(data, t_stop, t0), series=series, run=run, models=models,
-                      ledger_spans=spans, reqs=reqs, row_models=row_models, naturals=naturals,
+                      ledger_spans=spans, reqs=reqs, row_models=row_models,
                       seen_leaving=seen_leaving)
 
 
@@ -477,7 +499,7 @@ def metrics_alone(c: TritonCase) -> CancelVerdict | None:
         c.ev.race = "the request was due to end with the stop"
         return c.verdict("due_to_end_with_stop")
     t_act, v_act = c.counted()
-    bounds = c.others_bounds(t_act) if len(t_act) else None
+    bounds = c.others_bounds(t_act, c.counted_spans) if len(t_act) else None
     if bounds is None:
         return c.verdict("no_server_evidence")
     # the gauge cannot tell another client's request from this one: the traffic beside the run's held steady
@@ -488,7 +510,7 @@ def metrics_alone(c: TritonCase) -> CancelVerdict | None:
     if len(out) and (natural is None or t_act[out[0]] < natural - RACE_S):
         i = int(out[0])
         c.tp["left_scheduler"] = float(t_act[i])
-        c.ev.count_reading = c.count_reading(float(t_act[i]), v_act[i], fewest[i], most[i])
+        c.ev.count_reading = c.count_reading(i, float(t_act[i]), v_act[i], fewest[i], most[i])
         if natural is None:
             return c.verdict("gauge_fell_end_unknown")
         return c.verdict("gauge_fell_before_natural_end", early_s=natural - t_act[i])
@@ -498,12 +520,15 @@ def metrics_alone(c: TritonCase) -> CancelVerdict | None:
     if not len(last):
         return c.verdict("no_gauge_reading", until="its natural end" if until < t_stop + grace_s else "the grace's end")
     i = int(last[-1])
-    c.ev.count_reading = c.count_reading(float(t_act[i]), v_act[i], fewest[i], most[i])
+    c.ev.count_reading = c.count_reading(i, float(t_act[i]), v_act[i], fewest[i], most[i])
     if v_act[i] <= most[i] + 0.5:
         return c.verdict("gauge_within_others")
     if natural is not None:
-        # the request was surely counted up to its natural end (or the end of the grace)
-        t_end = _first(t_act, (t_act >= natural - RACE_S) & (v_act <= fewest + 0.5))
+        # the request was surely counted up to its natural end (or the end of the grace), then seen gone
+        gone = np.nonzero((t_act >= natural - RACE_S) & (v_act <= fewest + 0.5))[0]
+        t_end = float(t_act[gone[0]]) if len(gone) else None
+        if t_end is not None:
+            c.tp["left_scheduler"] = t_end
         c.ev.kept_running_ms = round(((t_end if t_end is not None else t_stop + grace_s) - t_stop) * 1000, 1)
         return c.verdict("gauge_up_to_natural_end" if t_end is not None else "gauge_up_through_grace")
     t_steps, v_steps = c.series["steps"]

@@ -14,11 +14,11 @@ import pandas as pd
 from cancelwatch.analysis.bounds import ENTER_S, LAG_S, SURPLUS_HOLD_S
 from cancelwatch.analysis.ghosts import EngineReading, Ghosts
 from cancelwatch.analysis.rows import frame_rows
-from cancelwatch.analysis.series import scheduler_columns
+from cancelwatch.analysis.series import scheduler_columns, scrape_spans
 from cancelwatch.analysis.verdicts.core import LOG_SLACK_S, engine_log_state
 from cancelwatch.analysis.verdicts.engine_done import solo_tokens_per_s
 from cancelwatch.analysis.verdicts.requests import Requests, quiet_instants, requests_of, weighted_between
-from cancelwatch.analysis.verdicts.vllm_log import _EngineLog, _Gaps, _events, _scrape_spans, _target_gaps, _trace_events
+from cancelwatch.analysis.verdicts.vllm_log import _EngineLog, _Gaps, _events, _target_gaps, _trace_events
 from cancelwatch.runstore.reader import Run
 from cancelwatch.runstore.records import WATCHED_SCENARIO
 
@@ -234,7 +234,7 @@ class _RunFrames:
             added = self.added(target)
             cols = {c: sched[c] for c in ("t_s", "count", "waiting", "kv", "gen_tokens", "prefix_hits", "preemptions",
                                           "finished")}
-            cols["scrape_s"] = _scrape_spans(run, target, cols["t_s"])
+            cols["scrape_s"] = scrape_spans(run, target, cols["t_s"])
             settled = _settled(cols["gen_tokens"])
             cols["step_s"] = np.where(settled >= 0, cols["t_s"][np.maximum(settled, 0)], -math.inf)
             within = LOG_SLACK_S + englog.entry_doubt_s(target) + ENTER_S
