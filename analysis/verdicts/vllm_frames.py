@@ -177,6 +177,7 @@ class _RunFrames:
         self.evidence_gone, self.unaborted = _gone_at(run, self.stops, self.englog, self.trace, self.target_of)
         self.stopped = {s.request_id: (float(s.t_s), self.target_of(json.loads(s.data)))
                         for s in frame_rows(self.stops)}
+        self.evidence: dict = {}  # target -> _TargetEvidence
         self.told(seen_leaving or {})
 
     def told(self, seen_leaving: dict[str, float]) -> None:
@@ -229,19 +230,12 @@ class _RunFrames:
     def frame(self, target: str | None) -> _Frame:
         if target not in self.frames:
             run, ledger, englog = self.run, self.run.ledger, self.englog
-            sched = scheduler_columns(run, target)
-            times = sched["t_s"]
-            added = self.added(target)
-            cols = {c: sched[c] for c in ("t_s", "count", "waiting", "kv", "gen_tokens", "prefix_hits", "preemptions",
-                                          "finished")}
-            cols["scrape_s"] = scrape_spans(run, target, cols["t_s"])
-            settled = _settled(cols["gen_tokens"])
-            cols["step_s"] = np.where(settled >= 0, cols["t_s"][np.maximum(settled, 0)], -math.inf)
-            within = LOG_SLACK_S + englog.entry_doubt_s(target) + ENTER_S
-            entered = self.entered(target, added, within)
+            base = self._evidence(target)
+            cols, added, entered, not_entered, within = (base.cols, base.added, base.entered, base.not_entered,
+                                                         base.within)
+            times = cols["t_s"]
             gone = _gone_by_idle(self.gone_at, self.stopped, target, cols, entered, within)
             ends = {**gone, **englog.done_with(run, ledger, target, cols, gone, added)} if len(times) else gone
-            not_entered = englog.not_entered(run, ledger, target)
             assumed: dict[str, float] = {}
             lost = {rid: self.stopped[rid] for rid in self.unaborted
                     if rid in gone and rid in entered and rid in self.stopped and self.stopped[rid][1] == target}
@@ -257,13 +251,46 @@ class _RunFrames:
                     ends = {**gone, **englog.done_with(run, ledger, target, cols, gone, added)}
             inflight = ledger_inflight(ledger, self.t0, times, ends, added, not_entered, self.reqs) if len(times) \
                 else np.array([])
-            solo = solo_tokens_per_s(cols["t_s"], cols["count"] - np.nan_to_num(cols["waiting"]), cols["waiting"],
-                                     cols["gen_tokens"]) if len(times) else None
-            self.frames[target] = _Frame(cols, inflight, solo, ends, not_entered, gone, assumed, self.reqs,
-                                         self.reqs.per_row(englog.added, target, math.nan),
-                                         self.reqs.per_row(englog.aborted, target, math.inf), _target_gaps(run, target),
-                                         self.reqs.ends(ends), _delivered(run, target), self.quiet_s)
+            self.frames[target] = _Frame(cols, inflight, base.solo, ends, not_entered, gone, assumed, self.reqs,
+                                         base.added_s, base.aborted_s, base.gaps, self.reqs.ends(ends),
+                                         base.delivered, self.quiet_s)
         return self.frames[target]
+
+    def _evidence(self, target: str | None) -> _TargetEvidence:
+        """What a target's frame reads that no verdict changes (its scheduler, the log's entries, the gaps): built
+        once, though the frames are made anew each pass (told)."""
+        if target not in self.evidence:
+            run, ledger, englog = self.run, self.run.ledger, self.englog
+            sched = scheduler_columns(run, target)
+            added = self.added(target)
+            cols = {c: sched[c] for c in ("t_s", "count", "waiting", "kv", "gen_tokens", "prefix_hits", "preemptions",
+                                          "finished")}
+            cols["scrape_s"] = scrape_spans(run, target, cols["t_s"])
+            settled = _settled(cols["gen_tokens"])
+            cols["step_s"] = np.where(settled >= 0, cols["t_s"][np.maximum(settled, 0)], -math.inf)
+            within = LOG_SLACK_S + englog.entry_doubt_s(target) + ENTER_S
+            solo = solo_tokens_per_s(cols["t_s"], cols["count"] - np.nan_to_num(cols["waiting"]), cols["waiting"],
+                                     cols["gen_tokens"]) if len(cols["t_s"]) else None
+            self.evidence[target] = _TargetEvidence(
+                cols, added, self.entered(target, added, within), englog.not_entered(run, ledger, target), within, solo,
+                self.reqs.per_row(englog.added, target, math.nan), self.reqs.per_row(englog.aborted, target, math.inf),
+                _target_gaps(run, target), _delivered(run, target))
+        return self.evidence[target]
+
+
+class _TargetEvidence(NamedTuple):
+    """A target's frame's parts that do not depend on where the lost requests left (_RunFrames._evidence)."""
+
+    cols: dict[str, np.ndarray]
+    added: dict
+    entered: dict
+    not_entered: frozenset[str]
+    within: float  # how long after its Added line a request is surely counted
+    solo: float | None
+    added_s: np.ndarray
+    aborted_s: np.ndarray
+    gaps: object
+    delivered: object
 
 
 def vllm_in_engine(run: Run, target: str | None) -> EngineReading | None:
