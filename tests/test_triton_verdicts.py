@@ -203,21 +203,20 @@ def test_without_the_server_log_a_neighbour_stopped_just_after_the_target_may_ha
 
 
 def test_without_the_server_log_a_request_sent_while_a_scrape_was_answered_may_be_in_it(run):
-    # one twin of stream_wide held; a third request of the model sent 1 ms after the scrape at 14.950 began, a
+    # one twin of stream_wide held; a third request of the model sent 3 ms after the scrape at 14.950 began, a
     # scrape that took 4 ms to answer, and counted from it on: that reading may hold it, so it shows no leak
     t_stop = _stop_of(run, "triton_stream_wide")
     _gauge(run, "generator", t_stop, t_stop + 3.0, 1.0)
-    s = run.samples.copy()
-    at = s["t_s"].sub(14.950124).abs() < 1e-5
-    s.loc[at, "duration_ns"] = 4_000_000
-    run.samples = s
+    sc = run.scrapes.copy()
+    sc.loc[(sc["source"] == "triton") & (sc["t_s"].sub(14.950124).abs() < 1e-5), "duration_ns"] = 4_000_000
+    run.scrapes = sc
     _gauge(run, "generator", 14.95, t_stop + 3.0, 1.0)
-    sent = _ns(run, 14.951124)
+    sent = _ns(run, 14.953124)
     row = {**run.ledger[run.ledger["role"] == "neighbour"].iloc[0].to_dict(), "request_id": "z", "role": "neighbour",
            "sent_mono_ns": sent, "first_token_mono_ns": sent + 50_000_000, "closed_mono_ns": _ns(run, 17.0),
            "cancel_mono_ns": None, "terminal_state": "completed"}
     run.ledger = pd.concat([run.ledger, pd.DataFrame([row])], ignore_index=True)
-    event = {"request_id": "z", "kind": "request_sent", "wall_ns": 0, "mono_ns": sent, "t_s": 14.951124,
+    event = {"request_id": "z", "kind": "request_sent", "wall_ns": 0, "mono_ns": sent, "t_s": 14.953124,
              "data": json.dumps({"scenario": "triton_stream_wide", "role": "neighbour", "model": "generator"})}
     run.events = pd.concat([run.events, pd.DataFrame([event])], ignore_index=True).sort_values("t_s", kind="stable")
     got = verdicts(without_log(run))["triton_stream_wide"]

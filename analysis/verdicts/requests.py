@@ -145,8 +145,10 @@ class Stays(NamedTuple):
         a_min, a_max = a_min[:, None], a_max[:, None]
         d_min = c_min.astype(float) - a_max
         d_max = c_max.astype(float) - a_min
-        # in at the reading and out at the base: entered since, unless it had been in and left before the base
-        entered = (c_max & ~a_min) & ~(base_lo < self.surely_from)[:, None]
+        # in at the reading and out at the base: entered since, unless it had been in and left before the base. Only
+        # where the reading surely came after the base: a slow scrape's reading can be answered after a later one's
+        after = (np.atleast_1d(lo) >= base_hi)[None, :]
+        entered = (c_max & ~a_min) & ~(base_lo < self.surely_from)[:, None] & after
         stays_put = (a_max & c_max) | (~a_min & ~c_min)
         d_max = np.where(entered & stays_put, 0.0, d_max)
         w = self.weights

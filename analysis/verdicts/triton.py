@@ -240,10 +240,26 @@ class TritonCase(Case):
         t_b, span_b, count_b = base
         spans = np.zeros(len(times)) if spans is None else spans
         d_min, d_max = self.ledger_stays.change(t_b, t_b + span_b, times, times + spans)
-        own = self.own_stay
-        mine_lo = 1.0 if own.surely_from[0] <= t_b else 0.0  # this one, counted at the baseline: surely, or maybe
-        mine_hi = 1.0 if own.maybe_from[0] <= t_b + span_b else 0.0
+        # this one at the baseline: surely counted, maybe (sent just before; its scrape answered past the stop), or
+        # not (a request the ledger does not hold may have been)
+        surely, maybe = self.own_stay._inside(t_b, t_b + span_b)
+        mine_lo, mine_hi = float(surely.any()), float(maybe.any() or not len(self.own_stay.ids))
         return np.maximum(0.0, count_b - mine_hi + d_min), count_b - mine_lo + d_max
+
+    def stays_out(self, i: int, until: float) -> bool:
+        """Whether every reading after reading `i` (this request out there) to `until` bears it out: the count rose
+        by no more than the ledger's others can have entered since, as this one, gone, enters no more. A rise
+        beyond that is this one, counted again: reading `i` missed it (seen between the core's queue and the
+        model's count: dequeued, and not counted by the model yet)."""
+        if self.has_log:
+            return True
+        t_act, v_act = self.counted()
+        spans = self.counted_spans
+        later = np.nonzero((t_act > t_act[i]) & (t_act < until))[0]
+        if not len(later):
+            return True
+        _, d_max = self.ledger_stays.change(t_act[i], t_act[i] + spans[i], t_act[later], t_act[later] + spans[later])
+        return bool(np.all(v_act[later] - v_act[i] <= d_max + 0.5))
 
     @cached_property
     def baseline(self) -> tuple[float, float, float] | None:
@@ -271,24 +287,34 @@ class TritonCase(Case):
 
     @cached_property
     def own_stay(self) -> Stays:
-        return self._stays(self.reqs.ids == self.rid)
+        """This request's stay as the others' are read (its send may name another model: it is this one), surely
+        the server's up to its stop."""
+        return self._stays(self.reqs.ids == self.rid, own=True)
 
-    def _stays(self, rows: np.ndarray) -> Stays:
+    def _stays(self, rows: np.ndarray, own: bool = False) -> Stays:
         r = self.reqs
-        unnamed = np.array([m is None for m in self.row_models], dtype=bool)
-        rows = rows & ((self.row_models == self.model) | unnamed) & ~np.isnan(r.sent)
+        unnamed = np.array([m is None and not own for m in self.row_models], dtype=bool)
+        rows = rows & ((self.row_models == self.model) | unnamed | own) & ~np.isnan(r.sent)
         closed = np.nan_to_num(r.closed[rows], nan=math.inf)
-        stopped = ~np.isnan(r.cancel[rows]) & ~r.completed[rows]
-        done = np.where(stopped, np.minimum(np.nan_to_num(r.cancel[rows], nan=math.inf), closed), closed)
+        cancel = np.nan_to_num(r.cancel[rows], nan=math.inf)
+        # a request its client did not read to its end (stopped, errored, dropped) may run on for nobody: the
+        # client's close says nothing of the server's end
+        open_ended = ~r.completed[rows]
+        done = np.minimum(cancel, closed)
         seen = np.array([(self.seen_leaving or {}).get(rid, math.inf) for rid in r.ids[rows]], dtype=float)
         n = int(rows.sum())
         return Stays(ids=r.ids[rows], weights=np.ones(n),
                      surely_from=np.where(unnamed[rows], math.inf, r.sent[rows] + LEDGER_LAG_S),
-                     surely_to=done - LEDGER_LAG_S, maybe_from=r.sent[rows],
-                     maybe_to=np.where(stopped, seen, closed),
+                     # this one is dropped after its cancel, never before it (an end of its own in flight at the
+                     # stop is the race the race rules read, where the run says when it was due)
+                     surely_to=np.full(n, self.t_stop) if own else done - LEDGER_LAG_S,
+                     maybe_from=r.sent[rows],
+                     # the server's count can trail its client's read of the end too (the answer sent, the gauge
+                     # let go after)
+                     maybe_to=np.where(open_ended, seen, closed + LEDGER_LAG_S),
                      before=np.where(unnamed[rows], "model_not_named", "sent_within_lag").astype(object),
                      after=np.where(unnamed[rows], "model_not_named",
-                                    np.where(stopped, "stopped_no_server_end", "end_read_within_lag")).astype(object))
+                                    np.where(open_ended, "stopped_no_server_end", "end_read_within_lag")).astype(object))
 
     def count_reading(self, i: int, t: float, count: float, fewest: float, most: float) -> dict:
         """What the count at reading `i` (instant `t`) was read against (Evidence.count_reading, as the vLLM rules give
@@ -301,8 +327,8 @@ class TritonCase(Case):
             open_ = self.ledger_stays.open_at(t, t + span)
             named = {o["request_id"] for o in open_}
             open_ += [o for o in self.ledger_stays.open_at(t_b, t_b + span_b) if o["request_id"] not in named]
-            own = self.own_stay
-            if own.surely_from[0] > t_b and own.maybe_from[0] <= t_b + span_b:
+            surely, maybe = self.own_stay._inside(t_b, t_b + span_b)
+            if maybe.any() and not surely.any():
                 open_.append({"request_id": self.rid, "reason": "sent_within_lag"})
         return {"at_s": round(t, 3), "count": float(count), "others_fewest": float(fewest), "others_most": float(most),
                 "compared_with": None, "open": open_}
@@ -506,7 +532,14 @@ def metrics_alone(c: TritonCase) -> CancelVerdict | None:
     c.ev.assumes = ["traffic_beside_held_steady"]
     fewest, most = bounds
     sel = (t_act >= t_stop) & (t_act <= t_stop + grace_s)
+    # the stretch a release must show in: the grace, up to the request's natural end
+    until = t_stop + grace_s if natural is None else min(t_stop + grace_s, natural - RACE_S)
+    # a reading with the request out, and none after it in the stretch with it surely in: one reading can miss a
+    # request between the core's queue and the model's count (dequeued before the model counts it)
+    surely_in = np.nonzero((v_act > most + 0.5) & (t_act > t_stop) & (t_act < until))[0]
     out = np.nonzero(sel & (v_act <= fewest + 0.5))[0]
+    out = out[out > surely_in[-1]] if len(surely_in) else out
+    out = [i for i in out if c.stays_out(int(i), until)]
     if len(out) and (natural is None or t_act[out[0]] < natural - RACE_S):
         i = int(out[0])
         c.tp["left_scheduler"] = float(t_act[i])
@@ -515,7 +548,6 @@ def metrics_alone(c: TritonCase) -> CancelVerdict | None:
             return c.verdict("gauge_fell_end_unknown")
         return c.verdict("gauge_fell_before_natural_end", early_s=natural - t_act[i])
     # the last reading before the request would have ended anyway, within the grace
-    until = t_stop + grace_s if natural is None else min(t_stop + grace_s, natural - RACE_S)
     last = np.nonzero((t_act > t_stop) & (t_act < until))[0]
     if not len(last):
         return c.verdict("no_gauge_reading", until="its natural end" if until < t_stop + grace_s else "the grace's end")

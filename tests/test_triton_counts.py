@@ -1,0 +1,137 @@
+"""Triton without its log: the model's count read as a change from its last reading before the stop (TritonCase.
+others_bounds), on the recorded suite (tests/fixtures/triton/suite_run.db) with worlds built into it that fit what the
+run recorded. Each world's truth is known by construction; the verdict must not say the other (inconclusive is
+allowed where the readings cannot tell)."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from tests.test_triton_verdicts import RUN, _ns, _stop_of, without_log
+from cancelwatch.analysis.verdicts import judge_run
+from cancelwatch.runstore.reader import load_run
+
+GEN, SLOW = {"model": "generator"}, {"model": "slow"}
+
+
+@pytest.fixture
+def run():
+    return without_log(load_run(RUN, "latest"))
+
+
+def judged(run, scenario: str, **kw) -> dict[str, tuple[str, str]]:
+    return {v.request_id: (v.verdict, v.rule) for v in judge_run(run, **kw) if v.scenario == scenario}
+
+
+def gauge(run, metric: str, labels: dict, lo: float, hi: float, value: float | None = None, add: float = 0.0) -> None:
+    s = run.samples.copy()
+    rows = (s["metric"] == metric) & (s["labels"].astype(str) == json.dumps(labels)) & (s["t_s"] >= lo) & \
+        (s["t_s"] < hi)
+    s.loc[rows, "value"] = float(value) if value is not None else s.loc[rows, "value"] + add
+    run.samples = s
+
+
+def request(run, rid: str, model: str, sent: float, closed: float, *, cancel: float | None = None,
+            state: str = "completed", scenario: str = "triton_executing", role: str = "neighbour") -> None:
+    row = {**run.ledger[run.ledger["role"] == "neighbour"].iloc[0].to_dict(), "request_id": rid, "scenario": scenario,
+           "role": role, "sent_mono_ns": _ns(run, sent), "first_token_mono_ns": None, "closed_mono_ns": _ns(run, closed),
+           "cancel_mono_ns": None if cancel is None else _ns(run, cancel), "terminal_state": state}
+    run.ledger = pd.concat([run.ledger, pd.DataFrame([row])], ignore_index=True)
+    event = {"request_id": rid, "kind": "request_sent", "wall_ns": 0, "mono_ns": _ns(run, sent), "t_s": sent,
+             "data": json.dumps({"scenario": scenario, "role": role, "model": model})}
+    run.events = pd.concat([run.events, pd.DataFrame([event])], ignore_index=True).sort_values("t_s", kind="stable")
+
+
+def scrape_took(run, t: float, seconds: float) -> None:
+    sc = run.scrapes.copy()
+    rows = (sc["source"] == "triton") & ((sc["t_s"] - t).abs() < 0.003)
+    assert rows.sum() == 1
+    sc.loc[rows, "duration_ns"] = int(seconds * 1e9)
+    run.scrapes = sc
+
+
+def target_of(run, scenario: str) -> str:
+    ledger = run.ledger
+    return ledger[(ledger["scenario"] == scenario) & (ledger["role"] == "target")]["request_id"].iloc[0]
+
+
+def test_a_baseline_scrape_answered_after_the_stop_may_not_hold_the_target(run):
+    # the last scrape before the stop (6.900) took 20 ms: the model dropped the target at 6.912, the gauge was read
+    # at 6.915 with the neighbour alone, and stayed there: released, never leaked
+    scrape_took(run, 6.900, 0.020)
+    gauge(run, "model_active_requests", GEN, 6.89, 7.0, value=1)
+    assert judged(run, "triton_executing")[target_of(run, "triton_executing")][0] != "leaked"
+
+
+def test_a_request_whose_client_saw_an_error_may_run_on(run):
+    # a neighbour whose call failed at its client at 7.02 (a dropped connection: no cancel), run on to 12.0 by the
+    # server; the target released at 7.0 as recorded. Its unit is not the target's
+    request(run, "E", "generator", sent=5.0, closed=7.02, state="error")
+    gauge(run, "model_active_requests", GEN, 5.05, 12.0, add=1)
+    assert judged(run, "triton_executing")[target_of(run, "triton_executing")][0] != "leaked"
+
+
+def test_a_completed_request_may_be_counted_just_after_its_client_read_its_end(run):
+    # M's client read its end at 8.899; the model let its unit go at 8.902, after the 8.900 reading. M2, stopped by its
+    # client at 6.50 and gone at 6.52, may still be in as far as the ledger knows
+    request(run, "M", "generator", sent=5.0, closed=8.899)
+    gauge(run, "model_active_requests", GEN, 5.05, 8.901, add=1)
+    request(run, "M2", "generator", sent=5.5, closed=6.501, cancel=6.50, state="cancelled")
+    gauge(run, "model_active_requests", GEN, 5.55, 6.52, add=1)
+    assert judged(run, "triton_executing")[target_of(run, "triton_executing")][0] != "leaked"
+
+
+def test_a_slow_baseline_scrape_answered_after_later_readings_does_not_order_them(run):
+    # the baseline scrape (6.900) took 500 ms and read the gauge at about 7.38; R, in at every reading up to 7.30,
+    # had left by then. Read as if the baseline came first, R could not have entered since, and the target's
+    # leaving (at 6.93) read as a leak
+    ledger = run.ledger
+    run.ledger = ledger[~((ledger["scenario"] == "triton_executing") & (ledger["role"] == "probe"))]
+    tg = (run.ledger["scenario"] == "triton_executing") & (run.ledger["role"] == "target")
+    run.ledger.loc[tg, ["sent_mono_ns", "first_token_mono_ns"]] = [_ns(run, 6.85), None]
+    stop = (run.events["kind"] == "user_stop") & run.events["data"].str.contains("triton_executing")
+    run.events.loc[stop, "data"] = run.events.loc[stop, "data"].map(
+        lambda d: json.dumps({**json.loads(d), "tokens_at_cancel": 0, "sent_mono_ns": _ns(run, 6.85)}))
+    request(run, "R", "generator", sent=5.0, closed=7.35)
+    gauge(run, "model_active_requests", GEN, 5.05, 6.86, add=1)
+    gauge(run, "model_active_requests", GEN, 6.86, 7.33, value=2)
+    gauge(run, "model_active_requests", GEN, 7.33, 10.4, value=1)
+    gauge(run, "model_active_requests", GEN, 6.89, 6.91, value=1)
+    scrape_took(run, 6.900, 0.5)
+    assert judged(run, "triton_executing", grace_s=0.4)[target_of(run, "triton_executing")][0] != "leaked"
+
+
+def test_one_reading_between_the_queue_and_the_model_is_no_release(run):
+    # U, queued behind the http_timeout target, its cancel never reaching the server, is dispatched when that ends
+    # (33.2); the 33.200 reading falls between the core's queue and the model's count (pending 0, active 0), then U
+    # runs to 35.7. The one low reading is not U gone: the count rises after it beyond any other's entry
+    ledger = run.ledger
+    run.ledger = ledger[~((ledger["scenario"] == "triton_http_timeout") & (ledger["role"] == "probe"))]
+    request(run, "U", "slow", sent=31.80, closed=32.301, cancel=32.30, state="cancelled",
+            scenario="triton_http_timeout", role="target")
+    stop = run.events[(run.events["kind"] == "user_stop") & run.events["data"].str.contains("triton_http_timeout")]
+    row = stop.iloc[0].to_dict()
+    data = {**json.loads(row["data"]), "sent_mono_ns": _ns(run, 31.80), "cancel_id": "U", "inputs": {"MS": 2500}}
+    row.update(request_id="U", t_s=32.30, mono_ns=_ns(run, 32.30), data=json.dumps(data))
+    run.events = pd.concat([run.events, pd.DataFrame([row])], ignore_index=True).sort_values("t_s", kind="stable")
+    gauge(run, "triton_pending_requests", {**SLOW, "version": "1"}, 31.85, 33.2, value=1)
+    gauge(run, "model_active_requests", SLOW, 33.21, 35.7, value=1)
+    assert judged(run, "triton_http_timeout")["U"][0] != "released"
+
+
+@pytest.mark.parametrize("change", ["no_ledger_row", "never_sent", "sent_as_another_model"])
+def test_a_target_the_ledger_does_not_place_is_judged_without_a_fault(run, change):
+    rid = target_of(run, "triton_executing")
+    row = run.ledger["request_id"] == rid
+    if change == "no_ledger_row":
+        run.ledger = run.ledger[~row]
+    elif change == "never_sent":
+        run.ledger.loc[row, "sent_mono_ns"] = None
+    else:
+        sent = (run.events["kind"] == "request_sent") & (run.events["request_id"] == rid)
+        run.events.loc[sent, "data"] = run.events.loc[sent, "data"].map(
+            lambda d: json.dumps({**json.loads(d), "model": "slow"}))
+    assert rid in judged(run, "triton_executing")
