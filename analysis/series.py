@@ -130,7 +130,7 @@ def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> floa
     return float(v[min(len(v) - 1, int(np.searchsorted(cum, q * cum[-1])))])
 
 
-def scrape_spans(run: Run, target: str | None, times: np.ndarray, source: str = "vllm") -> np.ndarray:
+def scrape_spans(run: Run, target: str | None, times: np.ndarray, source: str) -> np.ndarray:
     """Per sample instant of `target`'s server (its `source`'s scrapes): how long its scrape took to answer (s; 0
     where the run did not record it). A reading stamped at its scrape's start counts what the server held at some
     instant of that span. The server's scrapes only: another source of the target (the clients' count) reads on

@@ -265,7 +265,7 @@ class _RunFrames:
             added = self.added(target)
             cols = {c: sched[c] for c in ("t_s", "count", "waiting", "kv", "gen_tokens", "prefix_hits", "preemptions",
                                           "finished")}
-            cols["scrape_s"] = scrape_spans(run, target, cols["t_s"])
+            cols["scrape_s"] = scrape_spans(run, target, cols["t_s"], "vllm")
             settled = _settled(cols["gen_tokens"])
             cols["step_s"] = np.where(settled >= 0, cols["t_s"][np.maximum(settled, 0)], -math.inf)
             within = LOG_SLACK_S + englog.entry_doubt_s(target) + ENTER_S
