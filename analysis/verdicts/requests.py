@@ -127,7 +127,7 @@ class Stays(NamedTuple):
     before: np.ndarray  # object: the reason it may not be counted yet
     after: np.ndarray  # object: the reason it may have left
 
-    def _inside(self, lo, hi) -> tuple[np.ndarray, np.ndarray]:
+    def inside(self, lo, hi) -> tuple[np.ndarray, np.ndarray]:
         """Rows x readings, each reading held over [lo, hi] (a scrape answered over a span): (surely inside
         throughout, maybe inside at some instant)."""
         lo, hi = np.atleast_1d(lo), np.atleast_1d(hi)
@@ -140,8 +140,8 @@ class Stays(NamedTuple):
         reading over [base_lo, base_hi]. Each row has one stay: inside at the base and not at the reading, it
         left (-1); outside at the base and inside at the reading, it entered, which only one not surely inside yet
         at the base can have done (+1)."""
-        a_min, a_max = (m[:, 0] for m in self._inside(base_lo, base_hi))
-        c_min, c_max = self._inside(lo, hi)
+        a_min, a_max = (m[:, 0] for m in self.inside(base_lo, base_hi))
+        c_min, c_max = self.inside(lo, hi)
         a_min, a_max = a_min[:, None], a_max[:, None]
         d_min = c_min.astype(float) - a_max
         d_max = c_max.astype(float) - a_min
@@ -156,7 +156,7 @@ class Stays(NamedTuple):
 
     def open_at(self, lo: float, hi: float | None = None) -> list[dict]:
         """The rows that may be inside over [lo, hi] but are not surely: {request_id, reason}."""
-        surely, maybe = self._inside(lo, lo if hi is None else hi)
+        surely, maybe = self.inside(lo, lo if hi is None else hi)
         out = []
         for i in np.nonzero(maybe[:, 0] & ~surely[:, 0])[0]:
             out.append({"request_id": str(self.ids[i]), "reason": self.before[i] if lo < self.surely_from[i]

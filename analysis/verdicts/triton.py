@@ -240,11 +240,8 @@ class TritonCase(Case):
         t_b, span_b, count_b = base
         spans = np.zeros(len(times)) if spans is None else spans
         d_min, d_max = self.ledger_stays.change(t_b, t_b + span_b, times, times + spans)
-        # this one at the baseline: surely counted, maybe (sent just before; its scrape answered past the stop), or
-        # not (a request the ledger does not hold may have been)
-        surely, maybe = self.own_stay._inside(t_b, t_b + span_b)
-        mine_lo, mine_hi = float(surely.any()), float(maybe.any() or not len(self.own_stay.ids))
-        return np.maximum(0.0, count_b - mine_hi + d_min), count_b - mine_lo + d_max
+        surely, maybe = self.own_at_baseline
+        return np.maximum(0.0, count_b - float(maybe) + d_min), count_b - float(surely) + d_max
 
     def stays_out(self, i: int, until: float) -> bool:
         """Whether every reading after reading `i` (this request out there) to `until` bears it out: the count rose
@@ -269,6 +266,14 @@ class TritonCase(Case):
         if i < 0:
             return None
         return float(t_act[i]), float(self.counted_spans[i]), float(v_act[i])
+
+    @cached_property
+    def own_at_baseline(self) -> tuple[bool, bool]:
+        """(surely, maybe) this request was in the baseline's count: maybe, not surely, where it was sent just before
+        or the baseline's scrape was answered past the stop; maybe where the ledger does not place it."""
+        t_b, span_b, _ = self.baseline
+        surely, maybe = self.own_stay.inside(t_b, t_b + span_b)
+        return bool(surely.any()), bool(maybe.any() or not len(self.own_stay.ids))
 
     @cached_property
     def counted_spans(self) -> np.ndarray:
@@ -327,8 +332,8 @@ class TritonCase(Case):
             open_ = self.ledger_stays.open_at(t, t + span)
             named = {o["request_id"] for o in open_}
             open_ += [o for o in self.ledger_stays.open_at(t_b, t_b + span_b) if o["request_id"] not in named]
-            surely, maybe = self.own_stay._inside(t_b, t_b + span_b)
-            if maybe.any() and not surely.any():
+            surely, maybe = self.own_at_baseline
+            if maybe and not surely and len(self.own_stay.ids):
                 open_.append({"request_id": self.rid, "reason": "sent_within_lag"})
         return {"at_s": round(t, 3), "count": float(count), "others_fewest": float(fewest), "others_most": float(most),
                 "compared_with": None, "open": open_}
