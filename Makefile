@@ -10,7 +10,7 @@ PORT ?= 8000
 STORE ?= runs/cancelwatch.db
 DASHBOARD_PORT ?= 8501
 
-.PHONY: docs corpus venv engine-venv triton-venv demo-triton browser prometheus gateways gateways-all test test-fast demo bench clean engine-down sample-run dashboard lab fuzz matrix aiperf-venv test-aiperf
+.PHONY: docs corpus venv engine-venv triton-venv demo-triton browser prometheus gateways gateways-all test test-fast test-slow demo bench clean engine-down sample-run dashboard lab fuzz matrix aiperf-venv test-aiperf
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -66,13 +66,20 @@ gateways:
 # ~600 short ones, most spawning a command line, 9.5 min one at a time on two cores and 5 min so. The ones
 # against real servers then run one at a time: what they time needs the machine to themselves. Every part
 # runs whatever an earlier one gave, and a failure in any fails the target.
+# The tests marked `slow` (a minute or more each, their point covered in part by a test `make test` keeps: the
+# gateway matrix, the tap's whole default suite, the Triton and relay README commands, engines killed or capped)
+# run in `make test-slow`, which keeps `make test` within its 35 minutes on CI.
 SERVERLESS = not engine and not browser and not triton and not prometheus
 test: venv engine-venv triton-venv browser prometheus gateways
 	@rc=0; \
-	$(VENV)/bin/python -m pytest -v -rfEs -n 2 --durations=10 -m "$(SERVERLESS)" tests || rc=1; \
-	$(VENV)/bin/python -m pytest -v -rfEs --durations=30 -m "not ($(SERVERLESS)) and not aiperf" tests || rc=1; \
+	$(VENV)/bin/python -m pytest -v -rfEs -n 2 --durations=10 -m "$(SERVERLESS) and not slow" tests || rc=1; \
+	$(VENV)/bin/python -m pytest -v -rfEs --durations=30 -m "not ($(SERVERLESS)) and not aiperf and not slow" tests || rc=1; \
 	$(ENGINE_VENV)/bin/python -m pytest -v -rfEs -p no:cacheprovider tests_engine || rc=1; \
 	exit $$rc
+
+# The slow tests, one at a time (about 25 minutes here).
+test-slow: venv engine-venv triton-venv browser prometheus gateways
+	$(VENV)/bin/python -m pytest -v -rfEs --durations=30 -m "slow and not aiperf" tests
 
 # AIPerf 0.13.0 in a venv of its own (its stacks are not ours), and the watch's tests under it: AIPerf's
 # cancels through `cancelwatch watch`, direct and behind the leaking proxy (tests/test_watch_aiperf.py, ~6 min
@@ -88,7 +95,7 @@ test-aiperf: venv engine-venv aiperf-venv
 
 # Everyday subset: no engine, no browser (the tests marked engine/browser are left out), two at a time.
 test-fast: venv
-	$(VENV)/bin/python -m pytest -q -rs -n 2 -m "$(SERVERLESS)" tests
+	$(VENV)/bin/python -m pytest -q -rs -n 2 -m "$(SERVERLESS) and not slow" tests
 
 # The fuzz tests (tests/test_fuzz.py, hypothesis) and the verdicts' properties over the corpus and synthetic runs
 # (tests/test_verdict_properties.py) with thousands of random examples each instead of the bounded, derandomized

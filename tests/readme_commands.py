@@ -90,6 +90,7 @@ NOT_RUN = {
         "what `make test-fast` runs (see there)",
     "make fuzz": "tests/test_fuzz.py and tests/test_verdict_properties.py with thousands of examples a test; the "
                  "suite runs the same tests bounded",
+    "make test-slow": "the tests marked slow, one at a time: a suite target beside `make test`, run by hand",
     "make test-aiperf": "the AIPerf tests (tests/test_watch_aiperf.py) with a 1.2 GB venv of their own: a suite "
         "target beside `make test`, run by hand",
     "make corpus": "re-records the corpus from real servers (45 minutes); `make test` judges what it recorded "

@@ -97,6 +97,7 @@ def test_a_cancel_a_gateway_answers_itself_is_leaked_and_one_it_passes_on_is_rel
             c["evidence"]
 
 
+@pytest.mark.slow
 def test_a_lost_cancel_is_leaked_though_the_engine_had_run_ahead_on_the_neighbour(engine, replicas, explicit, tmp_path):
     # CI once: the engine ended the neighbour just before the stop while its last tokens were still on their
     # way, so at the stop it counted one request where the client had two open. Here on purpose: the proxy
@@ -115,6 +116,7 @@ def test_a_lost_cancel_is_leaked_though_the_engine_had_run_ahead_on_the_neighbou
     assert assert_lost(c, row, run, proxy) in ("leaked", "race", "hole"), dump(doc_of(c), proxy, run)
 
 
+@pytest.mark.slow
 def test_a_cancel_sent_to_a_replica_that_cannot_pass_it_on_is_leaked(engine, replicas, explicit, tmp_path):
     # streams go to replica b; the balancer sends the cancel call to replica a, which knows no other replica
     a, b = replicas
@@ -132,6 +134,7 @@ def test_a_cancel_sent_to_a_replica_that_cannot_pass_it_on_is_leaked(engine, rep
         assert c["evidence"]["app_answer"] == "not_here", c["evidence"]
 
 
+@pytest.mark.slow
 def test_a_cancel_sent_to_a_replica_that_passes_it_on_is_released(engine, replicas, explicit, tmp_path):
     # streams go to replica a; the cancel call to replica b, which passes it on to a (the id names it)
     a, b = replicas

@@ -112,6 +112,7 @@ def alerts(prom: Prometheus) -> list[dict]:
     return httpx.get(prom.url + "/api/v1/alerts").json()["data"]["alerts"]
 
 
+@pytest.mark.slow
 def test_the_leak_alert_fires_through_a_leaky_proxy_and_not_direct(engine, engine_home, tmp_path):
     direct_listen, leaky_listen = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     folder = tmp_path / "prom"

@@ -274,6 +274,7 @@ def test_default_suite_run_spans_its_scenarios_in_order(default_run):
           f"{in_scenarios:.1f} s inside scenarios")
 
 
+@pytest.mark.slow
 def test_a_proxy_that_keeps_reading_leaks_and_direct_releases(proxy_and_direct_runs):
     """Recorded once, whatever the machine's timing: the engine log names each lost cancel."""
     store, proxy_res, direct_res = proxy_and_direct_runs

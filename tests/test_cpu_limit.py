@@ -62,6 +62,7 @@ def test_no_cpu_controller_is_one_line_naming_the_fix(tmp_path):
     assert "\n" not in str(exc.value) and "unset CANCELWATCH_ENGINE_CPUS" in str(exc.value)
 
 
+@pytest.mark.slow
 @pytest.mark.engine
 def test_engine_up_with_the_knob_runs_every_engine_process_under_the_quota(tmp_path, monkeypatch):
     home, port = tmp_path / "home", free_port()

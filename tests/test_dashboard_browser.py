@@ -173,6 +173,7 @@ def test_the_served_dashboard_shows_the_timeline_and_the_verdict_table(proxy_and
     assert pixels(tmp_path / "verdicts.png", VERDICT_COLOURS["leaked"]) > 500 * len(verdicts)
 
 
+@pytest.mark.slow
 def test_a_live_run_is_followed_until_it_completes(served, browser, engine, engine_home, tmp_path):
     folder = tmp_path / "runs"
     folder.mkdir()
@@ -234,6 +235,7 @@ def test_clicking_a_row_of_the_verdict_table_zooms_the_timeline(served, browser,
     assert zoom_box.locator("input").input_value().startswith("#1 ")
 
 
+@pytest.mark.slow
 def test_a_recording_started_from_the_form_ends_in_its_verdict_table(served, browser, engine, engine_home,
                                                                       tmp_path):
     """The sidebar form starts the real `cancelwatch record` against the embedded engine; the page follows

@@ -16,6 +16,7 @@ import signal
 import time
 
 import psutil
+import pytest
 
 from cancelwatch.collectors.engines import lifecycle
 from cancelwatch.runstore.reader import load_run
@@ -94,6 +95,7 @@ def test_an_engine_stopped_during_a_cancel_gives_gaps_and_inconclusive_and_the_r
     assert ledger.loc["neighbour", "terminal_state"] == "completed", run.ledger
 
 
+@pytest.mark.slow
 def test_an_engine_killed_during_a_cancel_ends_the_run_as_target_lost_keeping_the_cancel(private_engine, tmp_path):
     home, state = private_engine
     toml = scenario(tmp_path, name="killed_window", trigger="after_tokens", trigger_value=20, prompt_tokens=600,

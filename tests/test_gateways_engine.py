@@ -68,6 +68,7 @@ def tap_times(run, kind: str, request_id: str) -> dict:
     return {json.loads(d)["hop"]: t for d, t in zip(ev["data"], ev["t_s"])}
 
 
+@pytest.mark.slow
 def test_nginx_ignoring_client_aborts_keeps_a_timed_out_request_and_passes_a_stream_disconnect_on(
         engine, engine_home, tmp_path):
     _, doc, run, _ = record_through(engine, engine_home, tmp_path, "nonstream_timeout,disconnect", "nginx-ignore-abort")
@@ -106,7 +107,8 @@ def test_nginx_ignoring_client_aborts_keeps_a_timed_out_request_and_passes_a_str
     assert stream["timepoints"]["app_received"] == s_nginx["reached_s"]
 
 
-@pytest.mark.parametrize("gateway", ["nginx", "haproxy"])
+# HAProxy's run is in `make test-slow`: the two hops are the same code, and nginx is the gateway of the page
+@pytest.mark.parametrize("gateway", ["nginx", pytest.param("haproxy", marks=pytest.mark.slow)])
 def test_each_cancel_is_traced_through_two_hops(engine, engine_home, tmp_path, gateway):
     """A non-streaming timeout, a stream disconnect and a chat stream, through a gateway as shipped: each
     found at both taps by its id, its way written down hop by hop, judged on the engine's log."""
@@ -143,6 +145,7 @@ def test_each_cancel_is_traced_through_two_hops(engine, engine_home, tmp_path, g
         print(f"{gateway} {c['scenario']}: {c['verdict']}, {c['evidence']['path']}")
 
 
+@pytest.mark.slow
 def test_the_default_suite_through_a_tap_is_released_as_direct(engine, engine_home, tmp_path):
     res, doc, run, _ = record_through(engine, engine_home, tmp_path, "default")
     assert_recorded(res, doc, run)
@@ -170,6 +173,7 @@ def test_the_leaking_proxy_behind_taps_is_still_leaked_and_named(engine, engine_
     assert leaky["upstream_end_s"] - leaky["reached_s"] > c["evidence"]["grace_s"], c["hops"]
 
 
+@pytest.mark.slow
 def test_matrix_writes_the_page_for_nginx_and_haproxy_in_one_command(engine, engine_home, tmp_path):
     out = tmp_path / "docs"
     res = cli("matrix", "--target", engine.url, "--engine-log", engine.log_path, "--gateway", "nginx",
@@ -265,6 +269,7 @@ def matrix_of(engine, engine_home: Path, tmp_path: Path, gateways: list[str], sc
     return md, cells
 
 
+@pytest.mark.slow
 def test_the_apps_people_write_are_measured_in_the_matrix(engine, engine_home, tmp_path):
     """Two apps of the matrix's apps part (collectors/engines/apps.py), each started by the matrix on loopback with a
     tap in front: a FastAPI route relaying with httpx passes a stream's disconnect on (Starlette ends the response,
@@ -282,6 +287,7 @@ def test_the_apps_people_write_are_measured_in_the_matrix(engine, engine_home, t
         assert rows[("app-background-task", scenario)] == ("no (stopped at app-background-task)", "leaked"), md
 
 
+@pytest.mark.slow
 def test_vllms_own_server_with_a_middleware_is_measured_in_the_matrix(engine, engine_home, tmp_path):
     """vLLM's API server started with `--middleware` (collectors/engines/vllm_middleware.py), the two ways vLLM takes
     one: a BaseHTTPMiddleware subclass, and a function Starlette wraps in one. Each row starts an engine of its own

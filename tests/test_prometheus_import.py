@@ -283,6 +283,7 @@ def test_bad_input_is_one_line_and_creates_no_run(history, tmp_path):
     assert not store.exists()
 
 
+@pytest.mark.slow
 def test_discovery_samples_every_replica_prometheus_scrapes_labelled_by_instance(engine, engine_home, tmp_path):
     from cancelwatch.collectors.engines import lifecycle
 

@@ -164,6 +164,7 @@ def test_make_demo_ends_in_the_page_with_its_runs(demo, browser, tmp_path):  # n
                               tmp_path / "make-demo.png")
 
 
+@pytest.mark.slow
 @pytest.mark.engine
 def test_the_notebook_commands_as_written(demo):
     """In the folder the demo recorded into, `runs/cancelwatch.db` is the README's default store."""
@@ -174,6 +175,7 @@ def test_the_notebook_commands_as_written(demo):
         assert html.stat().st_size > 10_000 and "demo-cancels" in html.read_text(), (cmd, html)
 
 
+@pytest.mark.slow
 @pytest.mark.engine
 def test_two_labelled_replicas_sampled_as_written(demo, engine, engine_home):
     """`--target a=http://127.0.0.1:8000 --target b=http://127.0.0.1:8001`: two real vLLMs on loopback, the
@@ -210,6 +212,7 @@ def test_ctrl_c_ends_the_demo_and_its_engine(demo):
 
 # --- Triton ----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.triton
 @pytest.mark.browser
 def test_make_demo_triton_ends_in_the_page_with_its_run(browser, tmp_path):  # noqa: F811 - the fixture
@@ -233,6 +236,7 @@ def test_make_demo_triton_ends_in_the_page_with_its_run(browser, tmp_path):  # n
     assert not alive(pid) and read_state(home, port) is None, "Ctrl-C left the demo's Triton running"
 
 
+@pytest.mark.slow
 @pytest.mark.triton
 def test_the_triton_commands_as_written(tmp_path):
     """Up, the suite into runs/triton.db, status, down: the README's lines with the three ports swapped."""
@@ -261,6 +265,7 @@ def test_the_triton_commands_as_written(tmp_path):
 
 # --- the relay engine ------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.engine
 def test_the_relay_engine_as_written(engine, engine_home, tmp_path):
     """`cancelwatch engine up --relay --port 8100`, then `record --relay-url` at it (the README's use): the

@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pandas as pd
+import pytest
 
 from cancelwatch.analysis.series import series_frame
 from cancelwatch.collectors.cancels.load import StreamResult, _one, run_streams
@@ -47,6 +48,7 @@ async def unsampled_load(url: str, model: str) -> list[StreamResult]:
                                            for i in range(LOAD["streams"]))))
 
 
+@pytest.mark.slow
 def test_sample_under_load_sees_queueing_kv_and_memory(engine, engine_home, tmp_path):
     # how long this load takes this engine, unsampled: the sampling run outlasts the load by a margin
     # measured here, not by a duration tuned where the engine was fast (10 s there: the load took 3.5 s;
@@ -263,6 +265,7 @@ def test_engine_status_and_busy_port(engine, engine_home, tmp_path):
     assert nothing.returncode == 1 and "no embedded engine" in nothing.stdout
 
 
+@pytest.mark.slow
 def test_engine_killed_mid_run_ends_target_lost_then_engine_down_cleans_up(private_engine, tmp_path):
     home, state = private_engine
     store = tmp_path / "cw.db"

@@ -126,6 +126,7 @@ def abort_line_or_fail(state, offset: int, proc, needle: str = "-target-", timeo
                     f"{'exited ' + str(proc.returncode) if ended else 'still running'}\n{out[-4000:]}\n{err[-2000:]}")
 
 
+@pytest.mark.slow
 def test_an_engine_killed_and_restarted_during_a_cancel_is_inconclusive(private_engine, tmp_path):
     home, state = private_engine
     toml = scenario(tmp_path, name="restart_window", trigger="after_tokens", trigger_value=20, prompt_tokens=600,

@@ -210,6 +210,7 @@ def test_real_clients_cancelling_behind_a_proxy_that_never_passes_it_on_are_leak
     assert set(served) <= {"attributed", "at_most"} and sum(served.values()) > 0, metrics
 
 
+@pytest.mark.slow
 def test_a_request_that_reaches_the_engine_seconds_after_its_client_left_is_leaked_and_so_are_its_neighbours(
         engine, engine_home, tmp_path):
     """CI (stop 29), on a starved host: the curl request reached the engine over 5 s after the watch saw it

@@ -30,6 +30,7 @@ def size_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink()) / 2**20
 
 
+@pytest.mark.slow
 def test_the_wheel_installs_slim_and_each_extra_adds_its_part(tmp_path):
     dist = tmp_path / "dist"
     built = run(sys.executable, "-m", "build", "--outdir", str(dist), str(ROOT))
