@@ -205,7 +205,10 @@ OPEN_REASONS = {"first_token_not_at_client": "first token not at its client yet"
                 "assumed_left_oldest_first": "taken to have left first, as the oldest of the lost",
                 # Triton's, without its log: a request its client stopped; a send that names no model
                 "stopped_no_server_end": "stopped by its client; nothing shows the server let it go",
-                "model_not_named": "its send names no model: it may be this model's"}
+                "model_not_named": "its send names no model: it may be this model's",
+                # Triton's CANCELED count: a request the core may have dropped from its queue in this one's place
+                "stopped_may_have_been_dropped": "stopped by its client before any answer: the core may have "
+                                                 "dropped it"}
 
 
 def count_reading_text(reading: dict | None) -> str:

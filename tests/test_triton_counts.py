@@ -135,3 +135,48 @@ def test_a_target_the_ledger_does_not_place_is_judged_without_a_fault(run, chang
         run.events.loc[sent, "data"] = run.events.loc[sent, "data"].map(
             lambda d: json.dumps({**json.loads(d), "model": "slow"}))
     assert rid in judged(run, "triton_executing")
+
+
+def _queued_twin(run, *, stopped: bool = True) -> tuple[str, str]:
+    """The queued scenario with Q2, a second slow request sent after its target and stopped 30 ms before it, with no
+    answer: the core's one CANCELED drop (1.10 s) may be Q2's. The world built: it was Q2's, and the target stayed in
+    the queue to 3.0 s (past the grace), the pending gauge one higher from Q2's send to then."""
+    t_stop = _stop_of(run, "triton_queued")
+    request(run, "Q2", "slow", sent=0.54, closed=t_stop - 0.03 + 0.001, cancel=t_stop - 0.03, state="cancelled",
+            scenario="triton_queued", role="neighbour")
+    if stopped:
+        stop = run.events[(run.events["kind"] == "user_stop") & run.events["data"].str.contains("triton_queued")]
+        row = stop.iloc[0].to_dict()
+        data = {**json.loads(row["data"]), "sent_mono_ns": _ns(run, 0.54), "cancel_id": "Q2"}
+        row.update(request_id="Q2", t_s=t_stop - 0.03, mono_ns=_ns(run, t_stop - 0.03), data=json.dumps(data))
+        run.events = pd.concat([run.events, pd.DataFrame([row])], ignore_index=True).sort_values("t_s", kind="stable")
+    gauge(run, "triton_pending_requests", {**SLOW, "version": "1"}, 0.54, 3.0, add=1)
+    return target_of(run, "triton_queued"), "Q2"
+
+
+@pytest.mark.parametrize("log", [True, False], ids=["log", "no_log"])
+@pytest.mark.parametrize("stopped", [True, False], ids=["q2_stopped", "q2_closed"])
+def test_a_canceled_drop_another_stopped_request_may_have_made_is_not_this_ones(log, stopped):
+    # one CANCELED rise, two requests of the model stopped before any answer: it is one of theirs, and the target may
+    # be the one still queued. Read as the target's drop, it was released whatever the other did. Q2's client may
+    # also just have closed its call (no stop the run made): gRPC cancels it all the same
+    run = load_run(RUN, "latest")
+    run = run if log else without_log(run)
+    target, q2 = _queued_twin(run, stopped=stopped)
+    got = {v.request_id: v for v in judge_run(run) if v.scenario == "triton_queued"}
+    assert got[target].verdict != "released", got[target].rule
+    if log:  # the log names neither as started: only the count can tell, and it cannot
+        assert got[target].rule == "canceled_rise_shared"
+        assert [o["request_id"] for o in got[target].evidence.count_reading["open"]] == [q2]
+    if stopped:
+        assert got[q2].verdict != "leaked"
+
+
+def test_a_rise_that_holds_every_request_that_may_have_made_it_releases_each():
+    # the same, but the core counted two drops at 1.10 s: both were dropped, each is released by it
+    run = load_run(RUN, "latest")
+    target, q2 = _queued_twin(run)
+    gauge(run, "triton_pending_requests", {**SLOW, "version": "1"}, 0.54, 3.0, add=-1)  # as recorded
+    gauge(run, "triton_request_failure_total", {**SLOW, "reason": "CANCELED", "version": "1"}, 1.09, 99.0, add=1)
+    got = {v.request_id: (v.verdict, v.rule) for v in judge_run(run) if v.scenario == "triton_queued"}
+    assert got[target] == ("released", "dropped_in_queue") and got[q2] == ("released", "dropped_in_queue")

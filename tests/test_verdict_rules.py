@@ -266,6 +266,25 @@ def unread(scenario: str, metric: str, from_s: float, to_s: float):
     return change
 
 
+def another_stopped(scenario: str, model: str):
+    """One more request of `model`, sent 10 ms after the scenario's target and let go by its client 30 ms before the
+    target's stop, with no answer: the core may have dropped it from its queue in the target's place."""
+    def change(run):
+        t = float(run.events[stop_of(run, scenario)]["t_s"].iloc[0])
+        rows = run.ledger[run.ledger["scenario"] == scenario]
+        target = rows[rows["role"] == "target"].iloc[0].to_dict()
+        sent = target["sent_mono_ns"] + 10_000_000
+        let_go = run.info["started_mono_ns"] + int((t - 0.03) * 1e9)
+        row = {**target, "request_id": "another", "role": "neighbour", "sent_mono_ns": sent, "cancel_mono_ns": let_go,
+               "closed_mono_ns": let_go, "first_token_mono_ns": None, "terminal_state": "cancelled"}
+        run.ledger = pd.concat([run.ledger, pd.DataFrame([row])], ignore_index=True)
+        event = {"request_id": "another", "kind": "request_sent", "wall_ns": 0, "mono_ns": sent,
+                 "t_s": (sent - run.info["started_mono_ns"]) / 1e9,
+                 "data": json.dumps({"scenario": scenario, "role": "neighbour", "model": model})}
+        run.events = pd.concat([run.events, pd.DataFrame([event])], ignore_index=True).sort_values("t_s", kind="stable")
+    return change
+
+
 EXEC, DEAF, HTTP = "triton_executing", "triton_deaf", "triton_http_timeout"
 # rule -> (the scenario whose target reaches it, the changes to the recorded suite)
 TRITON_RUNS = {
@@ -286,6 +305,7 @@ TRITON_RUNS = {
     "released_on_log_alone": (EXEC, [no_series("model_active_requests")]),
     "gauge_did_not_fall": (EXEC, [gauge_held(EXEC, "generator")]),
     "dropped_in_queue": ("triton_queued", []),
+    "canceled_rise_shared": ("triton_queued", [another_stopped("triton_queued", "slow")]),
     "due_to_end_with_stop": (EXEC, [without_log, stop_data(EXEC, tokens_at_cancel=200)]),
     "gauge_fell_end_unknown": (EXEC, [without_log, stop_data(EXEC, drop=("inputs",))]),
     "gauge_fell_before_natural_end": (EXEC, [without_log]),

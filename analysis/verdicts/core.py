@@ -360,6 +360,9 @@ RULES: dict[str, Rule] = {
                              "{until}: nothing shows whether the request stayed"),
     "no_server_evidence": Rule(INCONCLUSIVE, "no server evidence names this request (no server log, no CANCELED "
                                "drop, no model gauge): the client's CANCELLED alone proves nothing"),
+    "canceled_rise_shared": Rule(INCONCLUSIVE, "the core's CANCELED failures for the model rose within the grace, "
+                                 "but {others} other request(s) of the model stopped before any answer may have been "
+                                 "dropped from its queue in its place: which the core dropped cannot be told"),
     "never_named": Rule(INCONCLUSIVE, "the server log never names this request and the core counted no CANCELED "
                         "drop: nothing shows the server had it"),
     "still_running_at_end": Rule(LEAKED, "the model started the request and logged no cancel and no end: it was "
@@ -376,7 +379,9 @@ COUNT_READING_RULES = frozenset({"released", "released_beside_traffic", "gauges_
                                  # Triton's, without its log
                                  "gauge_fell_end_unknown", "gauge_fell_before_natural_end", "gauge_up_to_natural_end",
                                  "gauge_up_through_grace", "steps_kept_rising", "gauge_within_others",
-                                 "gauge_up_no_steps"})
+                                 "gauge_up_no_steps",
+                                 # Triton's: its CANCELED count, against the requests that may have made it
+                                 "canceled_rise_shared"})
 # what a verdict can rest on that its evidence alone does not show: code -> what is assumed. A verdict names those it
 # rests on (evidence.assumes), and the report says where the run's own evidence contradicts one (run_assumptions)
 ASSUMPTIONS = {

@@ -153,11 +153,11 @@ def judge_triton(run: Run, grace_s: float, metrics_target: str | None = None) ->
     stops = run.events_of("user_stop")
     missed = {r.request_id: json.loads(r.data) for r in frame_rows(run.events_of("trigger_missed"))}
     # same-model targets stopped at one instant (one stop_stream): a release must show for each of them
-    together: dict[tuple, int] = {}
+    together: dict[tuple, frozenset] = {}
     datas = [json.loads(d) for d in stops["data"]]
     for stop, data in zip(frame_rows(stops), datas):
         key = (data.get("model"), round(float(stop.t_s), 4))
-        together[key] = together.get(key, 0) + 1
+        together[key] = together.get(key, frozenset()) | {stop.request_id}
     models = {r.request_id: json.loads(r.data).get("model")
               for r in frame_rows(run.events_of("request_sent"))}
     spans = {r: (row.get("sent_mono_ns"), row.get("closed_mono_ns")) for r, row in rows.items()}
@@ -169,7 +169,7 @@ def judge_triton(run: Run, grace_s: float, metrics_target: str | None = None) ->
         case = _case(run, slog, rows, by_scenario.get(data.get("scenario"), NO_REQUESTS), scrape_times, data=data,
                      rid=stop.request_id, t_stop=float(stop.t_s), t0=t0, target=target, grace_s=grace_s,
                      log_state=log_state, missed=missed.get(stop.request_id),
-                     together=together[(data.get("model"), round(float(stop.t_s), 4))], models=models,
+                     together_ids=together[(data.get("model"), round(float(stop.t_s), 4))], models=models,
                      spans=spans, reqs=reqs, row_models=row_models, seen_leaving=seen_leaving)
         v = judge(case, EVIDENCE_RULES)
         if v.timepoints.get("left_scheduler") is not None:
@@ -203,7 +203,7 @@ class TritonCase(Case):
     t_early_cancel: float | None  # the model's first `cancelled` line, whenever it came
     finished_detail: str
     polls: bool  # the model polls is_cancelled (its `started` line says poll=false when not)
-    together: int  # same-model requests stopped at this instant, this one included
+    together_ids: frozenset  # same-model requests stopped at this instant, this one included
     natural: float | None  # when the request would have ended on its own (see _natural_end)
     series: dict[str, tuple[np.ndarray, np.ndarray]]  # active, steps, pending, canceled, buffer: (instants, values)
     run: Run
@@ -212,10 +212,51 @@ class TritonCase(Case):
     reqs: Requests | None = None  # the ledger as arrays (requests.py): its stays as the vLLM model reads them
     row_models: np.ndarray | None = None  # per row of reqs: the model its request_sent event names
     seen_leaving: dict | None = None  # request id -> where an earlier cancel's verdict saw its stopped request gone
+    shared_drop: dict | None = None  # a CANCELED rise others may have made (dropped_in_queue): its count reading
 
     @property
     def model(self) -> str | None:
         return self.data.get("model")
+
+    @property
+    def together(self) -> int:
+        return len(self.together_ids)
+
+    @cached_property
+    def natural_latest(self) -> float | None:
+        """The latest the request would have ended on its own (None: no natural end known). Its natural end from
+        the tokens left at the stop is its end: it was running. From its send (the slow model's run time), that is
+        the soonest: the core may have queued it first. It was taken up at the latest by the first reading, from
+        LEDGER_LAG_S after its send (it reached the server by then) to the stop, with none of the model's requests
+        pending (a request taken up is never queued again); inf where every reading had some pending."""
+        natural, inputs = self.natural, self.data.get("inputs") or {}
+        if natural is None or "MS" not in inputs:
+            return natural
+        sent = (self.data["sent_mono_ns"] - self.run.info["started_mono_ns"]) / 1e9
+        t_pend, v_pend = self.series["pending"]
+        spans = scrape_spans(self.run, self.ev.metrics_target, t_pend, source=TRITON)
+        idle = np.nonzero((t_pend >= sent + LEDGER_LAG_S) & (t_pend <= self.t_stop) & (v_pend < 0.5))[0]
+        if not len(idle):
+            return math.inf
+        return natural + float(t_pend[idle[0]] + spans[idle[0]] - sent)
+
+    @cached_property
+    def drop_candidates(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, instants) of the model's other requests whose drop from the core's queue its CANCELED count may
+        hold besides this one's and those stopped with it: each from the instant its client let it go (its cancel
+        or its close: a cancel reaches the server after it). A request whose client got an answer, or read it to
+        its end, was taken up by the model, and one the model's log names as started too: neither was dropped. One
+        an earlier cancel's verdict saw gone (seen_leaving) is in no rise after that. A send that names no model
+        may be this model's."""
+        r = self.reqs
+        unnamed = np.array([m is None for m in self.row_models], dtype=bool)
+        rows = ((self.row_models == self.model) | unnamed) & ~np.isin(r.ids, list(self.together_ids)) \
+            & ~r.completed & np.isinf(r.first) & ~np.isnan(r.sent)
+        if self.has_log:
+            rows &= np.array([self.slog.first("engine_added", rid) is None for rid in r.ids], dtype=bool)
+        let_go = np.fmin(r.cancel, r.closed)
+        rows &= ~np.isnan(let_go)  # a request its client still holds was cancelled by nobody
+        return r.ids[rows], let_go[rows]
 
     def others(self, times: np.ndarray) -> np.ndarray | None:
         """Per instant: the fewest of the model's requests other than this one the server can be counting
@@ -403,7 +444,7 @@ class TritonCase(Case):
 
 def _case(run: Run, slog: _ServerLog, rows: dict, same: dict, scrape_times: np.ndarray, *, data: dict, rid: str,
           t_stop: float, t0: int, target: str | None, grace_s: float, log_state: str, missed: dict | None,
-          together: int, models: dict, spans: dict, reqs: Requests, row_models: np.ndarray,
+          together_ids: frozenset, models: dict, spans: dict, reqs: Requests, row_models: np.ndarray,
           seen_leaving: dict) -> TritonCase:
     has_log = log_state == "read"
     model, lrow = data.get("model"), rows.get(rid)
@@ -437,7 +478,7 @@ def _case(run: Run, slog: _ServerLog, rows: dict, same: dict, scrape_times: np.n
                       slog=slog, data=data, has_log=has_log, t_added=t_added,
                       t_early_cancel=slog.first("engine_aborted", rid),
                       finished_detail=slog.detail.get(("engine_finished", rid), ""),
-                      polls="poll=false" not in slog.detail.get(("engine_added", rid), ""), together=together,
+                      polls="poll=false" not in slog.detail.get(("engine_added", rid), ""), together_ids=together_ids,
                       natural=_natural_end(data, t_stop, t0), series=series, run=run, models=models,
                       ledger_spans=spans, reqs=reqs, row_models=row_models,
                       seen_leaving=seen_leaving)
@@ -495,15 +536,36 @@ def cancel_logged(c: TritonCase) -> CancelVerdict | None:
 
 
 def dropped_in_queue(c: TritonCase) -> CancelVerdict | None:
-    """No line of the model for the cancel: a request the core dropped in its queue never reached it."""
+    """No line of the model for the cancel: a request the core dropped in its queue never reached it. The core's
+    CANCELED count must have risen by this one, those stopped with it, and every other request of the model that
+    may have been dropped by that reading (drop_candidates): a rise that another's drop can make is not this one's
+    (shared_drop keeps it for canceled_rise_shared)."""
     t_canc, v_canc = c.series["canceled"]
     canc_before = _before(t_canc, v_canc, c.t_stop)
     if canc_before is None:
         return None
-    sel = (t_canc >= c.t_stop) & (t_canc <= c.t_stop + c.grace_s)
-    # each same-model request stopped at this instant is one CANCELED: all of them must show
-    t_dropped = _first(t_canc, sel & (v_canc >= canc_before + c.together - 0.5))
-    if t_dropped is None or not (c.t_added is None or c.t_added > c.t_stop + c.grace_s or not c.has_log):
+    if c.has_log and c.t_added is not None and c.t_added <= c.t_stop + c.grace_s:
+        return None
+    t_b = float(t_canc[int(np.searchsorted(t_canc, c.t_stop, side="left")) - 1])
+    ids, let_go = c.drop_candidates
+    gone = np.array([(c.seen_leaving or {}).get(rid, math.inf) <= t_b for rid in ids], dtype=bool)
+    ids, let_go = ids[~gone], let_go[~gone]
+    spans = scrape_spans(c.run, c.ev.metrics_target, t_canc, source=TRITON)
+    t_dropped = None
+    for i in np.nonzero((t_canc >= c.t_stop) & (t_canc <= c.t_stop + c.grace_s))[0]:
+        rise = float(v_canc[i] - canc_before)
+        if rise < c.together - 0.5:
+            continue
+        could = ids[let_go <= t_canc[i] + spans[i]]  # let go before this reading was answered
+        if rise >= c.together + len(could) - 0.5:
+            t_dropped = float(t_canc[i])
+            break
+        if c.shared_drop is None:
+            c.shared_drop = {"at_s": round(float(t_canc[i]), 3), "count": rise, "others_fewest": 0.0,
+                             "others_most": float(len(could)), "compared_with": float(c.together + len(could)),
+                             "open": [{"request_id": rid, "reason": "stopped_may_have_been_dropped"}
+                                      for rid in sorted(could)]}
+    if t_dropped is None:
         return None
     c.ev.canceled_failures_delta = float(v_canc[np.searchsorted(t_canc, t_dropped)] - canc_before)
     c.tp["engine_abort"] = t_dropped
@@ -552,15 +614,18 @@ def metrics_alone(c: TritonCase) -> CancelVerdict | None:
         if natural is None:
             return c.verdict("gauge_fell_end_unknown")
         return c.verdict("gauge_fell_before_natural_end", early_s=natural - t_act[i])
-    # the last reading before the request would have ended anyway, within the grace
-    last = np.nonzero((t_act > t_stop) & (t_act < until))[0]
+    # the last reading before the request would have ended anyway, within the grace. One the core may have queued
+    # to the stop has no end of its own to go by (it may end later, and a drop then is a release): the grace's end
+    own_end = natural is not None and math.isfinite(c.natural_latest)
+    until_in = until if own_end else t_stop + grace_s
+    last = np.nonzero((t_act > t_stop) & (t_act < until_in))[0]
     if not len(last):
-        return c.verdict("no_gauge_reading", until="its natural end" if until < t_stop + grace_s else "the grace's end")
+        return c.verdict("no_gauge_reading", until="its natural end" if until_in < t_stop + grace_s else "the grace's end")
     i = int(last[-1])
     c.ev.count_reading = c.count_reading(i, float(t_act[i]), v_act[i], fewest[i], most[i])
     if v_act[i] <= most[i] + 0.5:
         return c.verdict("gauge_within_others")
-    if natural is not None:
+    if own_end:
         # the request was surely counted up to its natural end (or the end of the grace), then seen gone
         gone = np.nonzero((t_act >= natural - RACE_S) & (v_act <= fewest + 0.5))[0]
         t_end = float(t_act[gone[0]]) if len(gone) else None
@@ -575,6 +640,15 @@ def metrics_alone(c: TritonCase) -> CancelVerdict | None:
     return c.verdict("gauge_up_no_steps")
 
 
+def canceled_rise_shared(c: TritonCase) -> CancelVerdict | None:
+    """The core counted CANCELED drops of the model within the grace, fewer than this one and the others that may
+    have been dropped then: which of them the core dropped cannot be told."""
+    if c.shared_drop is None or c.t_added is not None:
+        return None
+    c.ev.count_reading = c.shared_drop
+    return c.verdict("canceled_rise_shared", others=int(c.shared_drop["others_most"]))
+
+
 def never_named(c: TritonCase) -> CancelVerdict | None:
     return c.verdict("never_named") if c.t_added is None else None
 
@@ -584,8 +658,8 @@ def still_running(c: TritonCase) -> CancelVerdict:
 
 
 # after the shared guards, in order; the last always gives a verdict
-EVIDENCE_RULES = (cancelled_first, ran_to_its_end, cancel_logged, dropped_in_queue, metrics_alone, never_named,
-                  still_running)
+EVIDENCE_RULES = (cancelled_first, ran_to_its_end, cancel_logged, dropped_in_queue, metrics_alone,
+                  canceled_rise_shared, never_named, still_running)
 
 
 def report_fields(run: Run) -> dict:
