@@ -230,8 +230,8 @@ class TritonCase(Case):
         LEDGER_LAG_S after its send (it reached the server by then) to the stop, with none of the model's requests
         pending (a request taken up is never queued again); inf where every reading had some pending."""
         natural, inputs = self.natural, self.data.get("inputs") or {}
-        if natural is None or "MS" not in inputs:
-            return natural
+        if natural is None or "MS" not in inputs or not self.data.get("sent_mono_ns"):
+            return natural  # not from its send (_natural_end)
         sent = (self.data["sent_mono_ns"] - self.run.info["started_mono_ns"]) / 1e9
         t_pend, v_pend = self.series["pending"]
         spans = scrape_spans(self.run, self.ev.metrics_target, t_pend, source=TRITON)
