@@ -1069,20 +1069,31 @@ def _within(at: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return np.searchsorted(srt, hi, side="right") - np.searchsorted(srt, lo, side="right")
 
 
+MOVED_STRETCH = 256  # samples _moved_since reads at a time
+
+
 def _moved_since(sched: dict[str, np.ndarray], t: float) -> np.ndarray:
     """Per sample: a sample at or after `t` that moved (count, KV or generated tokens) since the last
     one before `t`, or follows one that did. Gauges refresh only on an engine step: a release is only
     shown by a refreshed sample."""
     times = sched["t_s"]
-    pre = np.nonzero(times < t)[0]
-    if not len(pre):
+    p = int(np.searchsorted(times, t, side="left")) - 1  # the last sample before `t` (the samples are in order)
+    if p < 0:
         return np.ones(len(times), dtype=bool)
-    p = pre[-1]
-    moved = np.zeros(len(times), dtype=bool)
-    for col in ("count", "kv", "gen_tokens"):
-        vals = sched[col]
-        moved |= ~np.isclose(vals, vals[p], equal_nan=True)
-    return np.maximum.accumulate(moved & (times >= t))
+    out = np.zeros(len(times), dtype=bool)
+    # the first sample from `t` on that moved, looked for a stretch at a time: it is near `t`, and an hour's run
+    # read whole holds 70 000 samples for each of its hundreds of cancels
+    for lo in range(p + 1, len(times), MOVED_STRETCH):
+        hi = min(len(times), lo + MOVED_STRETCH)
+        moved = np.zeros(hi - lo, dtype=bool)
+        for col in ("count", "kv", "gen_tokens"):
+            vals = sched[col]
+            moved |= ~np.isclose(vals[lo:hi], vals[p], equal_nan=True)
+        first = np.flatnonzero(moved)
+        if len(first):
+            out[lo + int(first[0]):] = True
+            break
+    return out
 
 
 def _three_without(still: np.ndarray) -> np.ndarray:
@@ -1106,8 +1117,14 @@ def _restart_in(gaps: _Gaps, sched: dict[str, np.ndarray], t_from: float, t_to: 
         return "the target was lost"
     t_to = max(t_to, _outage_end(gaps, t_from, t_to) + 0.5)
     times, gen = sched["t_s"], sched["gen_tokens"]
-    # the dips are looked for up to t_to, and each is checked on the samples after it, past t_to too
-    sel = (times >= t_from) & ~np.isnan(gen)
+    # the dips are looked for up to t_to, and each is checked on the next two readings after it, past t_to too: the
+    # samples from t_from to two readings past t_to (the samples are in order; a run read whole holds 70 000)
+    lo, hi = int(np.searchsorted(times, t_from, side="left")), int(np.searchsorted(times, t_to, side="right"))
+    end = hi
+    while end < len(times) and np.count_nonzero(~np.isnan(gen[hi:end])) < 2:
+        end = min(len(times), end + MOVED_STRETCH)
+    gen, times, spans = gen[lo:end], times[lo:end], spans[lo:end]
+    sel = ~np.isnan(gen)
     vals, at = gen[sel], times[sel]
     # a sample is stamped when its read started, and its body was built somewhere before the read ended:
     # two reads that overlap (a ticker woke late and caught up: two reads 70 us apart, seen answering 54 and
