@@ -40,8 +40,9 @@ def judged_run(store: str | Path, run: str | int = "latest", grace_s: float | No
         return JudgedRun(whole, judge_run(whole, grace_s), False)
     overview = reader.load_overview(store, rid, metrics=metrics)
     if window is None:
-        def window(lo: float, hi: float) -> Run:
-            return reader.load_window(store, rid, lo, hi, lookback_s=LOOKBACK_S, metrics=VIEW_METRICS)
+        def window(lo: float, hi: float, log_offsets_s=()) -> Run:
+            return reader.load_window(store, rid, lo, hi, lookback_s=LOOKBACK_S, metrics=VIEW_METRICS,
+                                      log_offsets_s=log_offsets_s)
     rows = reader.load_verdicts(store, rid)
     growing = wait_for_windows and overview.info.get("status") == "running"
     return JudgedRun(overview, long_run_verdicts(overview, rows, window, grace_s, now_s=span if growing else None),

@@ -9,11 +9,13 @@ requests leave. The whole run's samples are never read."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import pandas as pd
 
 from cancelwatch.analysis.rows import frame_rows
 from cancelwatch.analysis.verdicts import CancelVerdict, run_grace_s
+from cancelwatch.analysis.verdicts.log_clock import log_clocks, log_offsets
 from cancelwatch.analysis.verdicts.stored import usable
 from cancelwatch.analysis.watching import ENTRY_WAIT_S, NOT_YET_ENTERED, judge_cancels, left_seen, scenario_end_after, window_of
 from cancelwatch.runstore.reader import Run
@@ -43,8 +45,12 @@ def stops(run: Run) -> pd.DataFrame:
 def long_run_verdicts(run: Run, stored_rows: pd.DataFrame, window: Callable[[float, float], Run],
                       grace_s: float | None = None, now_s: float | None = None) -> list[CancelVerdict]:
     """One verdict per stop of `run` (its overview), in stop order: the stored one where these rules gave it,
-    else judged on `window(from_s, to_s)`. `now_s`: for a run still recorded, how far it reaches (a cancel
-    whose window is not all recorded yet is left for the live judge)."""
+    else judged on `window(from_s, to_s)`, or `window(from_s, to_s, log_offsets)` where an engine log's clock is
+    off the run's (log_clock.log_offsets: its lines are read where their stamps put them). `now_s`: for a run still
+    recorded, how far it reaches (a cancel whose window is not all recorded yet is left for the live judge)."""
+    offsets = log_offsets(log_clocks(run))  # the overview holds the events and the ledger whole
+    if offsets:
+        window = partial(window, log_offsets_s=offsets)
     own = run_grace_s(run)
     grace_s = own if grace_s is None else grace_s
     kept = usable(stored_rows) if grace_s == own else {}  # stored as judged with the run's own grace

@@ -43,6 +43,9 @@ class LiveJudge:
         self.extra: dict[str, float] = {}
         self.counts: dict[str, int] = {}
         self.left_seen: dict[str, float] = {}  # request id -> when its verdict saw it leave the engine
+        # where the engine logs' lines are against the run's clock (log_clock.log_offsets), once a request bounds
+        # them: a container logging in UTC beside a recorder in another zone puts its lines hours off a window
+        self.log_offsets: tuple | None = None
         self.failures = 0
         self.keep = None
         # `record`'s scenarios: when the one under way began (None: none is), when the last one ended
@@ -171,8 +174,10 @@ class LiveJudge:
         def judge():
             from cancelwatch.analysis.watching import judge_cancels
 
+            if self.log_offsets is None:
+                self.log_offsets = log_offsets_of(self.store, self.run_id)
             window = load_window(self.store, self.run_id, lo, hi, extra_ledger=open_rows, lookback_s=LOOKBACK_S,
-                                 held_through_s=held, metrics=VIEW_METRICS)
+                                 held_through_s=held, metrics=VIEW_METRICS, log_offsets_s=self.log_offsets or ())
             return judge_cancels(window, set(ready), self.grace_s, self.left_seen)
 
         try:
@@ -288,3 +293,17 @@ async def judging(work, judge: LiveJudge) -> None:
         err.print(f"{judge.said}: live judging stopped ({task.exception()}); the cancels are judged from the run")
     else:
         await judge.drain()
+
+
+def log_offsets_of(store: Path, run_id: int) -> tuple | None:
+    """Where the run's engine logs' lines are against its clock (analysis log_clock.log_offsets), from their Added
+    lines and the ledger so far; None while no request bounds any log's clock (read again at the next batch)."""
+    from cancelwatch.analysis.verdicts.log_clock import log_clocks, log_offsets
+    from cancelwatch.runstore.reader import load_log_anchors
+
+    anchors = load_log_anchors(store, run_id)
+    logs = (anchors.info.get("engine") or {}).get("engine_log") or {}
+    if not any(entry.get("path") for entry in logs.values()):
+        return ()  # no engine log is read: nothing to place
+    clocks = log_clocks(anchors)
+    return log_offsets(clocks) if any(c.requests for c in clocks.values()) else None

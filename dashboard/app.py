@@ -53,15 +53,17 @@ def load_view(path: str, run_id: int, version: tuple):
     are not read, and a zoom reads its own stretch (detail)."""
     running = is_running(Path(path), run_id)
     got = judged_run(path, run_id, metrics=VIEW_METRICS, wait_for_windows=True,
-                     window=lambda lo, hi: window(path, run_id, lo, hi, version if running else None))
+                     window=lambda lo, hi, log_offsets_s=(): window(path, run_id, lo, hi, version if running else None,
+                                                                    log_offsets_s))
     return got.run, got.verdicts
 
 
 @st.cache_resource(max_entries=24, show_spinner=False)
-def window(path: str, run_id: int, lo: float, hi: float, version: tuple | None):
+def window(path: str, run_id: int, lo: float, hi: float, version: tuple | None, log_offsets_s: tuple = ()):
     """A stretch of a run at full resolution, with the ledger and log lines it is judged by; `version`: the
-    store's, for a run still recorded (its stretch may fill in), else None (it will not change)."""
-    return load_window(path, run_id, lo, hi, lookback_s=LOOKBACK_S, metrics=VIEW_METRICS)
+    store's, for a run still recorded (its stretch may fill in), else None (it will not change);
+    `log_offsets_s`: where an engine log's lines are, its clock off the run's (load_window)."""
+    return load_window(path, run_id, lo, hi, lookback_s=LOOKBACK_S, metrics=VIEW_METRICS, log_offsets_s=log_offsets_s)
 
 
 def detail(path: Path, run, x_range: tuple[float, float] | None):

@@ -237,3 +237,7 @@ _TAP_KINDS = (
 )
 
 EVENT_KINDS: dict[str, EventKind] = {k.name: k for k in (*_KINDS, *_TAP_KINDS)}
+# the kinds stamped with an engine's clock as its log says it (their data has `clock`): a log in another zone
+# than the recorder's puts them hours from the run's other events, until the analysis places that clock
+ENGINE_CLOCK_KINDS: tuple[str, ...] = tuple(k.name for k in EVENT_KINDS.values()
+                                            if any(name == "clock" for name, _ in k.data))

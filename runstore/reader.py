@@ -16,6 +16,7 @@ import pandas as pd
 import pyarrow as pa
 
 from cancelwatch.runstore.errors import NoRunsYet, StoreError
+from cancelwatch.runstore.event_kinds import ENGINE_CLOCK_KINDS
 from cancelwatch.runstore.schema import OVERVIEW_S
 
 
@@ -254,8 +255,7 @@ def _load_samples(con: sqlite3.Connection, path: Path, rid: int, only: list[str]
         params += only
     series = con.execute(f"SELECT id, source, target, metric, labels FROM series WHERE {where}", params).fetchall()
     if not series:
-        return pd.DataFrame({c: pd.Series(dtype=object if c in ("source", "target", "metric", "labels") else float)
-                             for c in SAMPLE_COLUMNS})
+        return _no_samples()
     series_ids = np.array([row[0] for row in series], dtype=np.int64)
     ids = ", ".join(str(int(i)) for i in series_ids)
     # through the series ids: the (run_id, series_id) index then reads only those samples. A window goes
@@ -316,6 +316,11 @@ def _positions(keys: np.ndarray, wanted: np.ndarray) -> np.ndarray:
 
 _SCRAPE_COLUMNS = ["id", "source", "target", "tick", "wall_ns", "mono_ns", "duration_ns", "ok", "n_samples"]
 _SCRAPE_NUMBERS = [c for c in _SCRAPE_COLUMNS if c not in ("source", "target")]
+
+
+def _no_samples() -> pd.DataFrame:
+    return pd.DataFrame({c: pd.Series(dtype=object if c in ("source", "target", "metric", "labels") else float)
+                         for c in SAMPLE_COLUMNS})
 
 
 def _no_scrapes() -> pd.DataFrame:
@@ -381,7 +386,8 @@ def _run_info(con: sqlite3.Connection, path: str | Path, rid: int) -> dict:
 
 
 def _load_run(path: str | Path, rid: int, only: list[str] | None,
-              window: tuple[float, float, float] | None = None, extra_ledger: pd.DataFrame | None = None) -> Run:
+              window: tuple[float, float, float] | None = None, extra_ledger: pd.DataFrame | None = None,
+              log_offsets_s: Iterable[tuple[float, float]] = ()) -> Run:
     """The run, or with `window` (from_s, to_s, lookback_s; see load_window) only that stretch of it."""
     with closing(connect_readonly(path)) as con:
         info = _run_info(con, path, rid)
@@ -393,8 +399,14 @@ def _load_run(path: str | Path, rid: int, only: list[str] | None,
             back = lo - int(window[2] * 1e9)
             span = (lo, hi)
             # gaps from the lookback too: a hole in a source's reads there is one in the events read with it
+            # an engine log's lines where its clock puts them: stamped `offset` before the run's clock, for each
+            # (lowest, highest) offset a log's clock may have (load_window)
+            logs = [(back - int(off_hi * 1e9), hi - int(off_lo * 1e9)) for off_lo, off_hi in log_offsets_s]
+            kinds = ", ".join("?" for _ in ENGINE_CLOCK_KINDS)
             within = {"gaps": (" AND start_mono_ns <= ? AND end_mono_ns >= ?", (hi, back)),
-                      "events": (" AND mono_ns BETWEEN ? AND ?", (back, hi)),
+                      "events": (" AND (mono_ns BETWEEN ? AND ?"
+                                 + "".join(f" OR (kind IN ({kinds}) AND mono_ns BETWEEN ? AND ?)" for _ in logs) + ")",
+                                 (back, hi, *(x for a, b in logs for x in (*ENGINE_CLOCK_KINDS, a, b)))),
                       "ledger": (" AND (sent_mono_ns IS NULL OR sent_mono_ns <= ?) "
                                  "AND (closed_mono_ns IS NULL OR closed_mono_ns >= ?)", (hi, back))}
         scrapes = _load_scrapes(con, path, rid, span)
@@ -420,22 +432,40 @@ def _load_run(path: str | Path, rid: int, only: list[str] | None,
 
 def load_window(path: str | Path, run: str | int, t_from_s: float, t_to_s: float,
                 extra_ledger: pd.DataFrame | None = None, lookback_s: float = 0.0,
-                held_through_s: float | None = None, metrics: Iterable[str] | None = None) -> Run:
+                held_through_s: float | None = None, metrics: Iterable[str] | None = None,
+                log_offsets_s: Iterable[tuple[float, float]] = ()) -> Run:
     """One stretch of a run, [t_from_s, t_to_s] seconds since it started: the scrapes and samples in it; the
     gaps, the events and the ledger rows of requests open in it from `lookback_s` earlier (a request cancelled
     before the stretch may still be in the engine, and its log lines say whether), plus `extra_ledger` (rows
     a live recorder holds that the store has not got yet). `held_through_s`: how far the store held every
     source's reads when it was read (Run.events_span ends there). What a watch judges one cancel by, as its
-    grace ends: the read is bounded by the stretch, not the run. `metrics`: only these series (as load_run)."""
+    grace ends: the read is bounded by the stretch, not the run. `metrics`: only these series (as load_run).
+    `log_offsets_s`: per engine log whose clock is off the run's (a container logging in UTC beside a recorder in
+    another zone), the (lowest, highest) seconds its lines are to be moved by (analysis log_clock.log_offsets): its
+    lines of the stretch are read where their stamps put them."""
     rid = resolve_run_id(path, run)
     with _reading(path):
         only = sorted(set(metrics)) if metrics is not None else None
-        window = _load_run(path, rid, only, (t_from_s, t_to_s, lookback_s), extra_ledger)
+        window = _load_run(path, rid, only, (t_from_s, t_to_s, lookback_s), extra_ledger, tuple(log_offsets_s))
     if held_through_s is not None and window.events_span is not None:
         # the store held every source's reads only this far (a live judge reading a store behind): what the
         # events do not say past it, they may say a commit later
         window.events_span = (window.events_span[0], min(window.events_span[1], held_through_s))
     return window
+
+
+def load_log_anchors(path: str | Path, run: str | int) -> Run:
+    """What places an engine log's clock on the run's (analysis log_clock): the log's `engine_added` lines and the
+    ledger, no samples. Read once by a live judge, to find the lines of a log in another zone."""
+    rid = resolve_run_id(path, run)
+    with _reading(path), closing(connect_readonly(path)) as con:
+        info = _run_info(con, path, rid)
+        events = _frame(con, "SELECT request_id, kind, wall_ns, mono_ns, data FROM events WHERE run_id = ? AND "
+                        "kind = 'engine_added' ORDER BY mono_ns", (rid,))
+        ledger = _frame(con, "SELECT * FROM ledger WHERE run_id = ?", (rid,))
+    events["t_s"] = (events["mono_ns"] - info["started_mono_ns"]) / 1e9
+    return Run(id=rid, info=info, samples=_no_samples(), scrapes=_no_scrapes(), gaps=pd.DataFrame(),
+               events=events, ledger=ledger)
 
 
 def _has_table(con: sqlite3.Connection, name: str) -> bool:

@@ -149,3 +149,31 @@ def test_a_log_no_request_bounds_says_nothing_of_its_clock():
     run = sample()
     run.events = run.events[run.events["kind"] != "engine_added"].reset_index(drop=True)
     assert log_clocks(run) == {} and run_facts(run)["engine_log_clock"] == []
+
+
+def test_the_live_judge_finds_a_log_in_another_zone_on_each_cancels_window(tmp_path):
+    # the corpus's real run of vLLM logging in UTC (its own log format) beside a recorder in Asia/Kolkata: its
+    # lines are stored 5 h 30 from the run's clock. The whole run places that clock; a live judge reading each
+    # cancel's window by the run's clock found no line of the log there, and every cancel read inconclusive
+    # (log_names_no_requests). It places the clock from the log's Added lines and the ledger, once, and reads
+    # each window's lines where their stamps put them
+    import asyncio
+
+    from cancelwatch.live_judge import LiveJudge, log_offsets_of
+    from cancelwatch.analysis.long_runs import stops
+    from tests.corpus.manifest import load_manifest, unpack
+
+    entry = load_manifest()["runs"]["utc_vllm_format"]
+    store, rid = unpack(entry, tmp_path), int(next(iter(entry["runs"])))
+    run = load_run(store, rid)
+    whole = {v.request_id: (v.verdict, v.rule) for v in judge_run(run)}
+    assert set(whole.values()) == {("released", "released")} and len(whole) == 11
+    (lo, hi), = log_offsets_of(store, rid)
+    assert lo <= 5.5 * 3600 <= hi and hi - lo < 2  # UTC read as Kolkata time: 5 h 30 early, moved on by that
+    kept = []
+    judge = LiveJudge(store, GRACE_S, said="record")
+    judge.start(rid, run.info["started_mono_ns"], lambda: None, keep=lambda _by, rows: kept.extend(rows))
+    for request_id, t_stop in stops(run).itertuples(index=False):
+        asyncio.run(judge._judge({request_id: t_stop}, last_try=True))
+    live = {request_id: (body["verdict"], body["evidence"]["rule"]) for request_id, body in kept}
+    assert live == whole

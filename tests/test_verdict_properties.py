@@ -252,7 +252,7 @@ def on_own_windows(name: str) -> dict:
     whole_run = {v.request_id: v.verdict for v in judge_run(RUNS[name])}
     none_kept = load_verdicts(store, run_id).iloc[0:0]
     got = long_run_verdicts(load_overview(store, run_id), none_kept,
-                            lambda lo, hi: load_window(store, run_id, lo, hi, lookback_s=LOOKBACK_S))
+                            lambda lo, hi, **kw: load_window(store, run_id, lo, hi, lookback_s=LOOKBACK_S, **kw))
     windowed = {v.request_id: v.verdict for v in got}
     return {r: (v, windowed.get(r)) for r, v in whole_run.items() if windowed.get(r) != v}
 

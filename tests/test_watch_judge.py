@@ -156,6 +156,7 @@ def test_a_cancel_whose_request_the_log_does_not_name_yet_is_judged_again_on_a_l
     monkeypatch.setattr(cancelwatch.runstore.reader, "load_window", load_window)
     monkeypatch.setattr(cancelwatch.analysis.watching, "judge_cancels", judge_cancels)
     j = LiveJudge(store=None, grace_s=2.0, ledger=types.SimpleNamespace(live_rows=lambda through: []), metrics=None)
+    j.log_offsets = ()  # no engine log to place: the windows are the test's
     j.start(1, time.monotonic_ns() - int(100e9), lambda: j.t0_ns + int(1000e9))  # the clock at 100 s
     stop = 90.0
     j.pending["r"], j.decided["r"] = stop, stop
@@ -272,6 +273,7 @@ def test_records_window_reaches_its_scenarios_end_and_a_fault_in_judging_it_is_s
     monkeypatch.setattr(cancelwatch.runstore.reader, "load_window", load_window)
     monkeypatch.setattr(cancelwatch.analysis.watching, "judge_cancels", broken)
     j = LiveJudge(store=None, grace_s=2.0, said="record")
+    j.log_offsets = ()  # no engine log to place: the windows are the test's
     j.start(1, time.monotonic_ns() - int(100e9), time.monotonic_ns)
 
     async def scenario():

@@ -126,3 +126,11 @@ def _clock(target: str | None, lines: list[tuple[tuple[float, float], float, flo
         # after its stamp (the line follows its send by milliseconds; its first token comes a prefill later)
         offset = min(lo, hi_w)
     return LogClock(target, offset, lo_w, hi_w, len(lines), res)
+
+
+def log_offsets(clocks: dict[str | None, LogClock]) -> tuple[tuple[float, float], ...]:
+    """Per engine log the run places off its own clock (moved: a container logging in UTC beside a recorder in
+    another zone), the (lowest, highest) offsets its lines may be moved by: where a window of the run finds its
+    lines of that stretch (runstore.reader.load_window). Empty where every log agrees with the run's clock."""
+    return tuple(sorted({(c.lo_s, c.hi_s) for c in clocks.values()
+                         if c.requests and c.agrees and c.offset_s and math.isfinite(c.spread_s)}))
