@@ -396,7 +396,8 @@ ASSUMPTIONS = {
     "traffic_beside_held_steady": "the requests the run did not send held steady through the cancel (as many as "
                                   "the model's count held beyond the run's at the stop; none where it held none): "
                                   "without its log, Triton's gauge cannot tell another client's request from this "
-                                  "one",
+                                  "one, and the core's CANCELED count cannot tell another client's drop from this "
+                                  "one's",
     "no_faster_than_the_pace_margin": "no sequence ran faster than the fastest one went alone in the window, a "
                                       "quarter added (analysis/bounds.py, PACE_MARGIN): the request could not have "
                                       "made its tokens sooner",

@@ -35,7 +35,7 @@ from functools import cached_property
 import numpy as np
 import pandas as pd
 
-from cancelwatch.analysis.bounds import LEDGER_LAG_S, RACE_S
+from cancelwatch.analysis.bounds import LEDGER_LAG_S, NATURAL_END_SPREAD_S, RACE_S
 from cancelwatch.analysis.rows import frame_rows
 from cancelwatch.analysis.series import scrape_spans
 from cancelwatch.analysis.verdicts.requests import Requests, Stays, requests_of, weighted_between
@@ -152,12 +152,7 @@ def judge_triton(run: Run, grace_s: float, metrics_target: str | None = None) ->
     scrape_times = np.sort(run.series("requests_waiting", target=target)["t_s"].to_numpy(dtype=float))
     stops = run.events_of("user_stop")
     missed = {r.request_id: json.loads(r.data) for r in frame_rows(run.events_of("trigger_missed"))}
-    # same-model targets stopped at one instant (one stop_stream): a release must show for each of them
-    together: dict[tuple, frozenset] = {}
     datas = [json.loads(d) for d in stops["data"]]
-    for stop, data in zip(frame_rows(stops), datas):
-        key = (data.get("model"), round(float(stop.t_s), 4))
-        together[key] = together.get(key, frozenset()) | {stop.request_id}
     models = {r.request_id: json.loads(r.data).get("model")
               for r in frame_rows(run.events_of("request_sent"))}
     spans = {r: (row.get("sent_mono_ns"), row.get("closed_mono_ns")) for r, row in rows.items()}
@@ -169,7 +164,7 @@ def judge_triton(run: Run, grace_s: float, metrics_target: str | None = None) ->
         case = _case(run, slog, rows, by_scenario.get(data.get("scenario"), NO_REQUESTS), scrape_times, data=data,
                      rid=stop.request_id, t_stop=float(stop.t_s), t0=t0, target=target, grace_s=grace_s,
                      log_state=log_state, missed=missed.get(stop.request_id),
-                     together_ids=together[(data.get("model"), round(float(stop.t_s), 4))], models=models,
+                     models=models,
                      spans=spans, reqs=reqs, row_models=row_models, seen_leaving=seen_leaving)
         v = judge(case, EVIDENCE_RULES)
         if v.timepoints.get("left_scheduler") is not None:
@@ -203,7 +198,6 @@ class TritonCase(Case):
     t_early_cancel: float | None  # the model's first `cancelled` line, whenever it came
     finished_detail: str
     polls: bool  # the model polls is_cancelled (its `started` line says poll=false when not)
-    together_ids: frozenset  # same-model requests stopped at this instant, this one included
     natural: float | None  # when the request would have ended on its own (see _natural_end)
     series: dict[str, tuple[np.ndarray, np.ndarray]]  # active, steps, pending, canceled, buffer: (instants, values)
     run: Run
@@ -217,10 +211,6 @@ class TritonCase(Case):
     @property
     def model(self) -> str | None:
         return self.data.get("model")
-
-    @property
-    def together(self) -> int:
-        return len(self.together_ids)
 
     @cached_property
     def natural_latest(self) -> float | None:
@@ -243,15 +233,13 @@ class TritonCase(Case):
     @cached_property
     def drop_candidates(self) -> tuple[np.ndarray, np.ndarray]:
         """(ids, instants) of the model's other requests whose drop from the core's queue its CANCELED count may
-        hold besides this one's and those stopped with it: each from the instant its client let it go (its cancel
-        or its close: a cancel reaches the server after it). A request whose client got an answer, or read it to
-        its end, was taken up by the model, and one the model's log names as started too: neither was dropped. One
-        an earlier cancel's verdict saw gone (seen_leaving) is in no rise after that. A send that names no model
-        may be this model's."""
+        hold: each from the instant its client let it go (its cancel or its close: a cancel reaches the server after
+        it). A request whose client got an answer, or read it to its end, was taken up by the model, and one the
+        model's log names as started too: neither was dropped. A send that names no model may be this model's."""
         r = self.reqs
         unnamed = np.array([m is None for m in self.row_models], dtype=bool)
-        rows = ((self.row_models == self.model) | unnamed) & ~np.isin(r.ids, list(self.together_ids)) \
-            & ~r.completed & np.isinf(r.first) & ~np.isnan(r.sent)
+        rows = ((self.row_models == self.model) | unnamed) & (r.ids != self.rid) & ~r.completed & np.isinf(r.first) \
+            & ~np.isnan(r.sent)
         if self.has_log:
             rows &= np.array([self.slog.first("engine_added", rid) is None for rid in r.ids], dtype=bool)
         let_go = np.fmin(r.cancel, r.closed)
@@ -444,7 +432,7 @@ class TritonCase(Case):
 
 def _case(run: Run, slog: _ServerLog, rows: dict, same: dict, scrape_times: np.ndarray, *, data: dict, rid: str,
           t_stop: float, t0: int, target: str | None, grace_s: float, log_state: str, missed: dict | None,
-          together_ids: frozenset, models: dict, spans: dict, reqs: Requests, row_models: np.ndarray,
+          models: dict, spans: dict, reqs: Requests, row_models: np.ndarray,
           seen_leaving: dict) -> TritonCase:
     has_log = log_state == "read"
     model, lrow = data.get("model"), rows.get(rid)
@@ -478,7 +466,7 @@ def _case(run: Run, slog: _ServerLog, rows: dict, same: dict, scrape_times: np.n
                       slog=slog, data=data, has_log=has_log, t_added=t_added,
                       t_early_cancel=slog.first("engine_aborted", rid),
                       finished_detail=slog.detail.get(("engine_finished", rid), ""),
-                      polls="poll=false" not in slog.detail.get(("engine_added", rid), ""), together_ids=together_ids,
+                      polls="poll=false" not in slog.detail.get(("engine_added", rid), ""),
                       natural=_natural_end(data, t_stop, t0), series=series, run=run, models=models,
                       ledger_spans=spans, reqs=reqs, row_models=row_models,
                       seen_leaving=seen_leaving)
@@ -537,36 +525,42 @@ def cancel_logged(c: TritonCase) -> CancelVerdict | None:
 
 def dropped_in_queue(c: TritonCase) -> CancelVerdict | None:
     """No line of the model for the cancel: a request the core dropped in its queue never reached it. The core's
-    CANCELED count must have risen by this one, those stopped with it, and every other request of the model that
-    may have been dropped by that reading (drop_candidates): a rise that another's drop can make is not this one's
-    (shared_drop keeps it for canceled_rise_shared)."""
+    CANCELED count is of drops, not whose: at each reading, the drops it counted since its first reading beyond the
+    model's other requests that may have been dropped by then (drop_candidates, each at most once) are this one's,
+    traffic beside the run's taken as steady. Released at the first reading in the grace with one such; none
+    before the stop (else the count holds drops of requests the run does not know). A rise in the grace that the
+    others may have made is kept for canceled_rise_shared (shared_drop)."""
     t_canc, v_canc = c.series["canceled"]
     canc_before = _before(t_canc, v_canc, c.t_stop)
     if canc_before is None:
         return None
-    if c.has_log and c.t_added is not None and c.t_added <= c.t_stop + c.grace_s:
-        return None
-    t_b = float(t_canc[int(np.searchsorted(t_canc, c.t_stop, side="left")) - 1])
+    if c.has_log and c.t_added is not None:
+        return None  # the model started it: the core never dropped it
     ids, let_go = c.drop_candidates
-    gone = np.array([(c.seen_leaving or {}).get(rid, math.inf) <= t_b for rid in ids], dtype=bool)
-    ids, let_go = ids[~gone], let_go[~gone]
-    spans = scrape_spans(c.run, c.ev.metrics_target, t_canc, source=TRITON)
-    t_dropped = None
-    for i in np.nonzero((t_canc >= c.t_stop) & (t_canc <= c.t_stop + c.grace_s))[0]:
-        rise = float(v_canc[i] - canc_before)
-        if rise < c.together - 0.5:
-            continue
-        could = ids[let_go <= t_canc[i] + spans[i]]  # let go before this reading was answered
-        if rise >= c.together + len(could) - 0.5:
-            t_dropped = float(t_canc[i])
-            break
-        if c.shared_drop is None:
-            c.shared_drop = {"at_s": round(float(t_canc[i]), 3), "count": rise, "others_fewest": 0.0,
-                             "others_most": float(len(could)), "compared_with": float(c.together + len(could)),
-                             "open": [{"request_id": rid, "reason": "stopped_may_have_been_dropped"}
-                                      for rid in sorted(could)]}
-    if t_dropped is None:
+    answered = t_canc + scrape_spans(c.run, c.ev.metrics_target, t_canc, source=TRITON)
+    # drops counted since the first reading (a counter that went back, a restart, counts none), and the others that
+    # may have been dropped by the time each reading was answered
+    drops = np.concatenate(([0.0], np.cumsum(np.maximum(np.diff(v_canc), 0.0))))
+    beyond = drops - np.searchsorted(np.sort(let_go), answered, side="right")
+    in_grace = (t_canc >= c.t_stop) & (t_canc <= c.t_stop + c.grace_s)
+    proven = np.nonzero(in_grace & (beyond > 0.5))[0]
+    if not (beyond[answered < c.t_stop] > 0.5).any() and len(proven):
+        t_dropped = float(t_canc[proven[0]])
+    else:
+        base = int(np.searchsorted(t_canc, c.t_stop, side="left")) - 1
+        rose = np.nonzero(in_grace & (drops > drops[base] + 0.5))[0]
+        if len(rose):
+            # the others that keep it open: let go since the last reading before the stop where every drop was
+            # theirs and every one of them dropped (none since can have been dropped before it)
+            i = int(rose[0])
+            settled = np.nonzero((np.abs(beyond) < 0.5) & (answered < c.t_stop))[0]
+            since = answered[settled[-1]] if len(settled) else -math.inf
+            could = sorted(ids[(let_go > since) & (let_go <= answered[i])])
+            c.shared_drop = {"at_s": round(float(t_canc[i]), 3), "count": float(drops[i] - drops[base]),
+                             "others_fewest": 0.0, "others_most": float(len(could)), "compared_with": None,
+                             "open": [{"request_id": rid, "reason": "stopped_may_have_been_dropped"} for rid in could]}
         return None
+    c.ev.assumes = ["traffic_beside_held_steady"]  # a drop of another client's request would read as this one's
     c.ev.canceled_failures_delta = float(v_canc[np.searchsorted(t_canc, t_dropped)] - canc_before)
     c.tp["engine_abort"] = t_dropped
     c.sources["engine_abort"] = ("samples", "the core's failure{reason=\"CANCELED\"} count rose")
@@ -616,7 +610,7 @@ def metrics_alone(c: TritonCase) -> CancelVerdict | None:
         return c.verdict("gauge_fell_before_natural_end", early_s=natural - t_act[i])
     # the last reading before the request would have ended anyway, within the grace. One the core may have queued
     # to the stop has no end of its own to go by (it may end later, and a drop then is a release): the grace's end
-    own_end = natural is not None and math.isfinite(c.natural_latest)
+    own_end = natural is not None and c.natural_latest - natural <= NATURAL_END_SPREAD_S
     until_in = until if own_end else t_stop + grace_s
     last = np.nonzero((t_act > t_stop) & (t_act < until_in))[0]
     if not len(last):
@@ -633,6 +627,9 @@ def metrics_alone(c: TritonCase) -> CancelVerdict | None:
             c.tp["left_scheduler"] = t_end
         c.ev.kept_running_ms = round(((t_end if t_end is not None else t_stop + grace_s) - t_stop) * 1000, 1)
         return c.verdict("gauge_up_to_natural_end" if t_end is not None else "gauge_up_through_grace")
+    if natural is not None:  # the core may have queued it: counted through the grace, whenever its own end was
+        c.ev.kept_running_ms = round(grace_s * 1000, 1)
+        return c.verdict("gauge_up_through_grace")
     t_steps, v_steps = c.series["steps"]
     steps_in = v_steps[(t_steps > t_stop + 0.5) & (t_steps <= t_stop + grace_s)] if len(t_steps) else np.array([])
     if len(steps_in) >= 2 and steps_in[-1] > steps_in[0]:
@@ -641,8 +638,8 @@ def metrics_alone(c: TritonCase) -> CancelVerdict | None:
 
 
 def canceled_rise_shared(c: TritonCase) -> CancelVerdict | None:
-    """The core counted CANCELED drops of the model within the grace, fewer than this one and the others that may
-    have been dropped then: which of them the core dropped cannot be told."""
+    """The core counted CANCELED drops of the model within the grace, no more than its other requests that may have
+    been dropped by then can account for: whether this one was among them cannot be told."""
     if c.shared_drop is None or c.t_added is not None:
         return None
     c.ev.count_reading = c.shared_drop
