@@ -67,10 +67,11 @@ RACE_S = 0.1
 # without a log, a ledger request is counted as the server's from this long after its send to this long before
 # its client's close (a recorded probe was taken up 12 ms after its send)
 LEDGER_LAG_S = 0.1
-# a natural end known to within this (the readings that show a request taken up come every 50 ms, one or two after
-# its send) is the request's end: counted up to it and gone then, it ran to it. Known only more widely (the core
-# may have queued it), a fall inside that span may be its end or a cancel's
-NATURAL_END_SPREAD_S = 0.25
+# a natural end known to within this is the request's end: counted up to it and gone then, it ran to it. A request
+# taken up at once is shown so by a reading LEDGER_LAG_S after its send (it may not have reached the server before)
+# and the one after it (20 Hz). Known only more widely (the core may have queued it), a fall inside that span may
+# be its end or a cancel's
+NATURAL_END_SPREAD_S = 0.15
 
 # ------------------------------------------------------------------------------------------ a window's judging
 # the window starts this long before the stop: the baseline the rules read (1 s), and before it the hold over

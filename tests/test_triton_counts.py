@@ -294,3 +294,35 @@ def test_a_fall_before_the_latest_natural_end_of_a_request_that_queued_is_no_end
     gauge(run, "model_active_requests", SLOW, 8.04, 9.21, add=1)
     gauge(run, "triton_pending_requests", PEND, 8.14, 8.96, add=1)
     assert judged(run, "triton_extra")["W"][0] != "leaked"
+
+
+@pytest.mark.parametrize("log", [True, False], ids=["log", "no_log"])
+def test_a_stopped_request_with_no_ledger_row_may_have_made_the_drop(log):
+    # the twin world with Q2's row never written (a run cut off before its scenario's rows were): its send and stop
+    # events remain, and the one drop may be its. Read from the ledger alone, the drop was the target's
+    run = load_run(RUN, "latest")
+    run = run if log else without_log(run)
+    target, q2 = _queued_twin(run)
+    run.ledger = run.ledger[run.ledger["request_id"] != q2].reset_index(drop=True)
+    assert judged(run, "triton_queued")[target][0] != "released"
+
+
+def test_a_fall_answered_before_the_soonest_natural_end_is_a_cancels_work(run):
+    # W (slow, 1210 ms from its send at 8.10: 9.31 at the soonest), stopped at 9.19 and let go by the model at 9.21,
+    # read gone at 9.25: within RACE_S of its soonest end, that was read as its own end, and W leaked
+    request(run, "W", "slow", sent=8.10, closed=9.191, cancel=9.19, state="cancelled", scenario="triton_extra",
+            role="target")
+    _stop(run, "W", 9.19, 8.10, scenario="triton_extra", inputs={"MS": 1210}, phase="executing")
+    gauge(run, "model_active_requests", SLOW, 8.11, 9.21, add=1)
+    assert judged(run, "triton_extra")["W"] == ("released", "gauge_fell_before_natural_end")
+
+
+def test_a_fall_inside_a_natural_end_known_only_to_a_fifth_of_a_second_is_no_end_of_its_own(run):
+    # W queued behind F to 8.27: its own end 9.31 to 9.48. Stopped at 9.20, let go at 9.33: its end or the cancel's
+    request(run, "F", "slow", sent=8.00, closed=8.275, scenario="triton_extra")
+    request(run, "W", "slow", sent=8.10, closed=9.201, cancel=9.20, state="cancelled", scenario="triton_extra",
+            role="target")
+    _stop(run, "W", 9.20, 8.10, scenario="triton_extra", inputs={"MS": 1210}, phase="executing")
+    gauge(run, "model_active_requests", SLOW, 8.01, 9.33, add=1)
+    gauge(run, "triton_pending_requests", PEND, 8.11, 8.27, add=1)
+    assert judged(run, "triton_extra")["W"][0] != "leaked"

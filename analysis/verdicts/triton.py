@@ -153,8 +153,14 @@ def judge_triton(run: Run, grace_s: float, metrics_target: str | None = None) ->
     stops = run.events_of("user_stop")
     missed = {r.request_id: json.loads(r.data) for r in frame_rows(run.events_of("trigger_missed"))}
     datas = [json.loads(d) for d in stops["data"]]
-    models = {r.request_id: json.loads(r.data).get("model")
-              for r in frame_rows(run.events_of("request_sent"))}
+    sent = [(r.request_id, json.loads(r.data).get("model"), float(r.t_s))
+            for r in frame_rows(run.events_of("request_sent"))]
+    models = {rid: model for rid, model, _ in sent}
+    # requests the run sent with no ledger row (a run cut off before its scenario's rows were written): their model,
+    # and when their client let them go at the soonest: their stop, else their send
+    unrowed = {rid: (model, t) for rid, model, t in sent if rid not in rows}
+    unrowed.update({stop.request_id: (data.get("model"), float(stop.t_s))
+                    for stop, data in zip(frame_rows(stops), datas) if stop.request_id not in rows})
     spans = {r: (row.get("sent_mono_ns"), row.get("closed_mono_ns")) for r, row in rows.items()}
     reqs = requests_of(ledger, t0)
     row_models = np.array([models.get(rid) for rid in reqs.ids], dtype=object)
@@ -164,7 +170,7 @@ def judge_triton(run: Run, grace_s: float, metrics_target: str | None = None) ->
         case = _case(run, slog, rows, by_scenario.get(data.get("scenario"), NO_REQUESTS), scrape_times, data=data,
                      rid=stop.request_id, t_stop=float(stop.t_s), t0=t0, target=target, grace_s=grace_s,
                      log_state=log_state, missed=missed.get(stop.request_id),
-                     models=models,
+                     models=models, unrowed=unrowed,
                      spans=spans, reqs=reqs, row_models=row_models, seen_leaving=seen_leaving)
         v = judge(case, EVIDENCE_RULES)
         if v.timepoints.get("left_scheduler") is not None:
@@ -202,6 +208,7 @@ class TritonCase(Case):
     series: dict[str, tuple[np.ndarray, np.ndarray]]  # active, steps, pending, canceled, buffer: (instants, values)
     run: Run
     models: dict  # request id -> the model its request_sent event names
+    unrowed: dict  # request id -> (model, let go at the soonest) of the requests sent with no ledger row
     ledger_spans: dict  # request id -> (sent_mono_ns, closed_mono_ns)
     reqs: Requests | None = None  # the ledger as arrays (requests.py): its stays as the vLLM model reads them
     row_models: np.ndarray | None = None  # per row of reqs: the model its request_sent event names
@@ -212,6 +219,12 @@ class TritonCase(Case):
     def model(self) -> str | None:
         return self.data.get("model")
 
+    @property
+    def natural_from_send(self) -> bool:
+        """Its natural end is from its send (the slow model's run time: the soonest it could end), not from the
+        tokens left at the stop (_natural_end)."""
+        return self.natural is not None and "MS" in (self.data.get("inputs") or {}) and bool(self.data.get("sent_mono_ns"))
+
     @cached_property
     def natural_latest(self) -> float | None:
         """The latest the request would have ended on its own (None: no natural end known). Its natural end from
@@ -219,9 +232,9 @@ class TritonCase(Case):
         the soonest: the core may have queued it first. It was taken up at the latest by the first reading, from
         LEDGER_LAG_S after its send (it reached the server by then) to the stop, with none of the model's requests
         pending (a request taken up is never queued again); inf where every reading had some pending."""
-        natural, inputs = self.natural, self.data.get("inputs") or {}
-        if natural is None or "MS" not in inputs or not self.data.get("sent_mono_ns"):
-            return natural  # not from its send (_natural_end)
+        natural = self.natural
+        if not self.natural_from_send:
+            return natural
         sent = (self.data["sent_mono_ns"] - self.run.info["started_mono_ns"]) / 1e9
         t_pend, v_pend = self.series["pending"]
         spans = scrape_spans(self.run, self.ev.metrics_target, t_pend, source=TRITON)
@@ -240,11 +253,15 @@ class TritonCase(Case):
         unnamed = np.array([m is None for m in self.row_models], dtype=bool)
         rows = ((self.row_models == self.model) | unnamed) & (r.ids != self.rid) & ~r.completed & np.isinf(r.first) \
             & ~np.isnan(r.sent)
-        if self.has_log:
-            rows &= np.array([self.slog.first("engine_added", rid) is None for rid in r.ids], dtype=bool)
         let_go = np.fmin(r.cancel, r.closed)
         rows &= ~np.isnan(let_go)  # a request its client still holds was cancelled by nobody
-        return r.ids[rows], let_go[rows]
+        ids, at = list(r.ids[rows]), list(let_go[rows])
+        for rid, (model, t) in self.unrowed.items():  # sent with no ledger row: let go at its stop, else its send
+            if rid != self.rid and model in (self.model, None):
+                ids.append(rid)
+                at.append(t)
+        keep = [not self.has_log or self.slog.first("engine_added", rid) is None for rid in ids]
+        return np.array(ids, dtype=object)[keep], np.array(at, dtype=float)[keep]
 
     def others(self, times: np.ndarray) -> np.ndarray | None:
         """Per instant: the fewest of the model's requests other than this one the server can be counting
@@ -432,7 +449,7 @@ class TritonCase(Case):
 
 def _case(run: Run, slog: _ServerLog, rows: dict, same: dict, scrape_times: np.ndarray, *, data: dict, rid: str,
           t_stop: float, t0: int, target: str | None, grace_s: float, log_state: str, missed: dict | None,
-          models: dict, spans: dict, reqs: Requests, row_models: np.ndarray,
+          models: dict, unrowed: dict, spans: dict, reqs: Requests, row_models: np.ndarray,
           seen_leaving: dict) -> TritonCase:
     has_log = log_state == "read"
     model, lrow = data.get("model"), rows.get(rid)
@@ -467,7 +484,7 @@ def _case(run: Run, slog: _ServerLog, rows: dict, same: dict, scrape_times: np.n
                       t_early_cancel=slog.first("engine_aborted", rid),
                       finished_detail=slog.detail.get(("engine_finished", rid), ""),
                       polls="poll=false" not in slog.detail.get(("engine_added", rid), ""),
-                      natural=_natural_end(data, t_stop, t0), series=series, run=run, models=models,
+                      natural=_natural_end(data, t_stop, t0), series=series, run=run, models=models, unrowed=unrowed,
                       ledger_spans=spans, reqs=reqs, row_models=row_models,
                       seen_leaving=seen_leaving)
 
@@ -582,6 +599,9 @@ def metrics_alone(c: TritonCase) -> CancelVerdict | None:
     if c.has_log:
         return None
     natural, t_stop, grace_s = c.natural, c.t_stop, c.grace_s
+    # from its send, the natural end is the soonest it could end: a reading answered before it shows a cancel's work;
+    # from the tokens left at the stop, it is an estimate, and a reading within RACE_S of it may show its end
+    cut = None if natural is None else natural if c.natural_from_send else natural - RACE_S
     if natural is not None and natural - t_stop <= RACE_S:
         c.ev.race = "the request was due to end with the stop"
         return c.verdict("due_to_end_with_stop")
@@ -594,14 +614,15 @@ def metrics_alone(c: TritonCase) -> CancelVerdict | None:
     fewest, most = bounds
     sel = (t_act >= t_stop) & (t_act <= t_stop + grace_s)
     # the stretch a release must show in: the grace, up to the request's natural end
-    until = t_stop + grace_s if natural is None else min(t_stop + grace_s, natural - RACE_S)
+    until = t_stop + grace_s if natural is None else min(t_stop + grace_s, cut)
     # a reading with the request out, and none after it in the stretch with it surely in: one reading can miss a
     # request between the core's queue and the model's count (dequeued before the model counts it)
     surely_in = np.nonzero((v_act > most + 0.5) & (t_act > t_stop) & (t_act < until))[0]
     out = np.nonzero(sel & (v_act <= fewest + 0.5))[0]
     out = out[out > surely_in[-1]] if len(surely_in) else out
     out = [i for i in out if c.stays_out(int(i), until)]
-    if len(out) and (natural is None or t_act[out[0]] < natural - RACE_S):
+    answered = t_act + c.counted_spans if c.natural_from_send else t_act
+    if len(out) and (natural is None or answered[out[0]] < cut):
         i = int(out[0])
         c.tp["left_scheduler"] = float(t_act[i])
         c.ev.count_reading = c.count_reading(i, float(t_act[i]), v_act[i], fewest[i], most[i])
