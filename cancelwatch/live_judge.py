@@ -20,6 +20,9 @@ MAX_TRIES = 5  # judging a cancel whose window the store does not hold yet, at m
 LATE_S = 10.0
 EVERY_S = 0.5  # how often `record` looks for cancels whose windows the store holds
 DRAIN_S = 3.0  # at `record`'s end, the longest it waits for the store to hold its last scenario's end
+# how often the engine logs' clock is looked for while no request bounds it (a log that names no request, vLLM
+# without --enable-log-requests): each look reads the run's events and ledger
+OFFSETS_RETRY_S = 30.0
 
 
 class LiveJudge:
@@ -46,6 +49,7 @@ class LiveJudge:
         # where the engine logs' lines are against the run's clock (log_clock.log_offsets), once a request bounds
         # them: a container logging in UTC beside a recorder in another zone puts its lines hours off a window
         self.log_offsets: tuple | None = None
+        self.log_offsets_tried = -math.inf  # when they were last looked for and not found (now_s)
         self.failures = 0
         self.keep = None
         # `record`'s scenarios: when the one under way began (None: none is), when the last one ended
@@ -174,8 +178,10 @@ class LiveJudge:
         def judge():
             from cancelwatch.analysis.watching import judge_cancels
 
-            if self.log_offsets is None:
-                self.log_offsets = log_offsets_of(self.store, self.run_id)
+            if self.log_offsets is None and self.now_s() >= self.log_offsets_tried + OFFSETS_RETRY_S:
+                # the requests in flight bound the clock too: a watch's first cancel has no stored row beside it
+                self.log_offsets = log_offsets_of(self.store, self.run_id, open_rows)
+                self.log_offsets_tried = self.now_s()
             window = load_window(self.store, self.run_id, lo, hi, extra_ledger=open_rows, lookback_s=LOOKBACK_S,
                                  held_through_s=held, metrics=VIEW_METRICS, log_offsets_s=self.log_offsets or ())
             return judge_cancels(window, set(ready), self.grace_s, self.left_seen)
@@ -295,13 +301,19 @@ async def judging(work, judge: LiveJudge) -> None:
         await judge.drain()
 
 
-def log_offsets_of(store: Path, run_id: int) -> tuple | None:
+def log_offsets_of(store: Path, run_id: int, open_rows=None) -> tuple | None:
     """Where the run's engine logs' lines are against its clock (analysis log_clock.log_offsets), from their Added
-    lines and the ledger so far; None while no request bounds any log's clock (read again at the next batch)."""
+    lines and the ledger so far (`open_rows`: the rows a watch still holds); None while no request bounds any log's
+    clock (looked for again OFFSETS_RETRY_S later: each look reads the run's events and ledger)."""
+    import pandas as pd
+
     from cancelwatch.analysis.verdicts.log_clock import log_clocks, log_offsets
     from cancelwatch.runstore.reader import load_log_anchors
 
     anchors = load_log_anchors(store, run_id)
+    if open_rows is not None and not open_rows.empty:
+        extra = open_rows[~open_rows["request_id"].isin(anchors.ledger["request_id"])]
+        anchors.ledger = pd.concat([anchors.ledger, extra], ignore_index=True) if not anchors.ledger.empty else extra
     logs = (anchors.info.get("engine") or {}).get("engine_log") or {}
     if not any(entry.get("path") for entry in logs.values()):
         return ()  # no engine log is read: nothing to place

@@ -148,6 +148,9 @@ class Run:
     # a window's (first, last) instant its events cover, s since the run started (load_window: the lookback
     # before it); None: the whole run's. What a window's log does not name before its end, the log had not written
     events_span: tuple[float, float] | None = None
+    # a window's (target, lowest, highest offset) of each engine log whose lines it read where their stamps put them
+    # (load_window): that log's lines cover the whole span, not the span less its offset
+    log_offsets_read: tuple = ()
     # (the samples frame it was built from, metric -> row positions in it): a mask over millions of
     # samples per call cost more than the figures built from them
     _rows_by_metric: tuple[pd.DataFrame, dict] | None = field(default=None, init=False, repr=False, compare=False)
@@ -387,7 +390,7 @@ def _run_info(con: sqlite3.Connection, path: str | Path, rid: int) -> dict:
 
 def _load_run(path: str | Path, rid: int, only: list[str] | None,
               window: tuple[float, float, float] | None = None, extra_ledger: pd.DataFrame | None = None,
-              log_offsets_s: Iterable[tuple[float, float]] = ()) -> Run:
+              log_offsets_s: tuple = ()) -> Run:
     """The run, or with `window` (from_s, to_s, lookback_s; see load_window) only that stretch of it."""
     with closing(connect_readonly(path)) as con:
         info = _run_info(con, path, rid)
@@ -400,20 +403,23 @@ def _load_run(path: str | Path, rid: int, only: list[str] | None,
             span = (lo, hi)
             # gaps from the lookback too: a hole in a source's reads there is one in the events read with it
             # an engine log's lines where its clock puts them: stamped `offset` before the run's clock, for each
-            # (lowest, highest) offset a log's clock may have (load_window)
-            logs = [(back - int(off_hi * 1e9), hi - int(off_lo * 1e9)) for off_lo, off_hi in log_offsets_s]
+            # (target, lowest, highest offset) of a log's clock (load_window). Each branch names the run, so that
+            # SQLite reads each by the (run_id, mono_ns) index
             kinds = ", ".join("?" for _ in ENGINE_CLOCK_KINDS)
+            logs = [(rid, *ENGINE_CLOCK_KINDS, target, back - int(off_hi * 1e9), hi - int(off_lo * 1e9))
+                    for target, off_lo, off_hi in log_offsets_s]
             within = {"gaps": (" AND start_mono_ns <= ? AND end_mono_ns >= ?", (hi, back)),
-                      "events": (" AND (mono_ns BETWEEN ? AND ?"
-                                 + "".join(f" OR (kind IN ({kinds}) AND mono_ns BETWEEN ? AND ?)" for _ in logs) + ")",
-                                 (back, hi, *(x for a, b in logs for x in (*ENGINE_CLOCK_KINDS, a, b)))),
+                      "events": (" AND mono_ns BETWEEN ? AND ?)"
+                                 + "".join(f" OR (run_id = ? AND kind IN ({kinds}) AND json_extract(data, '$.target') "
+                                           "IS ? AND mono_ns BETWEEN ? AND ?)" for _ in logs),
+                                 (back, hi, *(x for branch in logs for x in branch))),
                       "ledger": (" AND (sent_mono_ns IS NULL OR sent_mono_ns <= ?) "
                                  "AND (closed_mono_ns IS NULL OR closed_mono_ns >= ?)", (hi, back))}
         scrapes = _load_scrapes(con, path, rid, span)
         gaps = _frame(con, "SELECT source, target, kind, start_wall_ns, start_mono_ns, end_mono_ns, ticks, detail "
                       f"FROM gaps WHERE run_id = ?{within['gaps'][0]} ORDER BY start_mono_ns", (rid, *within["gaps"][1]))
         events = _frame(con, "SELECT request_id, kind, wall_ns, mono_ns, data FROM events "
-                        f"WHERE run_id = ?{within['events'][0]} ORDER BY mono_ns", (rid, *within["events"][1]))
+                        f"WHERE (run_id = ?{within['events'][0] or ')'} ORDER BY mono_ns", (rid, *within["events"][1]))
         ledger = _frame(con, f"SELECT * FROM ledger WHERE run_id = ?{within['ledger'][0]}", (rid, *within["ledger"][1]))
         ids = None if span is None else scrapes["id"].to_numpy()
         samples = _load_samples(con, path, rid, only, scrapes, ids)
@@ -427,13 +433,13 @@ def _load_run(path: str | Path, rid: int, only: list[str] | None,
         gaps["end_t_s"] = (gaps["end_mono_ns"] - t0) / 1e9
     events_span = None if window is None else (window[0] - window[2], window[1])
     return Run(id=rid, info=info, samples=samples, scrapes=scrapes, gaps=gaps, events=events, ledger=ledger,
-               events_span=events_span)
+               events_span=events_span, log_offsets_read=log_offsets_s)
 
 
 def load_window(path: str | Path, run: str | int, t_from_s: float, t_to_s: float,
                 extra_ledger: pd.DataFrame | None = None, lookback_s: float = 0.0,
                 held_through_s: float | None = None, metrics: Iterable[str] | None = None,
-                log_offsets_s: Iterable[tuple[float, float]] = ()) -> Run:
+                log_offsets_s: Iterable[tuple] = ()) -> Run:
     """One stretch of a run, [t_from_s, t_to_s] seconds since it started: the scrapes and samples in it; the
     gaps, the events and the ledger rows of requests open in it from `lookback_s` earlier (a request cancelled
     before the stretch may still be in the engine, and its log lines say whether), plus `extra_ledger` (rows
@@ -441,8 +447,8 @@ def load_window(path: str | Path, run: str | int, t_from_s: float, t_to_s: float
     source's reads when it was read (Run.events_span ends there). What a watch judges one cancel by, as its
     grace ends: the read is bounded by the stretch, not the run. `metrics`: only these series (as load_run).
     `log_offsets_s`: per engine log whose clock is off the run's (a container logging in UTC beside a recorder in
-    another zone), the (lowest, highest) seconds its lines are to be moved by (analysis log_clock.log_offsets): its
-    lines of the stretch are read where their stamps put them."""
+    another zone), (its target, the lowest and the highest seconds its lines are to be moved by: analysis
+    log_clock.log_offsets): its lines of the stretch are read where their stamps put them (Run.log_offsets_read)."""
     rid = resolve_run_id(path, run)
     with _reading(path):
         only = sorted(set(metrics)) if metrics is not None else None

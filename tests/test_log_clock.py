@@ -168,7 +168,7 @@ def test_the_live_judge_finds_a_log_in_another_zone_on_each_cancels_window(tmp_p
     run = load_run(store, rid)
     whole = {v.request_id: (v.verdict, v.rule) for v in judge_run(run)}
     assert set(whole.values()) == {("released", "released")} and len(whole) == 11
-    (lo, hi), = log_offsets_of(store, rid)
+    (target, lo, hi), = log_offsets_of(store, rid)
     assert lo <= 5.5 * 3600 <= hi and hi - lo < 2  # UTC read as Kolkata time: 5 h 30 early, moved on by that
     kept = []
     judge = LiveJudge(store, GRACE_S, said="record")
@@ -177,3 +177,21 @@ def test_the_live_judge_finds_a_log_in_another_zone_on_each_cancels_window(tmp_p
         asyncio.run(judge._judge({request_id: t_stop}, last_try=True))
     live = {request_id: (body["verdict"], body["evidence"]["rule"]) for request_id, body in kept}
     assert live == whole
+
+
+def test_the_requests_a_watch_still_holds_place_the_logs_clock_before_any_row_is_stored(tmp_path):
+    # a watch's first cancel is judged while its neighbours are still in flight: their rows are the watch's, not the
+    # store's yet. With no stored row to bound it, the clock is placed by theirs
+    import sqlite3
+
+    from cancelwatch.live_judge import log_offsets_of
+    from tests.corpus.manifest import load_manifest, unpack
+
+    entry = load_manifest()["runs"]["utc_vllm_format"]
+    store, rid = unpack(entry, tmp_path), int(next(iter(entry["runs"])))
+    rows = load_run(store, rid).ledger
+    with sqlite3.connect(store) as con:
+        con.execute("DELETE FROM ledger WHERE run_id = ?", (rid,))
+    assert log_offsets_of(store, rid) is None
+    (_, lo, hi), = log_offsets_of(store, rid, rows.drop(columns=["run_id"]))
+    assert lo <= 5.5 * 3600 <= hi

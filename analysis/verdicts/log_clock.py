@@ -128,9 +128,10 @@ def _clock(target: str | None, lines: list[tuple[tuple[float, float], float, flo
     return LogClock(target, offset, lo_w, hi_w, len(lines), res)
 
 
-def log_offsets(clocks: dict[str | None, LogClock]) -> tuple[tuple[float, float], ...]:
+def log_offsets(clocks: dict[str | None, LogClock]) -> tuple[tuple[str | None, float, float], ...]:
     """Per engine log the run places off its own clock (moved: a container logging in UTC beside a recorder in
-    another zone), the (lowest, highest) offsets its lines may be moved by: where a window of the run finds its
-    lines of that stretch (runstore.reader.load_window). Empty where every log agrees with the run's clock."""
-    return tuple(sorted({(c.lo_s, c.hi_s) for c in clocks.values()
-                         if c.requests and c.agrees and c.offset_s and math.isfinite(c.spread_s)}))
+    another zone), (its target, the lowest and the highest offset its lines may be moved by): where a window of the
+    run finds its lines of that stretch (runstore.reader.load_window). Empty where every log agrees with the run's
+    clock."""
+    return tuple((c.target, c.lo_s, c.hi_s) for c in clocks.values()
+                 if c.requests and c.agrees and c.offset_s and math.isfinite(c.spread_s))

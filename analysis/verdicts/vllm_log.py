@@ -162,6 +162,8 @@ class _EngineLog:
         if _log_holes(_target_gaps(run, target), self, target, lo, hi):
             return frozenset()
         offset = self.clock(target).offset_s
+        if any(tgt == target and off_lo <= offset <= off_hi for tgt, off_lo, off_hi in run.log_offsets_read):
+            offset = 0.0  # a window read its lines where their stamps put them: they cover its span (load_window)
         # the events were read by their stamps, and a line is placed at its stamp moved by the clock's offset:
         # the log covers the sends from `first` to `last`, less a stamp's rounding and the clock's doubt
         first = lo + max(offset, 0.0) + LOG_SLACK_S + self.entry_doubt_s(target)
