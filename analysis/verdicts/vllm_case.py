@@ -1069,7 +1069,7 @@ def _within(at: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return np.searchsorted(srt, hi, side="right") - np.searchsorted(srt, lo, side="right")
 
 
-MOVED_STRETCH = 256  # samples _moved_since reads at a time
+MOVED_STRETCH = 256  # samples _moved_since and _restart_in read first, doubled each time they read further
 
 
 def _moved_since(sched: dict[str, np.ndarray], t: float) -> np.ndarray:
@@ -1083,8 +1083,9 @@ def _moved_since(sched: dict[str, np.ndarray], t: float) -> np.ndarray:
     out = np.zeros(len(times), dtype=bool)
     # the first sample from `t` on that moved, looked for a stretch at a time: it is near `t`, and an hour's run
     # read whole holds 70 000 samples for each of its hundreds of cancels
-    for lo in range(p + 1, len(times), MOVED_STRETCH):
-        hi = min(len(times), lo + MOVED_STRETCH)
+    lo, step = p + 1, MOVED_STRETCH
+    while lo < len(times):
+        hi = min(len(times), lo + step)
         moved = np.zeros(hi - lo, dtype=bool)
         for col in ("count", "kv", "gen_tokens"):
             vals = sched[col]
@@ -1093,6 +1094,7 @@ def _moved_since(sched: dict[str, np.ndarray], t: float) -> np.ndarray:
         if len(first):
             out[lo + int(first[0]):] = True
             break
+        lo, step = hi, 2 * step  # the stretch doubles: a run whose gauges stay put is read in a few passes
     return out
 
 
@@ -1121,8 +1123,9 @@ def _restart_in(gaps: _Gaps, sched: dict[str, np.ndarray], t_from: float, t_to: 
     # samples from t_from to two readings past t_to (the samples are in order; a run read whole holds 70 000)
     lo, hi = int(np.searchsorted(times, t_from, side="left")), int(np.searchsorted(times, t_to, side="right"))
     end = hi
+    step = MOVED_STRETCH
     while end < len(times) and np.count_nonzero(~np.isnan(gen[hi:end])) < 2:
-        end = min(len(times), end + MOVED_STRETCH)
+        end, step = min(len(times), end + step), 2 * step
     gen, times, spans = gen[lo:end], times[lo:end], spans[lo:end]
     sel = ~np.isnan(gen)
     vals, at = gen[sel], times[sel]
