@@ -77,7 +77,7 @@ test: venv engine-venv triton-venv browser prometheus gateways
 	$(ENGINE_VENV)/bin/python -m pytest -v -rfEs -p no:cacheprovider tests_engine || rc=1; \
 	exit $$rc
 
-# The slow tests, one at a time (about 25 minutes here).
+# The slow tests, one at a time (about 31 minutes here).
 test-slow: venv engine-venv triton-venv browser prometheus gateways
 	$(VENV)/bin/python -m pytest -v -rfEs --durations=30 -m "slow and not aiperf" tests
 
