@@ -305,15 +305,10 @@ def log_offsets_of(store: Path, run_id: int, open_rows=None) -> tuple | None:
     """Where the run's engine logs' lines are against its clock (analysis log_clock.log_offsets), from their Added
     lines and the ledger so far (`open_rows`: the rows a watch still holds); None while no request bounds any log's
     clock (looked for again OFFSETS_RETRY_S later: each look reads the run's events and ledger)."""
-    import pandas as pd
-
     from cancelwatch.analysis.verdicts.log_clock import log_clocks, log_offsets
     from cancelwatch.runstore.reader import load_log_anchors
 
-    anchors = load_log_anchors(store, run_id)
-    if open_rows is not None and not open_rows.empty:
-        extra = open_rows[~open_rows["request_id"].isin(anchors.ledger["request_id"])]
-        anchors.ledger = pd.concat([anchors.ledger, extra], ignore_index=True) if not anchors.ledger.empty else extra
+    anchors = load_log_anchors(store, run_id, open_rows)
     logs = (anchors.info.get("engine") or {}).get("engine_log") or {}
     if not any(entry.get("path") for entry in logs.values()):
         return ()  # no engine log is read: nothing to place

@@ -423,10 +423,7 @@ def _load_run(path: str | Path, rid: int, only: list[str] | None,
         ledger = _frame(con, f"SELECT * FROM ledger WHERE run_id = ?{within['ledger'][0]}", (rid, *within["ledger"][1]))
         ids = None if span is None else scrapes["id"].to_numpy()
         samples = _load_samples(con, path, rid, only, scrapes, ids)
-    if extra_ledger is not None and not extra_ledger.empty:
-        extra = extra_ledger[~extra_ledger["request_id"].isin(ledger["request_id"])].assign(run_id=rid)
-        ledger = pd.concat([ledger, extra.reindex(columns=ledger.columns)], ignore_index=True) if not ledger.empty \
-            else extra
+    ledger = _with_rows(ledger, extra_ledger, rid)
     for df, col in ((samples, "mono_ns"), (scrapes, "mono_ns"), (gaps, "start_mono_ns"), (events, "mono_ns")):
         df["t_s"] = (df[col] - t0) / 1e9
     if not gaps.empty:
@@ -460,15 +457,24 @@ def load_window(path: str | Path, run: str | int, t_from_s: float, t_to_s: float
     return window
 
 
-def load_log_anchors(path: str | Path, run: str | int) -> Run:
+def _with_rows(ledger: pd.DataFrame, extra_ledger: pd.DataFrame | None, rid: int) -> pd.DataFrame:
+    """The stored ledger and the rows a live recorder holds that the store has not got yet (`extra_ledger`)."""
+    if extra_ledger is None or extra_ledger.empty:
+        return ledger
+    extra = extra_ledger[~extra_ledger["request_id"].isin(ledger["request_id"])].assign(run_id=rid)
+    return pd.concat([ledger, extra.reindex(columns=ledger.columns)], ignore_index=True) if not ledger.empty else extra
+
+
+def load_log_anchors(path: str | Path, run: str | int, extra_ledger: pd.DataFrame | None = None) -> Run:
     """What places an engine log's clock on the run's (analysis log_clock): the log's `engine_added` lines and the
-    ledger, no samples. Read once by a live judge, to find the lines of a log in another zone."""
+    ledger (with `extra_ledger`, as load_window), no samples. Read by a live judge, to find the lines of a log in
+    another zone."""
     rid = resolve_run_id(path, run)
     with _reading(path), closing(connect_readonly(path)) as con:
         info = _run_info(con, path, rid)
         events = _frame(con, "SELECT request_id, kind, wall_ns, mono_ns, data FROM events WHERE run_id = ? AND "
                         "kind = 'engine_added' ORDER BY mono_ns", (rid,))
-        ledger = _frame(con, "SELECT * FROM ledger WHERE run_id = ?", (rid,))
+        ledger = _with_rows(_frame(con, "SELECT * FROM ledger WHERE run_id = ?", (rid,)), extra_ledger, rid)
     events["t_s"] = (events["mono_ns"] - info["started_mono_ns"]) / 1e9
     return Run(id=rid, info=info, samples=_no_samples(), scrapes=_no_scrapes(), gaps=pd.DataFrame(),
                events=events, ledger=ledger)

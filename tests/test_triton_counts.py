@@ -283,14 +283,20 @@ def test_a_request_the_models_log_names_as_started_after_the_grace_was_never_dro
     assert judged(run, "triton_queued")[t][0] == "leaked"
 
 
+def _slow_target(run, stop: float) -> None:
+    """W, a slow request of 1210 ms sent at 8.10 (its own end 9.31 at the soonest), stopped at `stop`, with no answer:
+    the gauges say when it ran."""
+    request(run, "W", "slow", sent=8.10, closed=stop + 0.001, cancel=stop, state="cancelled", scenario="triton_extra",
+            role="target")
+    _stop(run, "W", stop, 8.10, scenario="triton_extra", inputs={"MS": 1210}, phase="executing")
+
+
 def test_a_fall_before_the_latest_natural_end_of_a_request_that_queued_is_no_end_of_its_own(run):
     # W (slow, 1210 ms) queued behind F from its send at 8.10 to 8.996, ran, was stopped at 9.19 and dropped by the
     # model at 9.22. Its end from its send is 9.31, but queued it was 10.21: a fall at 9.22 read as its own end
     # made it leaked (gauge_up_to_natural_end). Truth: the cancel worked
     request(run, "F", "slow", sent=8.00, closed=9.00, scenario="triton_extra")
-    request(run, "W", "slow", sent=8.10, closed=9.191, cancel=9.19, state="cancelled", scenario="triton_extra",
-            role="target")
-    _stop(run, "W", 9.19, 8.10, scenario="triton_extra", inputs={"MS": 1210}, phase="executing")
+    _slow_target(run, 9.19)
     gauge(run, "model_active_requests", SLOW, 8.04, 9.21, add=1)
     gauge(run, "triton_pending_requests", PEND, 8.14, 8.96, add=1)
     assert judged(run, "triton_extra")["W"][0] != "leaked"
@@ -310,9 +316,7 @@ def test_a_stopped_request_with_no_ledger_row_may_have_made_the_drop(log):
 def test_a_fall_answered_before_the_soonest_natural_end_is_a_cancels_work(run):
     # W (slow, 1210 ms from its send at 8.10: 9.31 at the soonest), stopped at 9.19 and let go by the model at 9.21,
     # read gone at 9.25: within RACE_S of its soonest end, that was read as its own end, and W leaked
-    request(run, "W", "slow", sent=8.10, closed=9.191, cancel=9.19, state="cancelled", scenario="triton_extra",
-            role="target")
-    _stop(run, "W", 9.19, 8.10, scenario="triton_extra", inputs={"MS": 1210}, phase="executing")
+    _slow_target(run, 9.19)
     gauge(run, "model_active_requests", SLOW, 8.11, 9.21, add=1)
     assert judged(run, "triton_extra")["W"] == ("released", "gauge_fell_before_natural_end")
 
@@ -320,9 +324,7 @@ def test_a_fall_answered_before_the_soonest_natural_end_is_a_cancels_work(run):
 def test_a_fall_inside_a_natural_end_known_only_to_a_fifth_of_a_second_is_no_end_of_its_own(run):
     # W queued behind F to 8.27: its own end 9.31 to 9.48. Stopped at 9.20, let go at 9.33: its end or the cancel's
     request(run, "F", "slow", sent=8.00, closed=8.275, scenario="triton_extra")
-    request(run, "W", "slow", sent=8.10, closed=9.201, cancel=9.20, state="cancelled", scenario="triton_extra",
-            role="target")
-    _stop(run, "W", 9.20, 8.10, scenario="triton_extra", inputs={"MS": 1210}, phase="executing")
+    _slow_target(run, 9.20)
     gauge(run, "model_active_requests", SLOW, 8.01, 9.33, add=1)
     gauge(run, "triton_pending_requests", PEND, 8.11, 8.27, add=1)
     assert judged(run, "triton_extra")["W"][0] != "leaked"

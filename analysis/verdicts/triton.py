@@ -170,7 +170,7 @@ def judge_triton(run: Run, grace_s: float, metrics_target: str | None = None) ->
         case = _case(run, slog, rows, by_scenario.get(data.get("scenario"), NO_REQUESTS), scrape_times, data=data,
                      rid=stop.request_id, t_stop=float(stop.t_s), t0=t0, target=target, grace_s=grace_s,
                      log_state=log_state, missed=missed.get(stop.request_id),
-                     models=models, unrowed=unrowed,
+                     unrowed=unrowed,
                      spans=spans, reqs=reqs, row_models=row_models, seen_leaving=seen_leaving)
         v = judge(case, EVIDENCE_RULES)
         if v.timepoints.get("left_scheduler") is not None:
@@ -180,17 +180,17 @@ def judge_triton(run: Run, grace_s: float, metrics_target: str | None = None) ->
     return out
 
 
-def _natural_end(data: dict, t_stop: float, t0: int) -> float | None:
+def _natural_end(data: dict, t_stop: float, t0: int) -> tuple[float | None, bool]:
     """The instant, s since the run started, the request would have ended on its own at the earliest:
     the slow model's run time from its sending (queueing only delays it), or the generator's tokens left
-    at the step the client saw. None when the run does not say."""
+    at the step the client saw. None when the run does not say. And whether it is from its sending."""
     inputs = data.get("inputs") or {}
     if "MS" in inputs and data.get("sent_mono_ns"):
-        return (data["sent_mono_ns"] - t0) / 1e9 + inputs["MS"] / 1000.0
+        return (data["sent_mono_ns"] - t0) / 1e9 + inputs["MS"] / 1000.0, True
     if "N" in inputs and data.get("step_s"):
         left = max(0, int(inputs["N"]) - int(data.get("tokens_at_cancel") or 0))
-        return t_stop + left * float(data["step_s"])
-    return None
+        return t_stop + left * float(data["step_s"]), False
+    return None, False
 
 
 @dataclass(kw_only=True, eq=False)
@@ -205,9 +205,11 @@ class TritonCase(Case):
     finished_detail: str
     polls: bool  # the model polls is_cancelled (its `started` line says poll=false when not)
     natural: float | None  # when the request would have ended on its own (see _natural_end)
+    # the natural end is from its send (the slow model's run time: the soonest it could end), not from the tokens
+    # left at the stop
+    natural_from_send: bool
     series: dict[str, tuple[np.ndarray, np.ndarray]]  # active, steps, pending, canceled, buffer: (instants, values)
     run: Run
-    models: dict  # request id -> the model its request_sent event names
     unrowed: dict  # request id -> (model, let go at the soonest) of the requests sent with no ledger row
     ledger_spans: dict  # request id -> (sent_mono_ns, closed_mono_ns)
     reqs: Requests | None = None  # the ledger as arrays (requests.py): its stays as the vLLM model reads them
@@ -218,12 +220,6 @@ class TritonCase(Case):
     @property
     def model(self) -> str | None:
         return self.data.get("model")
-
-    @property
-    def natural_from_send(self) -> bool:
-        """Its natural end is from its send (the slow model's run time: the soonest it could end), not from the
-        tokens left at the stop (_natural_end)."""
-        return self.natural is not None and "MS" in (self.data.get("inputs") or {}) and bool(self.data.get("sent_mono_ns"))
 
     @cached_property
     def natural_latest(self) -> float | None:
@@ -449,7 +445,7 @@ class TritonCase(Case):
 
 def _case(run: Run, slog: _ServerLog, rows: dict, same: dict, scrape_times: np.ndarray, *, data: dict, rid: str,
           t_stop: float, t0: int, target: str | None, grace_s: float, log_state: str, missed: dict | None,
-          models: dict, unrowed: dict, spans: dict, reqs: Requests, row_models: np.ndarray,
+          unrowed: dict, spans: dict, reqs: Requests, row_models: np.ndarray,
           seen_leaving: dict) -> TritonCase:
     has_log = log_state == "read"
     model, lrow = data.get("model"), rows.get(rid)
@@ -476,6 +472,7 @@ def _case(run: Run, slog: _ServerLog, rows: dict, same: dict, scrape_times: np.n
               "canceled": model_series(run, "triton_request_failure_total", target, model=model, reason="CANCELED"),
               "buffer": model_series(run, "model_buffer_bytes", target, model=model)}
     terminal = None if lrow is None else lrow["terminal_state"]
+    natural, from_send = _natural_end(data, t_stop, t0)
     return TritonCase(rid=rid, scenario=data.get("scenario"), phase=phase, terminal=terminal, t_stop=t_stop,
                       grace_s=grace_s, ev=ev, tp=tp, sources=sources, completed=terminal == "completed", missed=missed,
                       t_finished=slog.first("engine_finished", rid) if has_log else None,
@@ -484,7 +481,7 @@ def _case(run: Run, slog: _ServerLog, rows: dict, same: dict, scrape_times: np.n
                       t_early_cancel=slog.first("engine_aborted", rid),
                       finished_detail=slog.detail.get(("engine_finished", rid), ""),
                       polls="poll=false" not in slog.detail.get(("engine_added", rid), ""),
-                      natural=_natural_end(data, t_stop, t0), series=series, run=run, models=models, unrowed=unrowed,
+                      natural=natural, natural_from_send=from_send, series=series, run=run, unrowed=unrowed,
                       ledger_spans=spans, reqs=reqs, row_models=row_models,
                       seen_leaving=seen_leaving)
 
