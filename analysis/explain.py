@@ -42,55 +42,66 @@ FLAT = {
 def memory_story(run: Run, verdicts: list[CancelVerdict], cancel: CancelVerdict | None = None) -> list[str]:
     """For one cancel (or, without one, the whole run): what reserved memory did, what KV usage did,
     and which requests were released."""
-    engine = family_of(run)
     kind, mem = memory_traces(run)
     held = [tr for role, tr in mem if role in ("used", "rss")]
     kv = metric_traces(run, "kv_cache_usage_ratio")
-    sentences = []
     if cancel is not None:
-        t_stop = cancel.timepoints["user_stop"]
-        t_after = cancel.timepoints.get("left_scheduler") or (cancel.timepoints.get("engine_abort") or t_stop) + 2.0
-        target = cancel.evidence.metrics_target
-        kv_tr = next((k for k in kv if k.target == target), kv[0] if kv else None)
-        mem_before = sum(x for x in (_level(tr.t, tr.v, t_stop - 2.0, t_stop) for tr in held) if x is not None) if held else None
-        mem_after = sum(x for x in (_level(tr.t, tr.v, t_after, t_after + 2.0) for tr in held) if x is not None) if held else None
-        kv_before = cancel.evidence.kv_before
-        kv_after = cancel.evidence.kv_after
-        if kv_after is None and kv_tr is not None:
-            kv_after = _level(kv_tr.t, kv_tr.v, t_after, t_after + 0.5)
-        if held and mem_before and mem_after:
-            change = 100 * (mem_after - mem_before) / mem_before
-            sentences.append(
-                f"When the user pressed Stop at {t_stop:.1f} s, {WHAT[kind]} was {_gib(mem_before)}, and after the "
-                f"cancel it was {_gib(mem_after)} ({change:+.1f} %): {FLAT[engine]}")
-        if engine == TRITON:
-            if cancel.phase_at_cancel == "queued":
-                sentences.append("The request was still waiting in the server's queue when it was cancelled: the core "
-                                 "dropped it there, and it never reached the model.")
-            else:
-                sentences.append("What shows whether it stopped is the server's own evidence: the model's log line "
-                                 "and its count of active requests, not the memory line.")
-        elif cancel.phase_at_cancel == "queued":
-            sentences.append(
-                "The request was still waiting in the queue when it was cancelled, so it held no KV-cache space: "
-                f"the share of the pool in use stayed at {_percent(kv_before)}, and its place in the queue went to the next request.")
-        elif kv_before is not None and not math.isnan(kv_before):
-            went = (f"Inside that reserved pool, the share holding requests went from {_percent(kv_before)} to "
-                    f"{_percent(kv_after)}")
-            if cancel.verdict == "released" and cancel.evidence.foreign_requests:
-                # beside other traffic the share moves with requests the run does not know: its level is
-                # theirs as much as the cancelled one's
-                went += (f", with {cancel.evidence.foreign_requests} request(s) of other traffic taking and "
-                         "giving back space too: the cancelled request left the scheduler (below), and what the "
-                         "share shows is everyone's.")
-            elif cancel.verdict == "released":
-                went += ": the cancelled request's space went back to the pool, ready for the next request."
-            else:
-                went += ": this run does not show the cancelled request's space going back (below)."
-            sentences.append(went)
-        sentences.append(_verdict_sentence(cancel))
-        return sentences
+        return _cancel_memory_story(family_of(run), kind, held, kv, cancel)
+    return _run_memory_story(family_of(run), kind, held, kv, verdicts)
 
+
+def _cancel_memory_story(engine: str, kind: str, held: list, kv: list, cancel: CancelVerdict) -> list[str]:
+    """memory_story of one cancel: reserved memory around its stop, then the KV share, then the verdict."""
+    sentences = []
+    t_stop = cancel.timepoints["user_stop"]
+    t_after = cancel.timepoints.get("left_scheduler") or (cancel.timepoints.get("engine_abort") or t_stop) + 2.0
+    target = cancel.evidence.metrics_target
+    kv_tr = next((k for k in kv if k.target == target), kv[0] if kv else None)
+    mem_before = sum(x for x in (_level(tr.t, tr.v, t_stop - 2.0, t_stop) for tr in held) if x is not None) if held else None
+    mem_after = sum(x for x in (_level(tr.t, tr.v, t_after, t_after + 2.0) for tr in held) if x is not None) if held else None
+    kv_before = cancel.evidence.kv_before
+    kv_after = cancel.evidence.kv_after
+    if kv_after is None and kv_tr is not None:
+        kv_after = _level(kv_tr.t, kv_tr.v, t_after, t_after + 0.5)
+    if held and mem_before and mem_after:
+        change = 100 * (mem_after - mem_before) / mem_before
+        sentences.append(
+            f"When the user pressed Stop at {t_stop:.1f} s, {WHAT[kind]} was {_gib(mem_before)}, and after the "
+            f"cancel it was {_gib(mem_after)} ({change:+.1f} %): {FLAT[engine]}")
+    if engine == TRITON:
+        if cancel.phase_at_cancel == "queued":
+            sentences.append("The request was still waiting in the server's queue when it was cancelled: the core "
+                             "dropped it there, and it never reached the model.")
+        else:
+            sentences.append("What shows whether it stopped is the server's own evidence: the model's log line "
+                             "and its count of active requests, not the memory line.")
+    elif cancel.phase_at_cancel == "queued":
+        sentences.append(
+            "The request was still waiting in the queue when it was cancelled, so it held no KV-cache space: "
+            f"the share of the pool in use stayed at {_percent(kv_before)}, and its place in the queue went to the next request.")
+    elif kv_before is not None and not math.isnan(kv_before):
+        sentences.append(_kv_share_sentence(cancel, kv_before, kv_after))
+    sentences.append(_verdict_sentence(cancel))
+    return sentences
+
+
+def _kv_share_sentence(cancel: CancelVerdict, kv_before: float, kv_after: float | None) -> str:
+    went = (f"Inside that reserved pool, the share holding requests went from {_percent(kv_before)} to "
+            f"{_percent(kv_after)}")
+    if cancel.verdict == "released" and cancel.evidence.foreign_requests:
+        # beside other traffic the share moves with requests the run does not know: its level is
+        # theirs as much as the cancelled one's
+        return went + (f", with {cancel.evidence.foreign_requests} request(s) of other traffic taking and "
+                       "giving back space too: the cancelled request left the scheduler (below), and what the "
+                       "share shows is everyone's.")
+    if cancel.verdict == "released":
+        return went + ": the cancelled request's space went back to the pool, ready for the next request."
+    return went + ": this run does not show the cancelled request's space going back (below)."
+
+
+def _run_memory_story(engine: str, kind: str, held: list, kv: list, verdicts: list[CancelVerdict]) -> list[str]:
+    """memory_story of the whole run: the reserved memory's range, the KV share's peak, the verdicts' counts."""
+    sentences = []
     counts = verdict_counts(verdicts)
     if held:
         lo = min(float(np.nanmin(tr.v)) for tr in held if len(tr.v))

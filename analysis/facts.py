@@ -67,10 +67,9 @@ def kv_pool(run: Run, target: str | None = None) -> dict:
 
 def memory_source(run: Run) -> str:
     """'nvml' when the run has GPU memory readings, 'process' for the engine's RSS, else 'none'."""
-    metrics = set(run.samples["metric"].unique()) if not run.samples.empty else set()
-    if "gpu_memory_used_bytes" in metrics:
+    if run.has_metric("gpu_memory_used_bytes"):
         return "nvml"
-    if "engine_rss_bytes" in metrics:
+    if run.has_metric("engine_rss_bytes"):
         return "process"
     return "none"
 

@@ -287,24 +287,28 @@ def scenario_records(run: Run, doc: Mapping, builtin: Mapping[str, Mapping] | No
     for r in recs.values():
         r.n.sort()
         b = (builtin or {}).get(r.name)
-        if b is None:
-            continue
-        agrees = ((not r.modes or r.modes == [b["mode"]]) and (not r.n or r.n == [int(b["n"])])
-                  and (not r.targets or r.per_repeat_targets == b["concurrency"])
-                  and (not r.stops or r.per_repeat_cancels == b["cancel_count"]))
-        if not agrees:
-            r.builtin_differs = True
-            continue
-        r.builtin = dict(b)
-        r.from_builtin = ["API", "stream", "trigger"]
-        if not r.modes:
-            r.from_builtin.append("client method")
-        if not r.targets or not r.stops:
-            r.from_builtin.append("cancel scope")
-        if not r.proves and b.get("proves"):
-            r.proves, r.proves_from = b["proves"], "builtin"
-            r.from_builtin.append("what it proves")
+        if b is not None:
+            _fill_from_builtin(r, b)
     return list(recs.values())
+
+
+def _fill_from_builtin(r: ScenarioRecord, b: Mapping) -> None:
+    """What the run did not record of a scenario, from the built-in one of its name where the run agrees with it."""
+    agrees = ((not r.modes or r.modes == [b["mode"]]) and (not r.n or r.n == [int(b["n"])])
+              and (not r.targets or r.per_repeat_targets == b["concurrency"])
+              and (not r.stops or r.per_repeat_cancels == b["cancel_count"]))
+    if not agrees:
+        r.builtin_differs = True
+        return
+    r.builtin = dict(b)
+    r.from_builtin = ["API", "stream", "trigger"]
+    if not r.modes:
+        r.from_builtin.append("client method")
+    if not r.targets or not r.stops:
+        r.from_builtin.append("cancel scope")
+    if not r.proves and b.get("proves"):
+        r.proves, r.proves_from = b["proves"], "builtin"
+        r.from_builtin.append("what it proves")
 
 
 def cancel_scope(r: ScenarioRecord) -> str:

@@ -230,30 +230,7 @@ def timeline_figure(run: Run, verdicts: list[CancelVerdict], x_range: tuple[floa
     targets = scheduler_targets(run)
     dash = {t: TARGET_DASH[i % len(TARGET_DASH)] for i, t in enumerate(targets)}
     _add_memory(fig, run, mem, x_range, max_points, row["memory"])
-    for tr in metric_traces(run, "kv_cache_usage_ratio"):
-        t, v = _prepare(run, tr, x_range, max_points)
-        fig.add_trace(go.Scatter(x=t, y=100 * v, name=f"KV usage {tr.target}", meta={"legend": "KV usage"},
-                                 mode="lines",
-                                 line=dict(color="#e45756", dash=dash.get(tr.target, "solid"), width=1.5),
-                                 hovertemplate="%{y:.1f} %<extra>%{fullData.name}</extra>"),
-                      row=row["kv"], col=1)
-    for metric, label, colour, style in (("requests_running", "running", "#54a24b", "solid"),
-                                         ("requests_waiting", "waiting", "#f58518", "dash")):
-        for tr in metric_traces(run, metric):
-            t, v = _prepare(run, tr, x_range, max_points)
-            fig.add_trace(go.Scatter(x=t, y=v, name=f"{label} {tr.target}", meta={"legend": label}, mode="lines",
-                                     line_shape="hv",
-                                     line=dict(color=colour, dash=style, width=1.5),
-                                     hovertemplate="%{y:.0f}<extra>%{fullData.name}</extra>"),
-                          row=row["requests"], col=1)
-    for tr in hit_rate_traces(run):
-        t, v = _prepare(run, tr, x_range, max_points)
-        fig.add_trace(go.Scatter(x=t, y=100 * v, name=f"prefix hit rate {tr.target}",
-                                 meta={"legend": "prefix hit rate"}, mode="lines",
-                                 line=dict(color="#b279a2", dash=dash.get(tr.target, "solid"), width=1.5),
-                                 hovertemplate="%{y:.0f} %<extra>%{fullData.name}</extra>"),
-                      row=row["prefix"], col=1)
-
+    _add_scheduler(fig, run, x_range, max_points, row, dash)
     _each_once(fig)
     if len(targets) > 1:  # the legend names each kind once: the line style says whose, once per target
         for t in targets:
@@ -277,6 +254,33 @@ def timeline_figure(run: Run, verdicts: list[CancelVerdict], x_range: tuple[floa
     for ann in fig.layout.annotations:
         ann.font.size = 12
     return fig
+
+
+def _add_scheduler(fig: go.Figure, run: Run, x_range, max_points: int, row: dict, dash: dict) -> None:
+    """The scheduler's rows: KV usage, requests running and waiting, the prefix-cache hit rate, per target."""
+    for tr in metric_traces(run, "kv_cache_usage_ratio"):
+        t, v = _prepare(run, tr, x_range, max_points)
+        fig.add_trace(go.Scatter(x=t, y=100 * v, name=f"KV usage {tr.target}", meta={"legend": "KV usage"},
+                                 mode="lines",
+                                 line=dict(color="#e45756", dash=dash.get(tr.target, "solid"), width=1.5),
+                                 hovertemplate="%{y:.1f} %<extra>%{fullData.name}</extra>"),
+                      row=row["kv"], col=1)
+    for metric, label, colour, style in (("requests_running", "running", "#54a24b", "solid"),
+                                         ("requests_waiting", "waiting", "#f58518", "dash")):
+        for tr in metric_traces(run, metric):
+            t, v = _prepare(run, tr, x_range, max_points)
+            fig.add_trace(go.Scatter(x=t, y=v, name=f"{label} {tr.target}", meta={"legend": label}, mode="lines",
+                                     line_shape="hv",
+                                     line=dict(color=colour, dash=style, width=1.5),
+                                     hovertemplate="%{y:.0f}<extra>%{fullData.name}</extra>"),
+                          row=row["requests"], col=1)
+    for tr in hit_rate_traces(run):
+        t, v = _prepare(run, tr, x_range, max_points)
+        fig.add_trace(go.Scatter(x=t, y=100 * v, name=f"prefix hit rate {tr.target}",
+                                 meta={"legend": "prefix hit rate"}, mode="lines",
+                                 line=dict(color="#b279a2", dash=dash.get(tr.target, "solid"), width=1.5),
+                                 hovertemplate="%{y:.0f} %<extra>%{fullData.name}</extra>"),
+                      row=row["prefix"], col=1)
 
 
 def _add_cancels(fig: go.Figure, verdicts: list[CancelVerdict], row: int, x_range, highlight: str | None) -> list[dict]:

@@ -25,10 +25,15 @@ class Trace:
 
 
 def metric_traces(run: Run, metric: str, by_labels: bool = False) -> list[Trace]:
-    """One trace per target (label sets summed per scrape), or per (target, label set)."""
+    """One trace per target (label sets summed per scrape), or per (target, label set). Made once a run: the
+    timeline, its zoom, the memory's anatomy and its story read the same ones."""
+    return list(run.derived(("metric_traces", metric, by_labels), lambda: _metric_traces(run, metric, by_labels)))
+
+
+def _metric_traces(run: Run, metric: str, by_labels: bool) -> tuple[Trace, ...]:
     df = run.series(metric) if by_labels else series_frame(run, metric)
     if df.empty:
-        return []
+        return ()
     keys = ["source", "target", "labels"] if by_labels else ["source", "target"]
     out = []
     for key, g in df.groupby(keys, observed=True, sort=False):
@@ -38,7 +43,7 @@ def metric_traces(run: Run, metric: str, by_labels: bool = False) -> list[Trace]
         name = str(target) + (f" gpu {labels.get('gpu')}" if "gpu" in labels else "")
         out.append(Trace(name, str(source), str(target), g["t_s"].to_numpy(dtype=float),
                          g["value"].to_numpy(dtype=float)))
-    return out
+    return tuple(out)
 
 
 def memory_traces(run: Run) -> tuple[str, list[tuple[str, Trace]]]:

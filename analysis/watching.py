@@ -43,7 +43,7 @@ def judge_cancels(window: Run, request_ids: set[str], grace_s: float,
     requests leave the engine (left_scheduler), which the window's samples may start after."""
     if seen_leaving:
         window.info[SEEN_LEAVING] = dict(seen_leaving)
-    return [v for v in judge_run(window, grace_s) if v.request_id in request_ids]
+    return judge_run(window, grace_s, only=set(request_ids))
 
 
 def left_seen(verdicts: list[CancelVerdict]) -> dict[str, float]:

@@ -9,7 +9,8 @@ judging, apart).
 
 Both trees judge the same synthetic stores (bench/synthetic.py, written once by this tree), each with its own
 code: the other revision is unpacked from git (`git archive`) into a temporary folder and measured in a process
-of its own. Targets: the page <= 2 s, the 1000 cancels <= 5 s, the live judge <= 10 ms a cancel. Printed, not
+of its own, on the same rows with the samples indexed as its own schema indexes them. Targets: the page <= 2 s,
+the 1000 cancels <= 5 s, the live judge <= 10 ms a cancel. Printed, not
 asserted: machines are noisy.
 """
 
@@ -94,7 +95,13 @@ def unpack(rev: str, into: Path) -> Path:
 
 
 def figures_of(tree: Path, page_store: Path, whole_store: Path, repeats: int) -> dict:
-    """measure(), in a process of its own (a tree's modules do not mix with another's)."""
+    """measure(), in a process of its own (a tree's modules do not mix with another's), on the stores as that
+    tree's recorder would have indexed them."""
+    from cancelwatch.runstore.writer import samples_indexed_as
+
+    ddl = (tree / "runstore" / "schema.py").read_text()
+    folder = page_store.parent / f"indexed-as-{abs(hash(str(tree)))}"
+    page_store, whole_store = (samples_indexed_as(s, ddl, folder) for s in (page_store, whole_store))
     got = subprocess.run([sys.executable, __file__, "--measure", str(tree), str(page_store), str(whole_store),
                           "--repeats", str(repeats)], capture_output=True, text=True, cwd=tree)
     if got.returncode:

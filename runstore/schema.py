@@ -9,8 +9,8 @@ Two tables hold what a long run is read by without its millions of samples: `ove
 OVERVIEW_S bucket of the run's clock: count, min, max and last value; the writer keeps it as samples land) and
 `scrape_overview` (per source and bucket: scrapes and their durations). `verdicts` keeps a verdict where one
 was given as the run was recorded (a watch's live judge), with the rules' fingerprint it was given by.
-These tables were added to schema 2 as they are: a store without them reads as before, and gains them
-(empty for its earlier runs) the next time it is written.
+These tables, and the samples' covering index, were added to schema 2 as they are: a store without them reads as
+before, and gains them (empty tables for its earlier runs) the next time it is written.
 """
 
 SCHEMA_VERSION = 2  # 2: ledger gained n, prompt_tokens, max_tokens
@@ -62,7 +62,14 @@ CREATE TABLE IF NOT EXISTS samples (
     scrape_id INTEGER NOT NULL REFERENCES scrapes(id),
     value REAL                       -- NULL only when the server sent NaN
 );
-CREATE INDEX IF NOT EXISTS samples_run ON samples(run_id, series_id);
+-- a run's series read whole (a page, a report) read this index alone: it holds the scrape and the value, so no row
+-- of the table is looked up (an hour's 800 000 samples of the judged series: 1.0 s through an index of
+-- (run_id, series_id), 0.4 s through this one). Series first: a window's read (below) cannot use it, and SQLite
+-- reading a window through it would read every sample of the run's series. It takes the place of that narrower
+-- samples_run, which a store written before drops the next time it is written (building this one then, once:
+-- seconds a million samples)
+CREATE INDEX IF NOT EXISTS samples_series ON samples(series_id, run_id, scrape_id, value);
+DROP INDEX IF EXISTS samples_run;
 -- a window of a run (a live judge's, per cancel) reads its scrapes' samples alone, whatever the run's length
 CREATE INDEX IF NOT EXISTS samples_scrape ON samples(run_id, scrape_id);
 CREATE TABLE IF NOT EXISTS gaps (

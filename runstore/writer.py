@@ -13,6 +13,8 @@ import json
 import logging
 import math
 import queue
+import re
+import shutil
 import sqlite3
 import threading
 import time
@@ -116,6 +118,30 @@ def _open_once(p: Path) -> sqlite3.Connection:
             con.close()  # rolls the schema transaction back: no lock outlives the failure (or a Ctrl-C in it)
         raise
     return con
+
+
+SAMPLE_INDEX = re.compile(r"CREATE INDEX IF NOT EXISTS \w+ ON samples\([^)]*\);")
+
+
+def samples_indexed_as(path: str | Path, ddl: str, into: str | Path) -> Path:
+    """A copy of the store at `path`, in the folder `into`, with the samples' indexes another schema's `ddl` (its
+    runstore/schema.py) makes: the same rows as that revision's recorder would have indexed them (bench/judging.py
+    measures each revision on its own). The store itself where they are this schema's."""
+    wanted = SAMPLE_INDEX.findall(ddl)
+    if sorted(wanted) == sorted(SAMPLE_INDEX.findall(DDL)):
+        return Path(path)
+    Path(into).mkdir(parents=True, exist_ok=True)
+    out = Path(into) / Path(path).name
+    shutil.copyfile(path, out)
+    with sqlite3.connect(out) as con:
+        for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'samples'"
+                                   ).fetchall():
+            con.execute(f"DROP INDEX {name}")
+        for statement in wanted:
+            con.execute(statement)
+    con.execute("VACUUM")
+    con.close()
+    return out
 
 
 def drop_window_index(path: str | Path) -> None:

@@ -52,10 +52,12 @@ class Family:
     # the run's own evidence, beyond its cancels', that requests it did not send reached the engine (a sentence; None
     # where it shows none): what contradicts the assumption no_traffic_beside_the_run
     traffic_beyond: Callable[[Run], str | None] = _no_traffic
+    # judge takes `only` (judge_run): it leaves out the cancels no verdict asked for rests on
+    judges_some: bool = False
 
 
 FAMILIES: dict[str, Family] = {
-    VLLM: Family(judge_vllm, vllm_report_fields, vllm_in_engine, ends_beyond_the_run),
+    VLLM: Family(judge_vllm, vllm_report_fields, vllm_in_engine, ends_beyond_the_run, judges_some=True),
     TRITON: Family(judge_triton, report_fields),
 }
 
@@ -79,10 +81,16 @@ def family_of(run: Run) -> str:
     return named[0]
 
 
-def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None = None) -> list[CancelVerdict]:
-    """One verdict per cancel; `grace_s` defaults to the run's own."""
+def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None = None,
+              only: set[str] | None = None) -> list[CancelVerdict]:
+    """One verdict per cancel; `grace_s` defaults to the run's own. `only`: the verdicts of these requests alone (a
+    live judge's window), each the one the run's whole set of cancels would give it: the family judges the others
+    its verdicts rest on (vLLM: the cancels with no abort, whose leaving the ledger's count beside them reads)."""
     grace_s = run_grace_s(run) if grace_s is None else grace_s
-    verdicts = FAMILIES[family_of(run)].judge(run, grace_s, metrics_target)
+    family = FAMILIES[family_of(run)]
+    verdicts = family.judge(run, grace_s, metrics_target, **({"only": only} if family.judges_some else {}))
+    if only is not None:
+        verdicts = [v for v in verdicts if v.request_id in only]
     with_hops(run, verdicts, grace_s)
     with_app_receipts(run, verdicts)
     with_page_stops(run, verdicts)

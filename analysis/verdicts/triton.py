@@ -608,10 +608,16 @@ def metrics_alone(c: TritonCase) -> CancelVerdict | None:
         return c.verdict("no_server_evidence")
     # the gauge cannot tell another client's request from this one: the traffic beside the run's held steady
     c.ev.assumes = ["traffic_beside_held_steady"]
-    fewest, most = bounds
-    sel = (t_act >= t_stop) & (t_act <= t_stop + grace_s)
     # the stretch a release must show in: the grace, up to the request's natural end
     until = t_stop + grace_s if natural is None else min(t_stop + grace_s, cut)
+    return _fell_before_its_end(c, t_act, v_act, bounds, until, cut) or _counted_after(c, t_act, v_act, bounds, until)
+
+
+def _fell_before_its_end(c: TritonCase, t_act: np.ndarray, v_act: np.ndarray, bounds: tuple, until: float,
+                         cut: float | None) -> CancelVerdict | None:
+    """metrics_alone's release: a reading in the stretch with the count no more than the fewest of the others."""
+    natural, t_stop, (fewest, most) = c.natural, c.t_stop, bounds
+    sel = (t_act >= t_stop) & (t_act <= t_stop + c.grace_s)
     # a reading with the request out, and none after it in the stretch with it surely in: one reading can miss a
     # request between the core's queue and the model's count (dequeued before the model counts it)
     surely_in = np.nonzero((v_act > most + 0.5) & (t_act > t_stop) & (t_act < until))[0]
@@ -626,6 +632,13 @@ def metrics_alone(c: TritonCase) -> CancelVerdict | None:
         if natural is None:
             return c.verdict("gauge_fell_end_unknown")
         return c.verdict("gauge_fell_before_natural_end", early_s=natural - t_act[i])
+    return None
+
+
+def _counted_after(c: TritonCase, t_act: np.ndarray, v_act: np.ndarray, bounds: tuple,
+                   until: float) -> CancelVerdict:
+    """metrics_alone's leak or doubt: the count at the last reading of the stretch against the most of the others."""
+    natural, t_stop, grace_s, (fewest, most) = c.natural, c.t_stop, c.grace_s, bounds
     # the last reading before the request would have ended anyway, within the grace. One the core may have queued
     # to the stop has no end of its own to go by (it may end later, and a drop then is a release): the grace's end
     own_end = natural is not None and c.natural_latest - natural <= NATURAL_END_SPREAD_S

@@ -55,9 +55,12 @@ from cancelwatch.runstore.records import WATCHED_SCENARIO
 VLLM = "vllm"
 
 
-def judge_vllm(run: Run, grace_s: float, metrics_target: str | None = None) -> list[CancelVerdict]:
+def judge_vllm(run: Run, grace_s: float, metrics_target: str | None = None,
+               only: set[str] | None = None) -> list[CancelVerdict]:
     """One verdict per cancel of a vLLM run, judged against the scheduler of `metrics_target` (default:
-    the target each stop names, else the run's first)."""
+    the target each stop names, else the run's first). `only`: judge these cancels, and the ones with no abort
+    (their leaving is what the others' frames read, below), and leave out the rest: a cancel the log or the relay
+    saw aborted changes no other one's frame."""
     ledger = run.ledger
     if ledger.empty or _events(run, "user_stop").empty:
         return []
@@ -72,7 +75,7 @@ def judge_vllm(run: Run, grace_s: float, metrics_target: str | None = None) -> l
     for i in range(JUDGE_PASSES):
         if i:
             frames.told(seen)
-        out = _judge_all(run, grace_s, frames)
+        out = _judge_all(run, grace_s, frames, only)
         left = {v.request_id: t for v in out if v.request_id in frames.unaborted and (t := left_seen_at(v)) is not None}
         more = {rid: t for rid, t in left.items() if t < seen.get(rid, math.inf)}
         if not more:
@@ -81,7 +84,7 @@ def judge_vllm(run: Run, grace_s: float, metrics_target: str | None = None) -> l
     return out
 
 
-def _judge_all(run: Run, grace_s: float, frames: _RunFrames) -> list[CancelVerdict]:
+def _judge_all(run: Run, grace_s: float, frames: _RunFrames, only: set[str] | None = None) -> list[CancelVerdict]:
     t0, ledger = run.info["started_mono_ns"], run.ledger
     stops, trace, englog, target_of, frame_for = (frames.stops, frames.trace, frames.englog, frames.target_of,
                                                   frames.frame)
@@ -95,6 +98,8 @@ def _judge_all(run: Run, grace_s: float, frames: _RunFrames) -> list[CancelVerdi
     by_scenario = ledger_by_scenario(ledger)
     out = []
     for stop in frame_rows(stops):
+        if only is not None and stop.request_id not in only and stop.request_id not in frames.unaborted:
+            continue
         data = json.loads(stop.data)
         rid, scenario, target = stop.request_id, data.get("scenario"), target_of(data)
         case = _case(run, frame_for(target), englog, trace, by_scenario.get(scenario, NO_REQUESTS), data=data,

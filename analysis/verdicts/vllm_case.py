@@ -1134,14 +1134,19 @@ def _restart_in(gaps: _Gaps, sched: dict[str, np.ndarray], t_from: float, t_to: 
     # 82 ms later, the later one with fewer tokens) can answer out of order. Only a read started after an
     # earlier one had its answer can show the counter gone back
     ends = at + spans[sel]
-    for i in range(1, int(np.searchsorted(at, t_to, side="right"))):
-        answered = ends[:i] <= at[i]
-        if not answered.any():
-            continue
-        peak = vals[:i][answered].max()
-        # and it stays back: a dip that the next samples climb out of at once is not a restart (at the end
-        # of the stretch, the samples left are all there is to go by)
-        if vals[i] < peak and (vals[i:i + 3] < peak).all():
-            return "generation_tokens_total went back"
-    return None
+    # per reading i: the highest count read by a reading j < i answered by the time i started (j is among them from
+    # the first reading started at or after its answer, or from j + 1)
+    n = len(vals)
+    joins = np.maximum(np.searchsorted(at, ends, side="left"), np.arange(1, n + 1))
+    peak = np.full(n + 1, -np.inf)
+    np.maximum.at(peak, np.minimum(joins, n), vals)
+    peak = np.maximum.accumulate(peak[:n])
+    # and it stays back: a dip that the next samples climb out of at once is not a restart (at the end
+    # of the stretch, the samples left are all there is to go by)
+    back = vals < peak
+    for k in (1, 2):
+        back[:-k] &= vals[k:] < peak[:-k]
+    back[:1] = False
+    back[int(np.searchsorted(at, t_to, side="right")):] = False
+    return "generation_tokens_total went back" if back.any() else None
 
