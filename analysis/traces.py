@@ -15,7 +15,7 @@ from cancelwatch.runstore.reader import Run
 GiB = 1024**3
 
 
-@dataclass
+@dataclass(frozen=True)  # shared: a run makes each metric's traces once (metric_traces)
 class Trace:
     name: str
     source: str

@@ -285,7 +285,7 @@ def _load_samples(con: sqlite3.Connection, path: Path, rid: int, only: list[str]
         return _no_samples()
     series_ids = np.array([row[0] for row in series], dtype=np.int64)
     ids = ", ".join(str(int(i)) for i in series_ids)
-    # through the series ids: the (run_id, series_id) index then reads only those samples. A window goes
+    # through the series ids: the series index (schema.py) then reads only those samples. A window goes
     # through (run_id, scrape_id) instead, its cost its own length's, not the run's ("+" keeps the planner
     # off the series index, which would read every sample of those series)
     if scrape_ids is None:

@@ -66,8 +66,8 @@ CREATE TABLE IF NOT EXISTS samples (
 -- of the table is looked up (an hour's 800 000 samples of the judged series: 1.0 s through an index of
 -- (run_id, series_id), 0.4 s through this one). Series first: a window's read (below) cannot use it, and SQLite
 -- reading a window through it would read every sample of the run's series. It takes the place of that narrower
--- samples_run, which a store written before drops the next time it is written (building this one then, once:
--- seconds a million samples)
+-- samples_run, which a store written before drops the next time it is written (building this one then, once: a
+-- second a million samples; a store of more than MIGRATE_MAX_SAMPLES keeps samples_run, runstore/writer.py says why)
 CREATE INDEX IF NOT EXISTS samples_series ON samples(series_id, run_id, scrape_id, value);
 DROP INDEX IF EXISTS samples_run;
 -- a window of a run (a live judge's, per cancel) reads its scrapes' samples alone, whatever the run's length

@@ -90,6 +90,24 @@ def open_store(path: str | Path) -> sqlite3.Connection:
                 from exc
 
 
+# Building an index over an existing store's samples holds the write lock meanwhile (about a second a million
+# samples): another recorder waits OPEN_WAIT_S for it, a watch starting on the store waits too. A store with more
+# samples than this keeps its narrower series index (its runs read whole as before; a run long enough to need the
+# covering one is read from its overview)
+MIGRATE_MAX_SAMPLES = 2_000_000
+_MIGRATIONS = frozenset(st for st in _statements(DDL) if "samples_series" in st or "samples_run" in st)
+
+
+def _migrates(con: sqlite3.Connection) -> bool:
+    """Whether the samples' covering series index is built here (schema.py): a new store, one that has it, or one
+    small enough to build it at once."""
+    have = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'samples'")}
+    if "samples_series" in have or "samples_run" not in have:
+        return True
+    last = con.execute("SELECT max(rowid) FROM samples").fetchone()[0]  # the rowid's b-tree: no scan
+    return (last or 0) <= MIGRATE_MAX_SAMPLES
+
+
 def _open_once(p: Path) -> sqlite3.Connection:
     con = None
     try:
@@ -109,7 +127,8 @@ def _open_once(p: Path) -> sqlite3.Connection:
             raise StoreError(f"the run store at {p} has schema {row[0]}, this cancelwatch writes {SCHEMA_VERSION}: "
                              "record into a new file with --store")
         for statement in _statements(DDL):
-            con.execute(statement)
+            if statement not in _MIGRATIONS or _migrates(con):
+                con.execute(statement)
         con.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         con.execute("COMMIT")
         con.isolation_level = ""  # back to implicit transactions, which the rest of the writer relies on

@@ -185,6 +185,36 @@ def test_windows_read_in_the_recorders_own_process_lose_nothing_it_writes(tmp_pa
 
 
 
+
+def test_a_store_too_big_to_index_at_once_keeps_its_narrow_series_index_and_reads_the_same(tmp_path, monkeypatch):
+    """Building the covering index holds the write lock (about a second a million samples): a bigger store keeps
+    samples_run, and a recorder opening it does not wait on the build."""
+    import sqlite3
+
+    import cancelwatch.runstore.writer as writer
+
+    path = tmp_path / "big.db"
+    write_synthetic_run(path, duration_s=30, cancels=2, name="big")
+    before = load_run(path, "latest").samples
+    with sqlite3.connect(path) as con:
+        n = con.execute("SELECT count(*) FROM samples").fetchone()[0]
+        con.executescript("DROP INDEX samples_series; CREATE INDEX samples_run ON samples(run_id, series_id);")
+    con.close()
+    monkeypatch.setattr(writer, "MIGRATE_MAX_SAMPLES", n - 1)
+    writer.open_store(path).close()
+    with sqlite3.connect(path) as con:
+        names = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'samples'")}
+    con.close()
+    assert names == {"samples_run", "samples_scrape"}
+    assert load_run(path, "latest").samples.equals(before)
+    monkeypatch.setattr(writer, "MIGRATE_MAX_SAMPLES", n)  # at the limit: built
+    writer.open_store(path).close()
+    with sqlite3.connect(path) as con:
+        names = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'samples'")}
+    con.close()
+    assert names == {"samples_series", "samples_scrape"}
+
+
 def test_a_store_copied_with_another_schemas_sample_indexes_holds_the_same_rows(store, tmp_path):
     """bench/judging.py measures an earlier revision on the store as its recorder would have indexed it."""
     import sqlite3
