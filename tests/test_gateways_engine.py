@@ -161,6 +161,7 @@ def test_the_default_suite_through_a_tap_is_released_as_direct(engine, engine_ho
     assert len(closes) >= len(doc["cancels"])
 
 
+@pytest.mark.slow  # the leaking proxy is leaked in test_watch_engine.py; where taps end, below
 def test_the_leaking_proxy_behind_taps_is_still_leaked_and_named(engine, engine_home, tmp_path):
     _, doc, run, proxy = record_through(engine, engine_home, tmp_path, "disconnect", None, LeakyProxy)
     (c,) = doc["cancels"]
