@@ -64,13 +64,14 @@ CREATE TABLE IF NOT EXISTS samples (
 );
 -- a run's series read whole (a page, a report) read this index alone: it holds the scrape and the value, so no row
 -- of the table is looked up (an hour's 800 000 samples of the judged series: 1.0 s through an index of
--- (run_id, series_id), 0.4 s through this one). Series first: a window's read (below) cannot use it, and SQLite
--- reading a window through it would read every sample of the run's series. It takes the place of that narrower
+-- (run_id, series_id), 0.4 s through this one). A window (a live judge's, per cancel) reads it too: each series
+-- between its source's first and last scrape of the window (runstore/reader.py). Series first, so that a read by
+-- scrape alone cannot go through it, which would read every sample of the run's series. It takes the place of that narrower
 -- samples_run, which a store written before drops the next time it is written (building this one then, once: a
 -- second a million samples; a store of more than MIGRATE_MAX_SAMPLES keeps samples_run, runstore/writer.py says why)
 CREATE INDEX IF NOT EXISTS samples_series ON samples(series_id, run_id, scrape_id, value);
 DROP INDEX IF EXISTS samples_run;
--- a window of a run (a live judge's, per cancel) reads its scrapes' samples alone, whatever the run's length
+-- a window of a store that keeps samples_run reads its scrapes' samples by this, whatever the run's length
 CREATE INDEX IF NOT EXISTS samples_scrape ON samples(run_id, scrape_id);
 CREATE TABLE IF NOT EXISTS gaps (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -147,3 +148,9 @@ CREATE TABLE IF NOT EXISTS ledger (
 );
 """
 
+
+def samples_indexes(con) -> set[str]:
+    """The names of the indexes a store's samples have now (a store written before holds samples_run, not
+    samples_series, until it is next written; one too big to migrate keeps it)."""
+    rows = con.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'samples'")
+    return {name for (name,) in rows}

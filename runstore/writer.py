@@ -27,7 +27,7 @@ from cancelwatch.runstore.errors import StoreError
 from cancelwatch.runstore.event_kinds import EVENT_KINDS
 from cancelwatch.runstore.overview import bucket_of, scrape_rows, series_rows, write_overview
 from cancelwatch.runstore.records import EventRecord, GapRecord, LedgerRecord, Sample, ScrapeRecord
-from cancelwatch.runstore.schema import DDL, SCHEMA_VERSION
+from cancelwatch.runstore.schema import DDL, SCHEMA_VERSION, samples_indexes
 
 RUN_JSON_COLUMNS = ("targets", "engine", "cache", "settings", "stats")
 LEDGER_COLUMNS = [f.name for f in dataclasses.fields(LedgerRecord)]
@@ -101,7 +101,7 @@ _MIGRATIONS = frozenset(st for st in _statements(DDL) if "samples_series" in st 
 def _migrates(con: sqlite3.Connection) -> bool:
     """Whether the samples' covering series index is built here (schema.py): a new store, one that has it, or one
     small enough to build it at once."""
-    have = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'samples'")}
+    have = samples_indexes(con)
     if "samples_series" in have or "samples_run" not in have:
         return True
     last = con.execute("SELECT max(rowid) FROM samples").fetchone()[0]  # the rowid's b-tree: no scan
@@ -153,22 +153,13 @@ def samples_indexed_as(path: str | Path, ddl: str, into: str | Path) -> Path:
     out = Path(into) / Path(path).name
     shutil.copyfile(path, out)
     with sqlite3.connect(out) as con:
-        for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'samples'"
-                                   ).fetchall():
+        for name in samples_indexes(con):
             con.execute(f"DROP INDEX {name}")
         for statement in wanted:
             con.execute(statement)
     con.execute("VACUUM")
     con.close()
     return out
-
-
-def drop_window_index(path: str | Path) -> None:
-    """The store as stores before the (run, scrape) index were: bench/window.py reads windows with and
-    without it, side by side. The next open_store makes it again."""
-    with sqlite3.connect(path) as con:
-        con.execute("DROP INDEX IF EXISTS samples_scrape")
-    con.close()
 
 
 def create_run(

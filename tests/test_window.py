@@ -8,6 +8,16 @@ import pytest
 
 from bench.synthetic import write_synthetic_run
 from cancelwatch.runstore.reader import load_run, load_window
+from cancelwatch.runstore.schema import samples_indexes
+
+
+def indexes_of(path) -> set[str]:
+    import sqlite3
+
+    with sqlite3.connect(path) as con:
+        names = samples_indexes(con)
+    con.close()
+    return names
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +75,8 @@ def test_each_cancel_judged_on_its_own_window_gets_the_verdict_the_whole_run_giv
         assert (alone.verdict, alone.rule) == (v.verdict, v.rule), v.request_id
 
 
-def test_a_windows_samples_are_read_through_the_scrape_index_not_the_whole_run(store, monkeypatch):
-    # bench/window.py measures it (a window ~35 ms at 15 min, 1 h and 4 h); here the plan SQLite makes for
-    # the query the reader sends: a search of (run, scrape), never a scan of the run's samples by series
+def _window_query(store, monkeypatch, lo: float, hi: float):
+    """The samples query a window of `store` sends, and the window."""
     import sqlite3
 
     import cancelwatch.runstore.reader as reader
@@ -77,16 +86,48 @@ def test_a_windows_samples_are_read_through_the_scrape_index_not_the_whole_run(s
     monkeypatch.setattr(reader, "_window_rows", lambda con, q, params, *a: sent.append((q, params, con))
                         or real(con, q, params, *a))
     monkeypatch.setattr(reader, "_arrow", lambda *a: pytest.fail("a window read through ADBC"))
-    part = load_window(store, "latest", 60.0, 66.0)
+    part = load_window(store, "latest", lo, hi)
     (query, params, own), = [(q, p, o) for q, p, o in sent if "FROM samples" in q]
     # through the reader's own sqlite3 connection, not ADBC (test_windows_read_in_the_recorders_own_process...)
     assert isinstance(own, sqlite3.Connection)
     with sqlite3.connect(store) as con:
         plan = " ".join(r[3] for r in con.execute("EXPLAIN QUERY PLAN " + query, params))
-    assert "USING INDEX samples_scrape" in plan, plan
+    con.close()
+    return part, plan
+
+
+def test_a_windows_samples_are_read_from_the_covering_index_by_scrape_range_not_the_whole_run(store, monkeypatch):
+    # bench/window.py measures it (a window's cost at 15 min, 1 h and 4 h); here the plan SQLite makes for the
+    # query the reader sends: each series searched between its source's first and last scrape of the window,
+    # from the index alone, never a scan of the run's samples by series
+    whole = load_run(store, "latest").samples
+    part, plan = _window_query(store, monkeypatch, 60.0, 66.0)
+    branches = plan.count("USING COVERING INDEX samples_series (series_id=? AND run_id=? AND scrape_id>? AND scrape_id<?)")
+    assert branches == part.samples.groupby(["source", "target"], observed=True).ngroups >= 2, plan
+    assert "SCAN" not in plan, plan
+    inside = whole[(whole["t_s"] >= 60.0) & (whole["t_s"] <= 66.0)].reset_index(drop=True)
+    strings = {c: object for c in ("source", "target", "metric", "labels")}
+    pd.testing.assert_frame_equal(part.samples.astype(strings), inside.astype(strings))
     # and an empty stretch reads no sample at all (not the whole run)
     assert len(part.samples) > 0 and load_window(store, "latest", 500.0, 506.0).samples.empty
 
+
+def test_a_store_with_the_narrow_series_index_reads_a_window_by_its_scrapes(tmp_path, monkeypatch):
+    """A store too big to migrate keeps samples_run: a window goes by (run, scrape), not by series, whose range
+    that index cannot bound."""
+    import shutil
+    import sqlite3
+
+    path = tmp_path / "narrow.db"
+    write_synthetic_run(path, duration_s=60, cancels=3, name="narrow")
+    wide = tmp_path / "wide.db"
+    shutil.copyfile(path, wide)
+    with sqlite3.connect(path) as con:
+        con.executescript("DROP INDEX samples_series; CREATE INDEX samples_run ON samples(run_id, series_id);")
+    con.close()
+    part, plan = _window_query(path, monkeypatch, 20.0, 26.0)
+    assert "USING INDEX samples_scrape" in plan and "samples_run" not in plan, plan
+    assert part.samples.equals(load_window(wide, "latest", 20.0, 26.0).samples)
 
 
 def test_a_runs_series_read_whole_go_through_the_covering_index(store, monkeypatch):
@@ -118,9 +159,7 @@ def test_a_store_with_the_narrow_series_index_gets_the_covering_one_when_written
     con.close()
     assert load_run(path, "latest").samples.equals(before)  # read as it stands
     open_store(path).close()
-    with sqlite3.connect(path) as con:
-        names = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'samples'")}
-    con.close()
+    names = indexes_of(path)
     assert names == {"samples_series", "samples_scrape"}
     assert load_run(path, "latest").samples.equals(before)
     assert not load_window(path, "latest", 10.0, 12.0).samples.empty
@@ -202,23 +241,17 @@ def test_a_store_too_big_to_index_at_once_keeps_its_narrow_series_index_and_read
     con.close()
     monkeypatch.setattr(writer, "MIGRATE_MAX_SAMPLES", n - 1)
     writer.open_store(path).close()
-    with sqlite3.connect(path) as con:
-        names = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'samples'")}
-    con.close()
+    names = indexes_of(path)
     assert names == {"samples_run", "samples_scrape"}
     assert load_run(path, "latest").samples.equals(before)
     monkeypatch.setattr(writer, "MIGRATE_MAX_SAMPLES", n)  # at the limit: built
     writer.open_store(path).close()
-    with sqlite3.connect(path) as con:
-        names = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'samples'")}
-    con.close()
+    names = indexes_of(path)
     assert names == {"samples_series", "samples_scrape"}
 
 
 def test_a_store_copied_with_another_schemas_sample_indexes_holds_the_same_rows(store, tmp_path):
     """bench/judging.py measures an earlier revision on the store as its recorder would have indexed it."""
-    import sqlite3
-
     from cancelwatch.runstore.schema import DDL
     from cancelwatch.runstore.writer import samples_indexed_as
 
@@ -227,8 +260,6 @@ def test_a_store_copied_with_another_schemas_sample_indexes_holds_the_same_rows(
                "CREATE INDEX IF NOT EXISTS samples_scrape ON samples(run_id, scrape_id);\n")
     copy = samples_indexed_as(store, earlier, tmp_path)
     assert copy != store
-    with sqlite3.connect(copy) as con:
-        names = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'samples'")}
-    con.close()
+    names = indexes_of(copy)
     assert names == {"samples_run", "samples_scrape"}
     assert load_run(copy, "latest").samples.equals(load_run(store, "latest").samples)

@@ -42,8 +42,9 @@ def _no_traffic(run: Run) -> None:
 
 @dataclass(frozen=True)
 class Family:
-    # one verdict per cancel: (run, grace_s, metrics_target) -> verdicts
-    judge: Callable[[Run, float, str | None], list[CancelVerdict]]
+    # one verdict per cancel: (run, grace_s, metrics_target, only) -> verdicts. `only`: the cancels asked for (a live
+    # judge's window); the family may leave out any other whose verdict none of those rests on, or judge all
+    judge: Callable[[Run, float, str | None, set[str] | None], list[CancelVerdict]]
     # the fields the family adds to a run's report document
     report_fields: Callable[[Run], dict] = _nothing
     # the engine's count of requests against the ledger's requests in it (run, target) -> EngineReading, for
@@ -52,12 +53,10 @@ class Family:
     # the run's own evidence, beyond its cancels', that requests it did not send reached the engine (a sentence; None
     # where it shows none): what contradicts the assumption no_traffic_beside_the_run
     traffic_beyond: Callable[[Run], str | None] = _no_traffic
-    # judge takes `only` (judge_run): it leaves out the cancels no verdict asked for rests on
-    judges_some: bool = False
 
 
 FAMILIES: dict[str, Family] = {
-    VLLM: Family(judge_vllm, vllm_report_fields, vllm_in_engine, ends_beyond_the_run, judges_some=True),
+    VLLM: Family(judge_vllm, vllm_report_fields, vllm_in_engine, ends_beyond_the_run),
     TRITON: Family(judge_triton, report_fields),
 }
 
@@ -88,7 +87,7 @@ def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None
     its verdicts rest on (vLLM: the cancels with no abort, whose leaving the ledger's count beside them reads)."""
     grace_s = run_grace_s(run) if grace_s is None else grace_s
     family = FAMILIES[family_of(run)]
-    verdicts = family.judge(run, grace_s, metrics_target, **({"only": only} if family.judges_some else {}))
+    verdicts = family.judge(run, grace_s, metrics_target, only)
     if only is not None:
         verdicts = [v for v in verdicts if v.request_id in only]
     with_hops(run, verdicts, grace_s)

@@ -133,8 +133,10 @@ class _ServerLog:
         return self._stays[model]
 
 
-def judge_triton(run: Run, grace_s: float, metrics_target: str | None = None) -> list[CancelVerdict]:
-    """One verdict per cancel of a Triton run, on its first target (`metrics_target` is vLLM's choice)."""
+def judge_triton(run: Run, grace_s: float, metrics_target: str | None = None,
+                 only: set[str] | None = None) -> list[CancelVerdict]:
+    """One verdict per cancel of a Triton run, on its first target (`metrics_target` is vLLM's choice). Every
+    cancel is judged, `only` or not (judge_run keeps those asked for): nothing here leaves any out yet."""
     ev_all = run.events
     ledger = run.ledger
     if ev_all.empty or ledger.empty:

@@ -91,15 +91,15 @@ def _judge_all(run: Run, grace_s: float, frames: _RunFrames, only: set[str] | No
     answers = _app_answers(run)
     missed = {r.request_id: json.loads(r.data) for r in frame_rows(_events(run, "trigger_missed"))}
 
-    # the stopped requests' rows as dicts (the rules read them by column name); every row's scenario
-    stopped = ledger[ledger["request_id"].isin(stops["request_id"])]
+    # the judged requests' rows as dicts (the rules read them by column name); every row's scenario
+    judged = [stop for stop in frame_rows(stops)
+              if only is None or stop.request_id in only or stop.request_id in frames.unaborted]
+    stopped = ledger[ledger["request_id"].isin([stop.request_id for stop in judged])]
     rows = {r["request_id"]: r for r in stopped.to_dict("records")}
     scenario_of = dict(zip(ledger["request_id"], ledger["scenario"])) if "scenario" in ledger else {}
     by_scenario = ledger_by_scenario(ledger)
     out = []
-    for stop in frame_rows(stops):
-        if only is not None and stop.request_id not in only and stop.request_id not in frames.unaborted:
-            continue
+    for stop in judged:
         data = json.loads(stop.data)
         rid, scenario, target = stop.request_id, data.get("scenario"), target_of(data)
         case = _case(run, frame_for(target), englog, trace, by_scenario.get(scenario, NO_REQUESTS), data=data,
