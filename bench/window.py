@@ -27,12 +27,10 @@ sys.path.insert(0, str(ROOT))
 from cancelwatch.analysis.watching import LOOKBACK_S, window_of  # noqa: E402
 from bench.synthetic import write_synthetic_run  # noqa: E402
 from cancelwatch.runstore.reader import load_run, load_window  # noqa: E402
+from cancelwatch.runstore.schema import NARROW_SAMPLE_INDEXES  # noqa: E402
 from cancelwatch.runstore.writer import samples_indexed_as  # noqa: E402
 
 GRACE_S = 2.0
-# the samples' indexes of a store that keeps its narrow series index (runstore/writer.py, MIGRATE_MAX_SAMPLES)
-NARROW = ("CREATE INDEX IF NOT EXISTS samples_run ON samples(run_id, series_id);\n"
-          "CREATE INDEX IF NOT EXISTS samples_scrape ON samples(run_id, scrape_id);\n")
 
 
 def window_reads(store: Path, rid: int, duration_s: float, n: int) -> list[float]:
@@ -63,7 +61,7 @@ def main() -> None:
                                       filler_series=args.filler_series)
             wrote_s = time.perf_counter() - t
             indexed = window_reads(store, rid, hours * 3600, args.windows)
-            narrow = samples_indexed_as(store, NARROW, Path(tmp) / "narrow")
+            narrow = samples_indexed_as(store, NARROW_SAMPLE_INDEXES, Path(tmp) / "narrow")
             by_scrape = window_reads(narrow, rid, hours * 3600, args.windows)
             narrow.unlink()
             t = time.perf_counter()

@@ -318,27 +318,49 @@ def _load_samples(con: sqlite3.Connection, path: Path, rid: int, only: list[str]
     return out.take(order).reset_index(drop=True)
 
 
+# a window read by series and scrape range (_window_sql) sends one branch per (source, target): past this many (a
+# fleet imported from Prometheus, a target each replica), by scrape as before (SQLite takes at most 500 branches)
+MAX_WINDOW_BRANCHES = 64
+# a source's scrapes of a window, first to last, span at most this many times the window's scrapes of every source,
+# written in time order beside other sources and runs: wider, its ids do not rise with its scrapes (a scrape written
+# late, by hand), and the range would read the samples of every scrape between
+MAX_SPAN_RATIO = 4
+
+
 def _window_sql(con: sqlite3.Connection, rid: int, series: list[tuple], scrapes: pd.DataFrame,
                 scrape_ids: np.ndarray, ids: str) -> tuple[str, tuple]:
     """The query of a window's samples, its cost the window's length, not the run's. Through the covering series
     index (schema.py): each source's series between its first and last scrape of the window, read from the index
-    alone (a source's ids rise with its scrapes; any other of its scrapes in that range is not in `scrapes`, and
-    _load_samples leaves its samples out). A store that keeps samples_run: the window's scrapes by id, each sample
-    looked up in the table ("+" keeps the planner off the series index, which would read every sample of those
-    series). An hour's window at 20 Hz with 55 other series a scrape: 8 -> 3 ms."""
+    alone. A sample's series names its scrape's source and target (the writers key it so); a source's ids rise with
+    its scrapes, and any other of its scrapes in that range is not in `scrapes` (_load_samples leaves its samples
+    out). An hour's window at 20 Hz with 55 other series a scrape: 8 -> 3 ms. Else (a store that keeps samples_run,
+    more sources than MAX_WINDOW_BRANCHES, ids out of time order): the window's scrapes by id, each sample looked up
+    in the table ("+" keeps the planner off the series index, which would read every sample of those series)."""
     value = "SELECT series_id, scrape_id, CAST(value AS REAL) AS value FROM samples"
-    if "samples_series" not in samples_indexes(con):
-        return (f"{value} WHERE run_id = ? AND scrape_id IN ({', '.join(str(int(i)) for i in scrape_ids)}) "
-                f"AND +series_id IN ({ids})", (rid,))
-    source, target = (np.asarray(scrapes[c], dtype=object) for c in ("source", "target"))
-    scrape = scrapes["id"].to_numpy()
+    by_scrape = (f"{value} WHERE run_id = ? AND scrape_id IN ({', '.join(str(int(i)) for i in scrape_ids)}) "
+                 f"AND +series_id IN ({ids})", (rid,))
+    if not len(scrapes) or "samples_series" not in samples_indexes(con):
+        return by_scrape
+    theirs: dict[tuple, list[str]] = {}
+    for row in series:
+        theirs.setdefault((row[1], row[2]), []).append(str(int(row[0])))
+    source, sources = pd.factorize(np.asarray(scrapes["source"], dtype=object), use_na_sentinel=False)
+    target, targets = pd.factorize(np.asarray(scrapes["target"], dtype=object), use_na_sentinel=False)
+    pairs, pair = np.unique(source * len(targets) + target, return_inverse=True)
+    scrape = scrapes["id"].to_numpy(dtype=np.int64)
+    lo, hi = np.full(len(pairs), np.iinfo(np.int64).max), np.full(len(pairs), np.iinfo(np.int64).min)
+    np.minimum.at(lo, pair, scrape)
+    np.maximum.at(hi, pair, scrape)
     branches, params = [], []
-    for key in dict.fromkeys((row[1], row[2]) for row in series):
-        theirs = scrape[(source == key[0]) & (target == key[1])]
-        if len(theirs):
-            mine = ", ".join(str(int(row[0])) for row in series if (row[1], row[2]) == key)
-            branches.append(f"{value} WHERE series_id IN ({mine}) AND run_id = ? AND scrape_id BETWEEN ? AND ?")
-            params += [rid, int(theirs.min()), int(theirs.max())]
+    for p, first, last in zip(pairs.tolist(), lo.tolist(), hi.tolist()):
+        mine = theirs.get((sources[p // len(targets)], targets[p % len(targets)]))
+        if mine:
+            if last - first + 1 > MAX_SPAN_RATIO * len(scrapes):
+                return by_scrape
+            branches.append(f"{value} WHERE series_id IN ({', '.join(mine)}) AND run_id = ? AND scrape_id BETWEEN ? AND ?")
+            params += [rid, first, last]
+    if len(branches) > MAX_WINDOW_BRANCHES:
+        return by_scrape
     if not branches:  # no series of the window's sources: no samples
         return f"{value} WHERE 0", ()
     return " UNION ALL ".join(branches), tuple(params)

@@ -148,6 +148,11 @@ CREATE TABLE IF NOT EXISTS ledger (
 );
 """
 
+# the samples' indexes of a store written before samples_series, which one of more than MIGRATE_MAX_SAMPLES keeps
+# (bench/window.py and the tests read windows on such a store, beside this schema's)
+NARROW_SAMPLE_INDEXES = ("CREATE INDEX IF NOT EXISTS samples_run ON samples(run_id, series_id);\n"
+                         "CREATE INDEX IF NOT EXISTS samples_scrape ON samples(run_id, scrape_id);\n")
+
 
 def samples_indexes(con) -> set[str]:
     """The names of the indexes a store's samples have now (a store written before holds samples_run, not

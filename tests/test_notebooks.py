@@ -189,6 +189,25 @@ def test_explore_on_the_sample_run(tmp_path):
         assert key in html, key
 
 
+def test_explore_reads_a_long_run_from_its_overview_with_the_verdicts_read_whole(tmp_path):
+    """A day's watch opens from its overview and its cancels' windows (judged_run), not read whole: the same
+    verdicts. `long_run_s` brings the threshold (3 h) down to a run a test writes in a second."""
+    from bench.synthetic import write_synthetic_run
+    from cancelwatch.analysis.judged import judged_run
+
+    store = tmp_path / "long.db"
+    write_synthetic_run(store, duration_s=150.0, cancels=5, name="long")
+    whole = judged_run(store, "latest")
+    assert not whole.long and len(whole.verdicts) == 5
+    res, html, nb = render(tmp_path, "explore", "--store", str(store), "-p", "long_run_s=60")
+    assert res.returncode == 0, res.stderr
+    assert not error_outputs(nb)
+    assert "A long run: read from its overview" in html
+    # the cancel table's rows: request_id, scenario, phase, verdict
+    shown = re.findall(r"<td>(cw-[\w-]+)</td>\s*<td>[^<]*</td>\s*<td>[^<]*</td>\s*<td>(\w+)</td>", html)
+    assert sorted(set(shown)) == sorted((v.request_id, v.verdict) for v in whole.verdicts), shown
+
+
 # ---------------------------------------------------------------------------------------------------------
 # JupyterLab: `make lab`, and the notebooks as it runs them (kernel in notebooks/, no parameters)
 

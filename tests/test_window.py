@@ -8,7 +8,7 @@ import pytest
 
 from bench.synthetic import write_synthetic_run
 from cancelwatch.runstore.reader import load_run, load_window
-from cancelwatch.runstore.schema import samples_indexes
+from cancelwatch.runstore.schema import NARROW_SAMPLE_INDEXES, samples_indexes
 
 
 def indexes_of(path) -> set[str]:
@@ -128,6 +128,54 @@ def test_a_store_with_the_narrow_series_index_reads_a_window_by_its_scrapes(tmp_
     part, plan = _window_query(path, monkeypatch, 20.0, 26.0)
     assert "USING INDEX samples_scrape" in plan and "samples_run" not in plan, plan
     assert part.samples.equals(load_window(wide, "latest", 20.0, 26.0).samples)
+
+
+def _whole_in(path, lo: float, hi: float) -> pd.DataFrame:
+    whole = load_run(path, "latest").samples
+    return whole[(whole["t_s"] >= lo) & (whole["t_s"] <= hi)].reset_index(drop=True)
+
+
+def test_a_fleets_window_and_a_late_written_scrape_read_by_scrape_and_hold_the_same_samples(tmp_path, monkeypatch):
+    """The series index's read sends a branch per (source, target) and reads each source's ids from first to last:
+    a run of more sources than MAX_WINDOW_BRANCHES (a fleet imported from Prometheus; SQLite takes at most 500
+    branches), or one whose ids do not rise with its scrapes (a read written late), is read by scrape instead."""
+    import numpy as np
+
+    import cancelwatch.runstore.reader as reader
+    from bench.synthetic import T0_NS, WALL0_NS
+    from cancelwatch.runstore.writer import create_run, finish_run, open_store, write_scrape_block
+
+    fleet = tmp_path / "fleet.db"
+    con = open_store(fleet)
+    n, replicas = 40, reader.MAX_WINDOW_BRANCHES + 1
+    rid = create_run(con, name="fleet", targets=[{"label": f"r{i}", "url": "x", "family": "vllm"} for i in range(replicas)],
+                     engine={}, settings={}, wall_ns=WALL0_NS, mono_ns=T0_NS)
+    mono = T0_NS + np.arange(n, dtype=np.int64) * 15 * 10**9
+    with con:  # each replica's reads written at once, as an import writes them
+        for i in range(replicas):
+            write_scrape_block(con, rid, "vllm", f"r{i}", series={("requests_running", ()): np.arange(n) + i,
+                                                                  ("kv_cache_usage_ratio", ()): np.full(n, np.nan)},
+                               ticks=np.arange(n), wall_ns=mono - T0_NS + WALL0_NS, mono_ns=mono, duration_ns=1000)
+    finish_run(con, rid, "completed", {})
+    con.close()
+    expected = _whole_in(fleet, 100.0, 200.0)
+    part, plan = _window_query(fleet, monkeypatch, 100.0, 200.0)
+    assert "USING INDEX samples_scrape" in plan, plan
+    assert len(expected) == 2 * 7 * replicas and part.samples.equals(expected)
+    monkeypatch.undo()
+
+    late = tmp_path / "late.db"
+    rid = write_synthetic_run(late, duration_s=120, cancels=3, name="late")
+    con = open_store(late)
+    with con:  # one read of vllm/t0 stamped at 45 s, written after the whole run: its id above every other
+        at = np.array([T0_NS + 45_010_000_000])
+        write_scrape_block(con, rid, "vllm", "t0", series={("requests_running", ()): [1.0]}, ticks=[2400],
+                           wall_ns=at - T0_NS + WALL0_NS, mono_ns=at, duration_ns=1)
+    con.close()
+    expected = _whole_in(late, 40.0, 47.5)
+    part, plan = _window_query(late, monkeypatch, 40.0, 47.5)
+    assert "USING INDEX samples_scrape" in plan, plan
+    assert 45.01 in part.samples["t_s"].round(3).tolist() and part.samples.equals(expected)
 
 
 def test_a_runs_series_read_whole_go_through_the_covering_index(store, monkeypatch):
@@ -256,9 +304,7 @@ def test_a_store_copied_with_another_schemas_sample_indexes_holds_the_same_rows(
     from cancelwatch.runstore.writer import samples_indexed_as
 
     assert samples_indexed_as(store, DDL, tmp_path) == store  # this schema's: the store itself
-    earlier = ("CREATE INDEX IF NOT EXISTS samples_run ON samples(run_id, series_id);\n"
-               "CREATE INDEX IF NOT EXISTS samples_scrape ON samples(run_id, scrape_id);\n")
-    copy = samples_indexed_as(store, earlier, tmp_path)
+    copy = samples_indexed_as(store, NARROW_SAMPLE_INDEXES, tmp_path)
     assert copy != store
     names = indexes_of(copy)
     assert names == {"samples_run", "samples_scrape"}
