@@ -337,10 +337,13 @@ def _window_sql(con: sqlite3.Connection, rid: int, series: list[tuple], scrapes:
     more sources than MAX_WINDOW_BRANCHES, ids out of time order): the window's scrapes by id, each sample looked up
     in the table ("+" keeps the planner off the series index, which would read every sample of those series)."""
     value = "SELECT series_id, scrape_id, CAST(value AS REAL) AS value FROM samples"
-    by_scrape = (f"{value} WHERE run_id = ? AND scrape_id IN ({', '.join(str(int(i)) for i in scrape_ids)}) "
-                 f"AND +series_id IN ({ids})", (rid,))
+
+    def by_scrape() -> tuple[str, tuple]:
+        return (f"{value} WHERE run_id = ? AND scrape_id IN ({', '.join(map(str, scrape_ids.tolist()))}) "
+                f"AND +series_id IN ({ids})", (rid,))
+
     if not len(scrapes) or "samples_series" not in samples_indexes(con):
-        return by_scrape
+        return by_scrape()
     theirs: dict[tuple, list[str]] = {}
     for row in series:
         theirs.setdefault((row[1], row[2]), []).append(str(int(row[0])))
@@ -356,11 +359,11 @@ def _window_sql(con: sqlite3.Connection, rid: int, series: list[tuple], scrapes:
         mine = theirs.get((sources[p // len(targets)], targets[p % len(targets)]))
         if mine:
             if last - first + 1 > MAX_SPAN_RATIO * len(scrapes):
-                return by_scrape
+                return by_scrape()
             branches.append(f"{value} WHERE series_id IN ({', '.join(mine)}) AND run_id = ? AND scrape_id BETWEEN ? AND ?")
             params += [rid, first, last]
     if len(branches) > MAX_WINDOW_BRANCHES:
-        return by_scrape
+        return by_scrape()
     if not branches:  # no series of the window's sources: no samples
         return f"{value} WHERE 0", ()
     return " UNION ALL ".join(branches), tuple(params)
