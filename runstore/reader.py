@@ -267,9 +267,9 @@ def _window_rows(con: sqlite3.Connection, sql: str, params: tuple, columns: int,
 
 
 def _load_samples(con: sqlite3.Connection, path: Path, rid: int, only: list[str] | None,
-                  scrapes: pd.DataFrame, scrape_ids: np.ndarray | None = None) -> pd.DataFrame:
+                  scrapes: pd.DataFrame, window: bool = False) -> pd.DataFrame:
     """Samples joined to their series and scrape in numpy: SQLite hands over three numbers a row
-    (the joined strings would cost more than the numbers)."""
+    (the joined strings would cost more than the numbers). `window`: `scrapes` are one stretch's (_window_sql)."""
     where, params = "run_id = ?", [rid]
     if only is not None:
         where += f" AND metric IN ({', '.join('?' for _ in only)})"
@@ -279,14 +279,13 @@ def _load_samples(con: sqlite3.Connection, path: Path, rid: int, only: list[str]
         return _no_samples()
     series_ids = np.array([row[0] for row in series], dtype=np.int64)
     ids = ", ".join(str(int(i)) for i in series_ids)
-    if scrape_ids is None:  # through the series ids: the series index (schema.py) then reads only those samples
-        tbl = _arrow(path, "SELECT series_id, scrape_id, CAST(value AS REAL) AS value FROM samples "
-                     f"WHERE run_id = ? AND series_id IN ({ids})", (rid,))
+    if not window:  # through the series ids: the series index (schema.py) then reads only those samples
+        tbl = _arrow(path, f"{_SAMPLE_VALUES} WHERE run_id = ? AND series_id IN ({ids})", (rid,))
         series_id = tbl.column("series_id").to_numpy()
         scrape_id = tbl.column("scrape_id").to_numpy()
         value = tbl.column("value").to_numpy(zero_copy_only=False).astype(float)
     else:  # a window's rows as one float array (ids are exact in a double up to 2**53)
-        rows = _window_rows(con, *_window_sql(con, rid, series, scrapes, scrape_ids, ids), 3, float)
+        rows = _window_rows(con, *_window_sql(con, rid, series, scrapes, ids), 3, float)
         series_id, scrape_id, value = rows[:, 0].astype(np.int64), rows[:, 1].astype(np.int64), rows[:, 2]
     at = _positions(series_ids, series_id)
     pos = _positions(scrapes["id"].to_numpy(), scrape_id)
@@ -318,6 +317,8 @@ def _load_samples(con: sqlite3.Connection, path: Path, rid: int, only: list[str]
     return out.take(order).reset_index(drop=True)
 
 
+# what a read of samples takes of each (whole run or window): three numbers a row
+_SAMPLE_VALUES = "SELECT series_id, scrape_id, CAST(value AS REAL) AS value FROM samples"
 # a window read by series and scrape range (_window_sql) sends one branch per (source, target): past this many (a
 # fleet imported from Prometheus, a target each replica), by scrape as before (SQLite takes at most 500 branches)
 MAX_WINDOW_BRANCHES = 64
@@ -328,7 +329,7 @@ MAX_SPAN_RATIO = 4
 
 
 def _window_sql(con: sqlite3.Connection, rid: int, series: list[tuple], scrapes: pd.DataFrame,
-                scrape_ids: np.ndarray, ids: str) -> tuple[str, tuple]:
+                ids: str) -> tuple[str, tuple]:
     """The query of a window's samples, its cost the window's length, not the run's. Through the covering series
     index (schema.py): each source's series between its first and last scrape of the window, read from the index
     alone. A sample's series names its scrape's source and target (the writers key it so); a source's ids rise with
@@ -336,10 +337,10 @@ def _window_sql(con: sqlite3.Connection, rid: int, series: list[tuple], scrapes:
     out). An hour's window at 20 Hz with 55 other series a scrape: 8 -> 3 ms. Else (a store that keeps samples_run,
     more sources than MAX_WINDOW_BRANCHES, ids out of time order): the window's scrapes by id, each sample looked up
     in the table ("+" keeps the planner off the series index, which would read every sample of those series)."""
-    value = "SELECT series_id, scrape_id, CAST(value AS REAL) AS value FROM samples"
+    scrape = scrapes["id"].to_numpy(dtype=np.int64)
 
     def by_scrape() -> tuple[str, tuple]:
-        return (f"{value} WHERE run_id = ? AND scrape_id IN ({', '.join(map(str, scrape_ids.tolist()))}) "
+        return (f"{_SAMPLE_VALUES} WHERE run_id = ? AND scrape_id IN ({', '.join(map(str, scrape.tolist()))}) "
                 f"AND +series_id IN ({ids})", (rid,))
 
     if not len(scrapes) or "samples_series" not in samples_indexes(con):
@@ -350,7 +351,6 @@ def _window_sql(con: sqlite3.Connection, rid: int, series: list[tuple], scrapes:
     source, sources = pd.factorize(np.asarray(scrapes["source"], dtype=object), use_na_sentinel=False)
     target, targets = pd.factorize(np.asarray(scrapes["target"], dtype=object), use_na_sentinel=False)
     pairs, pair = np.unique(source * len(targets) + target, return_inverse=True)
-    scrape = scrapes["id"].to_numpy(dtype=np.int64)
     lo, hi = np.full(len(pairs), np.iinfo(np.int64).max), np.full(len(pairs), np.iinfo(np.int64).min)
     np.minimum.at(lo, pair, scrape)
     np.maximum.at(hi, pair, scrape)
@@ -360,12 +360,13 @@ def _window_sql(con: sqlite3.Connection, rid: int, series: list[tuple], scrapes:
         if mine:
             if last - first + 1 > MAX_SPAN_RATIO * len(scrapes):
                 return by_scrape()
-            branches.append(f"{value} WHERE series_id IN ({', '.join(mine)}) AND run_id = ? AND scrape_id BETWEEN ? AND ?")
+            branches.append(f"{_SAMPLE_VALUES} WHERE series_id IN ({', '.join(mine)}) AND run_id = ? "
+                            "AND scrape_id BETWEEN ? AND ?")
             params += [rid, first, last]
     if len(branches) > MAX_WINDOW_BRANCHES:
         return by_scrape()
     if not branches:  # no series of the window's sources: no samples
-        return f"{value} WHERE 0", ()
+        return f"{_SAMPLE_VALUES} WHERE 0", ()
     return " UNION ALL ".join(branches), tuple(params)
 
 
@@ -483,8 +484,7 @@ def _load_run(path: str | Path, rid: int, only: list[str] | None,
         events = _frame(con, "SELECT request_id, kind, wall_ns, mono_ns, data FROM events "
                         f"WHERE (run_id = ?{within['events'][0] or ')'} ORDER BY mono_ns", (rid, *within["events"][1]))
         ledger = _frame(con, f"SELECT * FROM ledger WHERE run_id = ?{within['ledger'][0]}", (rid, *within["ledger"][1]))
-        ids = None if span is None else scrapes["id"].to_numpy()
-        samples = _load_samples(con, path, rid, only, scrapes, ids)
+        samples = _load_samples(con, path, rid, only, scrapes, window=span is not None)
     ledger = _with_rows(ledger, extra_ledger, rid)
     for df, col in ((samples, "mono_ns"), (scrapes, "mono_ns"), (gaps, "start_mono_ns"), (events, "mono_ns")):
         df["t_s"] = (df[col] - t0) / 1e9

@@ -20,6 +20,14 @@ def indexes_of(path) -> set[str]:
     return names
 
 
+def narrowed(path, folder):
+    """A copy of the store at `path`, in `folder`/narrow, indexed as a store written before the covering series
+    index (or too big to migrate to it) is."""
+    from cancelwatch.runstore.writer import samples_indexed_as
+
+    return samples_indexed_as(path, NARROW_SAMPLE_INDEXES, folder / "narrow")
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     path = tmp_path_factory.mktemp("window") / "w.db"
@@ -90,10 +98,17 @@ def _window_query(store, monkeypatch, lo: float, hi: float):
     (query, params, own), = [(q, p, o) for q, p, o in sent if "FROM samples" in q]
     # through the reader's own sqlite3 connection, not ADBC (test_windows_read_in_the_recorders_own_process...)
     assert isinstance(own, sqlite3.Connection)
+    return part, _plan(store, query, params)
+
+
+def _plan(store, query: str, params) -> str:
+    """The plan SQLite makes for `query` on `store`."""
+    import sqlite3
+
     with sqlite3.connect(store) as con:
         plan = " ".join(r[3] for r in con.execute("EXPLAIN QUERY PLAN " + query, params))
     con.close()
-    return part, plan
+    return plan
 
 
 def test_a_windows_samples_are_read_from_the_covering_index_by_scrape_range_not_the_whole_run(store, monkeypatch):
@@ -115,19 +130,11 @@ def test_a_windows_samples_are_read_from_the_covering_index_by_scrape_range_not_
 def test_a_store_with_the_narrow_series_index_reads_a_window_by_its_scrapes(tmp_path, monkeypatch):
     """A store too big to migrate keeps samples_run: a window goes by (run, scrape), not by series, whose range
     that index cannot bound."""
-    import shutil
-    import sqlite3
-
-    path = tmp_path / "narrow.db"
-    write_synthetic_run(path, duration_s=60, cancels=3, name="narrow")
-    wide = tmp_path / "wide.db"
-    shutil.copyfile(path, wide)
-    with sqlite3.connect(path) as con:
-        con.executescript("DROP INDEX samples_series; CREATE INDEX samples_run ON samples(run_id, series_id);")
-    con.close()
-    part, plan = _window_query(path, monkeypatch, 20.0, 26.0)
+    written = tmp_path / "w.db"
+    write_synthetic_run(written, duration_s=60, cancels=3, name="narrow")
+    part, plan = _window_query(narrowed(written, tmp_path), monkeypatch, 20.0, 26.0)
     assert "USING INDEX samples_scrape" in plan and "samples_run" not in plan, plan
-    assert part.samples.equals(load_window(wide, "latest", 20.0, 26.0).samples)
+    assert part.samples.equals(load_window(written, "latest", 20.0, 26.0).samples)
 
 
 def _whole_in(path, lo: float, hi: float) -> pd.DataFrame:
@@ -180,8 +187,6 @@ def test_a_fleets_window_and_a_late_written_scrape_read_by_scrape_and_hold_the_s
 
 def test_a_runs_series_read_whole_go_through_the_covering_index(store, monkeypatch):
     """A page or a report reads its series from the index alone (no table row looked up per sample)."""
-    import sqlite3
-
     import cancelwatch.runstore.reader as reader
 
     sent = []
@@ -189,22 +194,17 @@ def test_a_runs_series_read_whole_go_through_the_covering_index(store, monkeypat
     monkeypatch.setattr(reader, "_arrow", lambda path, q, params: sent.append((q, params)) or real(path, q, params))
     load_run(store, "latest")
     (query, params), = [(q, p) for q, p in sent if "FROM samples" in q]
-    with sqlite3.connect(store) as con:
-        plan = " ".join(r[3] for r in con.execute("EXPLAIN QUERY PLAN " + query, params))
+    plan = _plan(store, query, params)
     assert "USING COVERING INDEX samples_series" in plan, plan
 
 
 def test_a_store_with_the_narrow_series_index_gets_the_covering_one_when_written_and_reads_the_same(tmp_path):
-    import sqlite3
-
     from cancelwatch.runstore.writer import open_store
 
-    path = tmp_path / "old.db"
-    write_synthetic_run(path, duration_s=30, cancels=2, name="old")
-    before = load_run(path, "latest").samples
-    with sqlite3.connect(path) as con:  # the indexes of a store written before the covering ones
-        con.executescript("DROP INDEX samples_series; CREATE INDEX samples_run ON samples(run_id, series_id);")
-    con.close()
+    written = tmp_path / "old.db"
+    write_synthetic_run(written, duration_s=30, cancels=2, name="old")
+    before = load_run(written, "latest").samples
+    path = narrowed(written, tmp_path)  # the indexes of a store written before the covering ones
     assert load_run(path, "latest").samples.equals(before)  # read as it stands
     open_store(path).close()
     names = indexes_of(path)
@@ -271,8 +271,6 @@ def test_windows_read_in_the_recorders_own_process_lose_nothing_it_writes(tmp_pa
     assert res.stdout.strip() == "kept 2500 2500 of 2500; errors []", res.stdout + res.stderr[-1000:]
 
 
-
-
 def test_a_store_too_big_to_index_at_once_keeps_its_narrow_series_index_and_reads_the_same(tmp_path, monkeypatch):
     """Building the covering index holds the write lock (about a second a million samples): a bigger store keeps
     samples_run, and a recorder opening it does not wait on the build."""
@@ -280,12 +278,12 @@ def test_a_store_too_big_to_index_at_once_keeps_its_narrow_series_index_and_read
 
     import cancelwatch.runstore.writer as writer
 
-    path = tmp_path / "big.db"
-    write_synthetic_run(path, duration_s=30, cancels=2, name="big")
-    before = load_run(path, "latest").samples
+    written = tmp_path / "big.db"
+    write_synthetic_run(written, duration_s=30, cancels=2, name="big")
+    before = load_run(written, "latest").samples
+    path = narrowed(written, tmp_path)
     with sqlite3.connect(path) as con:
         n = con.execute("SELECT count(*) FROM samples").fetchone()[0]
-        con.executescript("DROP INDEX samples_series; CREATE INDEX samples_run ON samples(run_id, series_id);")
     con.close()
     monkeypatch.setattr(writer, "MIGRATE_MAX_SAMPLES", n - 1)
     writer.open_store(path).close()
