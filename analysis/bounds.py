@@ -26,8 +26,8 @@ LOG_SLACK_S = 0.05
 MATCH_SLACK_S = 0.005
 
 # ------------------------------------------------------------------------------------------ who is in the engine
-# an end the engine made reaches its client this much later through a hop, at the most assumed (and a request
-# sent reaches the engine this much later)
+# an end the engine made reaches its client this much later through a hop, at the most assumed (and a request, or
+# the disconnect that cancels it, sent reaches the engine this much later)
 LAG_S = 0.25
 # a request is counted by the gauges within this long of its Added line (the engine's next step), at the most
 # assumed: on a starved host a step took over half a second

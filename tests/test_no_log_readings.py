@@ -194,3 +194,51 @@ def test_a_request_that_ran_out_is_never_read_as_released_off_a_scrape_answered_
                 answer_s=answer_s)
     v = verdict_of(run)
     assert (v.verdict, v.evidence.rule) == ("inconclusive", "gone_may_have_run_out"), v.evidence.why
+
+
+def _lost_behind_a_hop(*, aborted: bool, late_entry: bool = False):
+    """A target (156 tokens, 80 read) stopped at 2.00 beside a neighbour, behind a hop with no request log. Lost, it
+    runs on and ends by itself at 3.20 with the neighbour, whose client reads that at 3.25; the engine is then idle.
+    `aborted`: the cancel comes through instead, the target leaves at 2.05 and the neighbour ends alone. `late_entry`:
+    a request sent at 1.90, not in the count before the stop, enters and ends by itself at 3.20 too, its tokens held by
+    the hop until then."""
+    gone = 2.03 if aborted else 3.2
+    extra = late_entry and aborted
+
+    def count(t):  # the neighbour from 0.12, the target from 0.55, the newcomer from 2.01
+        return float(0.12 <= t < 3.2) + float(0.55 <= t < gone) + float(extra and 2.01 <= t < 3.2)
+
+    kv = lambda t: 0.1 * count(t)  # noqa: E731
+    finished = lambda t: 0.0 if t < 3.2 else 1.0 + float(not aborted) + float(extra)  # noqa: E731
+    def gen(t):  # 60 tokens a second each: the target's 156 by 3.20 where it runs to its end
+        return 1000 + 60 * (np.clip(t, 0.15, 3.2) - 0.15) + 60 * (np.clip(t, 0.6, gone) - 0.6) \
+            + 60 * (np.clip(t, 2.02, 3.2) - 2.02) * extra
+
+    ledger = [dict(request_id="nb", sent=0.1, first=0.15, closed=3.25, max_tokens=183, chunks=183),
+              dict(TARGET, sent=0.5, first=0.6, closed=2.001, cancel=2.0, max_tokens=156, chunks=80)]
+    if late_entry:
+        ledger.append(dict(request_id="y", sent=1.9, first=3.22, closed=3.25, max_tokens=71, chunks=71))
+    return build(count, kv, gen, finished, ledger, [("tg", 2.0, "decode", 80)], length_s=6)
+
+
+def test_a_lost_cancel_that_ran_to_its_end_is_told_by_the_engines_own_ends_without_the_log():
+    """Both requests the engine held before the stop end by themselves (the own-ends counter rises by two) and the
+    engine is idle after: the target was never aborted, it ran on for nobody and left at its own end. Leaked, with
+    when it was still there and when it had left by; with the abort, the counter rises by the neighbour's end only
+    and the target's leaving reads as a release."""
+    v = verdict_of(_lost_behind_a_hop(aborted=False))
+    assert (v.verdict, v.rule) == ("leaked", "ended_by_itself_after_stop"), v.evidence.why
+    assert v.timepoints["left_scheduler"] == pytest.approx(3.2)
+    assert 1.0 < v.evidence.kept_running_ms / 1000 < 1.2  # the last sample before its end, after the stop
+    assert "no_traffic_beside_the_run" in v.evidence.assumes
+    v = verdict_of(_lost_behind_a_hop(aborted=True))
+    assert v.verdict == "released", (v.rule, v.evidence.why)
+
+
+def test_a_request_that_entered_after_the_stop_and_ended_by_itself_is_not_read_as_the_cancelled_ones_end():
+    """The abort came through and the target left at 2.03; a request sent at 1.90, not yet counted before the stop,
+    entered and ended by itself at 3.20 beside the neighbour, none of its tokens at its client until then (the count
+    cannot tell it from the target). The counter's two ends are as many as the engine held before the stop, but one
+    is the newcomer's: the target's own end is not shown."""
+    v = verdict_of(_lost_behind_a_hop(aborted=True, late_entry=True))
+    assert (v.verdict, v.rule) == ("inconclusive", "gone_may_have_run_out"), (v.rule, v.evidence.why)

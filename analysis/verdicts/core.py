@@ -274,6 +274,13 @@ RULES: dict[str, Rule] = {
                                        "beside it, and its count cannot tell which left at each fall: taking the "
                                        "oldest to go first (as requests of one length do), this one had left by "
                                        "{by_s:.1f} s after the stop"),
+    "ended_by_itself_after_stop": Rule(LEAKED, "the cancel never reached the engine: with no abort known (no engine "
+                                       "log), every request the engine held before the stop ended by itself, this "
+                                       "one among them, by {by_s:.2f} s after it (vllm:request_success_total, "
+                                       "which counts no abort, rose by {ends:.0f}: the {held:.0f} it held and "
+                                       "{entering:.0f} that could have entered since), none of them before a cancel "
+                                       "passed on would have reached it: it was still there {still_s:.2f} s after "
+                                       "the stop and ran to its end for nobody"),
     "no_abort_still_there": Rule(LEAKED, "the cancel never reached the engine: no abort for this request in the "
                                  "engine's log, and it was still in the engine {after_s:.1f} s after the stop"),
     "already_finished_no_log": Rule(INCONCLUSIVE, "the engine had already finished the request before the stop "
@@ -435,7 +442,7 @@ RACE_RULES = frozenset(code for code, r in RULES.items() if r.race)
 # judged before it left the engine before those samples, and without this the window's ledger would hold it
 SEEN_LEAVING = "seen_leaving"
 # the rules whose left_scheduler is when the request had left by, not when it left (others left beside it)
-LEFT_BY_RULES = frozenset({"no_abort_left_among_others", "no_abort_left_oldest_first"})
+LEFT_BY_RULES = frozenset({"no_abort_left_among_others", "no_abort_left_oldest_first", "ended_by_itself_after_stop"})
 # the rules whose left_scheduler rests on an assumption (which lost request a fall took): never told to the
 # cancels judged after it as where the request left (judge_vllm's passes, a watch's windows)
 ASSUMED_LEFT_RULES = frozenset({"no_abort_left_oldest_first"})
@@ -452,6 +459,7 @@ def left_seen_at(v: CancelVerdict) -> float | None:
     return v.timepoints.get("left_scheduler")
 # the rules of a cancel that never reached the engine: its log names no abort of a request it ran on
 LOST_CANCEL_RULES = frozenset({"no_abort_ran_to_end", "no_abort_still_there", "no_abort_left_among_others",
+                               "ended_by_itself_after_stop",
                                "no_abort_left_oldest_first"})
 
 

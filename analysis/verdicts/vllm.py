@@ -347,6 +347,13 @@ def released(c: VllmCase) -> CancelVerdict | None:
     _note_release(c, left, bound[left], int(left - after[0]) + 1)
     ran_out = c.may_have_run_out_by(float(times[left]))
     if ran_out:
+        c.note_race()
+        ended = None if c.ev.race else c.ended_by_itself()
+        if ended is not None:
+            # its own end, with no abort before it: the cancel never reached the engine (a race aside)
+            c.tp["left_scheduler"] = ended.pop("t_left")
+            c.ev.kept_running_ms = round(ended["still_s"] * 1000, 1)
+            return c.verdict("ended_by_itself_after_stop", **ended)
         return c.verdict("gone_may_have_run_out", after_s=float(times[left]) - c.t_stop, tokens=ran_out)
     return c.verdict("released")
 

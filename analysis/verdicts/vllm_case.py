@@ -24,6 +24,10 @@ from cancelwatch.runstore.reader import Run
 from cancelwatch.runstore.records import WATCHED_SCENARIO
 
 
+# the rules, besides the count's readings, that read the engine's counters as the run's requests' alone
+NO_LOG_COUNT_RULES = frozenset({"gone_may_have_run_out", "ended_by_itself_after_stop"})
+
+
 class _Baseline(NamedTuple):
     before: np.ndarray  # per sample of the case's stretch: in the second before the stop
     count_before: float | None  # the server's count at the last of them (Evidence.count_before); None when none
@@ -229,7 +233,7 @@ class VllmCase(Case):
         it and whatever it read first, and the assumptions it rests on."""
         b, ev = self.baseline, self.ev
         ev.count_before, ev.ledger_before, ev.kv_before = b.count_before, b.ledger_before, b.kv_before
-        if rule in COUNT_READING_RULES | {"gone_may_have_run_out"} and not self.englog.names_requests(self.target):
+        if rule in COUNT_READING_RULES | NO_LOG_COUNT_RULES and not self.englog.names_requests(self.target):
             self.assumed.add("no_traffic_beside_the_run")  # a count read with no log to name another's request
         if rule in ASSUMED_LEFT_RULES | {"still_counted_oldest_first"}:
             self.assumed.add("lost_left_oldest_first")
@@ -762,6 +766,43 @@ class VllmCase(Case):
         if not ((shown > t_b) & (shown <= t_at) & ((read_by > t_at) | mine)).any():
             return None
         return tokens_out or "its last tokens (the engine ended requests of its own then that no other's end accounts for)"
+
+    def ended_by_itself(self) -> dict | None:
+        """Where the engine surely ended this request by itself after its stop, with no abort known (no request log):
+        the fields of the verdict that says so, else None. The engine's count at the last sample before the stop holds
+        this request (the engine had not run ahead of its client: the baseline), and its own ends
+        (vllm:request_success_total, which counts no abort) from there to the first sample after the stop at which it
+        held nothing number as many as it held plus the requests that could have entered since (sent, and not yet
+        counted: entering_rows's notion): every one of them left by its own end, this one too. None of them ended
+        before the first sample LAG_S after the stop, so this one's end came after its cancel, passed on, would
+        have reached the engine. A request sent
+        earlier with no token at its client yet was in that count or never came (counted_once_sent)."""
+        if self.ahead or self.t_abort is not None:
+            return None
+        times, fin, count = self.sched["t_s"], self.sched["finished"], self.sched["count"]
+        before = np.nonzero(self.baseline.before & ~np.isnan(fin) & ~np.isnan(count))[0]
+        # a cancel passed on reaches the engine within LAG_S: an end before then may have beaten it (a race)
+        read = np.nonzero(~np.isnan(fin) & (times >= self.t_stop + LAG_S))[0]
+        idle = read[(count[read] == 0) & (times[read] <= self.t_end)]
+        if not len(before) or not len(read) or not len(idle):
+            return None
+        b, a, i = int(before[-1]), int(read[0]), int(idle[0])
+        if fin[a] != fin[b]:
+            return None  # an end between: maybe this one's, before its cancel could have come
+        t_b, t_i, r = float(times[b]), float(times[i]), self.reqs
+        with np.errstate(invalid="ignore"):
+            unseen = (r.ids != self.rid) & (r.sent <= t_i) & (r.first > t_b)
+            entering = unseen & (r.sent + LAG_S + ENTER_S > t_b)
+        ends, held, more = float(fin[i] - fin[b]), float(count[b]), float(r.seqs[entering].sum())
+        if ends < 0.5 or abs(ends - (held + more)) > 1e-9:
+            return None  # some left otherwise (an abort), or the run did not see every request
+        if (unseen & ~entering).any():
+            self.assumed.add("counted_once_sent")
+        # it was still there at the last read before the first of those ends
+        span = read[read <= i]
+        last_without = span[int(np.nonzero(fin[span] > fin[a])[0][0]) - 1]
+        return {"by_s": t_i - self.t_stop, "ends": ends, "held": held, "entering": more,
+                "still_s": float(times[last_without]) - self.t_stop, "t_left": t_i}
 
     @property
     def received(self) -> int:
