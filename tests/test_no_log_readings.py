@@ -230,6 +230,7 @@ def test_a_lost_cancel_that_ran_to_its_end_is_told_by_the_engines_own_ends_witho
     assert (v.verdict, v.rule) == ("leaked", "ended_by_itself_after_stop"), v.evidence.why
     assert v.timepoints["left_scheduler"] == pytest.approx(3.2)
     assert 1.0 < v.evidence.kept_running_ms / 1000 < 1.2  # the last sample before its end, after the stop
+    assert v.evidence.release_ms is None and v.evidence.tokens_after_client_left is not None
     assert "no_traffic_beside_the_run" in v.evidence.assumes
     v = verdict_of(_lost_behind_a_hop(aborted=True))
     assert v.verdict == "released", (v.rule, v.evidence.why)

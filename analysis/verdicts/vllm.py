@@ -338,6 +338,14 @@ def released(c: VllmCase) -> CancelVerdict | None:
     c.tp["left_scheduler"] = float(times[left])
     if times[left] - t_ref > c.grace_s:
         return None
+    ran_out = c.may_have_run_out_by(float(times[left]))
+    if ran_out:
+        c.note_race()
+        ended = None if c.ev.race else c.ended_by_itself()
+        if ended is not None:  # its own end, with no abort before it: the cancel never reached the engine
+            c.tp["left_scheduler"] = ended.pop("t_left")
+            c.ev.kept_running_ms = round(ended["still_s"] * 1000, 1)
+            return c.verdict("ended_by_itself_after_stop", **ended)
     if not below[left] and needs_kv_drop:
         ev.kv_drop_waived = next(name for name, shown in waivers.items() if shown[left])
     if not below[left] and c.others_unseen[left] - c.others_entering[left] > 0.5:
@@ -345,15 +353,7 @@ def released(c: VllmCase) -> CancelVerdict | None:
         # from their send, and KV usage says nothing: a hop holding one of them longer leaves its room to this one
         c.assumed.add("counted_once_sent")
     _note_release(c, left, bound[left], int(left - after[0]) + 1)
-    ran_out = c.may_have_run_out_by(float(times[left]))
     if ran_out:
-        c.note_race()
-        ended = None if c.ev.race else c.ended_by_itself()
-        if ended is not None:
-            # its own end, with no abort before it: the cancel never reached the engine (a race aside)
-            c.tp["left_scheduler"] = ended.pop("t_left")
-            c.ev.kept_running_ms = round(ended["still_s"] * 1000, 1)
-            return c.verdict("ended_by_itself_after_stop", **ended)
         return c.verdict("gone_may_have_run_out", after_s=float(times[left]) - c.t_stop, tokens=ran_out)
     return c.verdict("released")
 
