@@ -15,6 +15,7 @@ import pytest
 
 from cancelwatch.analysis.verdicts import judge_run
 from cancelwatch.runstore.reader import Run
+from cancelwatch.runstore.records import WATCHED_SCENARIO
 
 T0 = 1_000_000_000_000
 
@@ -243,3 +244,89 @@ def test_a_request_that_entered_after_the_stop_and_ended_by_itself_is_not_read_a
     is the newcomer's: the target's own end is not shown."""
     v = verdict_of(_lost_behind_a_hop(aborted=True, late_entry=True))
     assert (v.verdict, v.rule) == ("inconclusive", "gone_may_have_run_out"), (v.rule, v.evidence.why)
+
+
+def _aborted_beside(count, finished, gen, ledger, **kw):
+    """A run of the template's shape whose target the abort took out at 2.03 (its own end never counted)."""
+    base = [dict(request_id="nb", sent=0.1, first=0.15, closed=3.25, max_tokens=183, chunks=183),
+            dict(TARGET, sent=0.5, first=0.6, closed=2.001, cancel=2.0, max_tokens=156, chunks=80)]
+    return build(count, lambda t: 0.1 * count(t), gen, finished, base + ledger, [("tg", 2.0, "decode", 80)],
+                 length_s=6, **kw)
+
+
+def _watched_batch():
+    """A watched request sent at 2.50 (its row's n unread: a batch of two prompts) enters as two engine requests that
+    end by themselves at 3.00; the neighbour ends at 3.20. Three ends: as many as the two held plus one entering."""
+    count = lambda t: float(0.12 <= t < 3.2) + float(0.55 <= t < 2.03) + 2 * float(2.55 <= t < 3.0)  # noqa: E731
+    finished = lambda t: 2 * float(t >= 3.0) + float(t >= 3.2)  # noqa: E731
+    gen = lambda t: 1000 + 60 * (np.clip(t, 0.15, 3.2) + np.clip(t, 0.6, 2.03) + 2 * np.clip(t, 2.55, 3.0))  # noqa
+    run = _aborted_beside(count, finished, gen, [dict(request_id="w", sent=2.5, first=2.6, closed=3.02, chunks=54)])
+    run.ledger["scenario"] = WATCHED_SCENARIO
+    run.ledger.loc[run.ledger["request_id"] == "w", "n"] = math.nan
+    run.events["data"] = [json.dumps({**json.loads(d), "scenario": WATCHED_SCENARIO}) for d in run.events["data"]]
+    return run
+
+
+def _short_one_inside_a_late_answer():
+    """Every scrape answered 50 ms after its stamp. A request sent at 1.90 enters and ends by itself at 3.18 with the
+    neighbour; a 2-token one sent at 3.16, after the first idle read's stamp and before its answer, is in and out
+    by then: its end is in that read."""
+    lag = 0.05
+
+    def at(f):
+        return lambda t: f(t + lag)
+
+    count = at(lambda t: float(0.12 <= t < 3.18) + float(0.55 <= t < 2.03) + float(2.01 <= t < 3.18)
+               + float(3.175 <= t < 3.195))
+    finished = at(lambda t: 2.0 * float(t >= 3.18) + float(t >= 3.195))
+    gen = at(lambda t: 1000 + 60 * (np.clip(t, 0.15, 3.18) + np.clip(t, 0.6, 2.03) + np.clip(t, 2.02, 3.18))
+             + 2 * float(t >= 3.195))
+    return _aborted_beside(count, finished, gen, [
+        dict(request_id="y", sent=1.9, first=3.22, closed=3.25, max_tokens=71, chunks=71),
+        dict(request_id="z", sent=3.16, first=3.197, closed=3.199, max_tokens=2, chunks=2)], answer_s=lag)
+
+
+def _ran_ahead_with_the_counter_unread_before_the_stop():
+    """The target ran out in the engine at 1.80 while a hop still fed its client (60 of its 72 tokens by the 2.00
+    stop); a request sent at 1.92, its tokens held by the hop, fills its place in the count at the 1.95 sample, whose
+    read lacks the own-ends counter. Both end by themselves at 3.20 with the neighbour."""
+    count = lambda t: float(0.12 <= t < 3.2) + float(0.55 <= t < 1.8) + float(1.93 <= t < 3.2)  # noqa: E731
+    finished = lambda t: math.nan if abs(t - 1.95) < 1e-6 else float(t >= 1.8) + 2.0 * float(t >= 3.2)  # noqa
+    gen = lambda t: 1000 + 60 * (np.clip(t, 0.15, 3.2) + np.clip(t, 0.6, 1.8) + np.clip(t, 1.94, 3.2))  # noqa
+    ledger = [dict(request_id="nb", sent=0.1, first=0.15, closed=3.25, max_tokens=183, chunks=183),
+              dict(TARGET, sent=0.5, first=0.6, closed=2.001, cancel=2.0, max_tokens=72, chunks=60),
+              dict(request_id="e", sent=1.92, first=3.22, closed=3.25, max_tokens=76, chunks=76)]
+    return build(count, lambda t: 0.1 * count(t), gen, finished, ledger, [("tg", 2.0, "decode", 60)], length_s=6)
+
+
+def _api_server_stalled_across_the_stop():
+    """The API server's loop (its metrics, its counts, its disconnects) stalls from 1.85 to 2.33; the engine core
+    runs the target to its end at 2.05, 50 ms after the stop, and the backlog counts that end as its own before the
+    disconnect is handled. The scrapes stamped in the stall are answered at 2.32 with the figures of 1.85."""
+    def seen(t):
+        return 1.85 if 1.85 <= t < 2.33 else t
+
+    count = lambda t: float(0.12 <= seen(t) < 3.2) + float(0.55 <= seen(t) < 2.05)  # noqa: E731
+    finished = lambda t: float(seen(t) >= 2.05) + float(seen(t) >= 3.2)  # noqa: E731
+    gen = lambda t: 1000 + 60 * (np.clip(seen(t), 0.15, 3.2) + np.clip(seen(t), 0.6, 2.05))  # noqa: E731
+    ledger = [dict(request_id="nb", sent=0.1, first=0.15, closed=3.25, max_tokens=200, chunks=200),
+              dict(TARGET, sent=0.5, first=0.6, closed=2.001, cancel=2.0, max_tokens=87, chunks=75)]
+    run = build(count, lambda t: 0.1 * count(t), gen, finished, ledger, [("tg", 2.0, "decode", 75)], length_s=6)
+    times = np.round(np.arange(0, 6, 1 / 20), 6)
+    run.scrapes = pd.DataFrame({"source": "vllm", "target": "t0", "ok": 1, "mono_ns": [ns(t) for t in times],
+                                "n_samples": 5, "t_s": times,
+                                "duration_ns": [int(1e9 * (2.32 - t)) if 1.85 <= t < 2.33 else 1_000_000
+                                                for t in times]})
+    return run
+
+
+@pytest.mark.parametrize("case", [_watched_batch, _short_one_inside_a_late_answer,
+                                  _ran_ahead_with_the_counter_unread_before_the_stop, _api_server_stalled_across_the_stop],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_the_engines_own_ends_read_as_a_lost_cancel_only_where_they_cannot_be_anothers(case):
+    """A review's counterexamples, each a cancel that reached the engine in time (or a request that had run out before
+    it could) where the own ends numbered what the engine held plus what could have entered: a watched row standing
+    for two engine requests, an end inside a late answer from a request sent after the read's stamp, a baseline read
+    at another sample than the counter's, an API server whose figures froze across the stop. None is leaked."""
+    v = verdict_of(case())
+    assert v.rule != "ended_by_itself_after_stop" and v.verdict != "leaked", (v.rule, v.evidence.why)

@@ -769,30 +769,39 @@ class VllmCase(Case):
 
     def ended_by_itself(self) -> dict | None:
         """Where the engine surely ended this request by itself after its stop, with no abort known (no request log):
-        the fields of the verdict that says so, else None. The engine's count at the last sample before the stop holds
-        this request (the engine had not run ahead of its client: the baseline), and its own ends
-        (vllm:request_success_total, which counts no abort) from there to the first sample after the stop at which it
-        held nothing number as many as it held plus the requests that could have entered since (sent, and not yet
-        counted: entering_rows's notion): every one of them left by its own end, this one too. None of them ended
-        before the first sample LAG_S after the stop, so this one's end came after its cancel, passed on, would
-        have reached the engine. A request sent
-        earlier with no token at its client yet was in that count or never came (counted_once_sent)."""
+        the fields of the verdict that says so, else None. The engine's count at the baseline's last sample holds
+        this request (the engine had not run ahead of its client there), and its own ends (vllm:request_success_total,
+        which counts no abort) from that sample to the first after the stop at which it held nothing number as many
+        as it held plus the requests that could have entered since (sent by that read's answer, and not yet counted:
+        entering_rows's notion): every one of them left by its own end, this one too. None of them ended before the
+        first sample LAG_S after the stop, so this one's end came after its cancel, passed on, would have reached the
+        engine. A request sent earlier with no token at its client yet was in that count or never came
+        (counted_once_sent). Said only where the server's view moved on past the stop: every read from the baseline to
+        that sample answered within LAG_S and the generation counter risen (an API server that stalls serves its
+        metrics, counts its ends and handles disconnects on one loop: its frozen figures would show no end where the
+        engine had one), and only where the ledger knows how many engine requests each entering request is (the
+        driver's: a watched row may stand for a batch of prompts)."""
         if self.ahead or self.t_abort is not None:
             return None
-        times, fin, count = self.sched["t_s"], self.sched["finished"], self.sched["count"]
-        before = np.nonzero(self.baseline.before & ~np.isnan(fin) & ~np.isnan(count))[0]
+        times, fin, count, gen = (self.sched[k] for k in ("t_s", "finished", "count", "gen_tokens"))
+        spans = self.sched["scrape_s"]
+        before = np.nonzero(self.baseline.before)[0]
         # a cancel passed on reaches the engine within LAG_S: an end before then may have beaten it (a race)
         read = np.nonzero(~np.isnan(fin) & (times >= self.t_stop + LAG_S))[0]
         idle = read[(count[read] == 0) & (times[read] <= self.t_end)]
         if not len(before) or not len(read) or not len(idle):
             return None
-        b, a, i = int(before[-1]), int(read[0]), int(idle[0])
-        if fin[a] != fin[b]:
+        b, a, i = int(before[-1]), int(read[0]), int(idle[0])  # b: the sample `ahead` was read at
+        if np.isnan(fin[b]) or np.isnan(count[b]) or fin[a] != fin[b]:
             return None  # an end between: maybe this one's, before its cancel could have come
+        if not gen[a] > gen[b] or (spans[b:a + 1] > LAG_S).any():
+            return None
         t_b, t_i, r = float(times[b]), float(times[i]), self.reqs
         with np.errstate(invalid="ignore"):
-            unseen = (r.ids != self.rid) & (r.sent <= t_i) & (r.first > t_b)
+            unseen = (r.ids != self.rid) & (r.sent <= t_i + float(spans[i])) & (r.first > t_b)
             entering = unseen & (r.sent + LAG_S + ENTER_S > t_b)
+        if (entering & (r.scenario == WATCHED_SCENARIO)).any():
+            return None
         ends, held, more = float(fin[i] - fin[b]), float(count[b]), float(r.seqs[entering].sum())
         if ends < 0.5 or abs(ends - (held + more)) > 1e-9:
             return None  # some left otherwise (an abort), or the run did not see every request
