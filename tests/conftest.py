@@ -43,9 +43,13 @@ def pytest_sessionstart(session):
 
 # Fixtures that start (or stand for) the embedded engine: a test using any of them, directly or through
 # another fixture, is marked `engine`, so `-m "not engine"` never starts one.
-ENGINE_FIXTURES = frozenset({"engine", "private_engine", "engine_home", "proxy_and_direct_runs"})
+ENGINE_FIXTURES = frozenset({"engine", "private_engine", "engine_home", "proxy_and_direct_runs", "demo"})
 # the same for the embedded Triton (marked `triton`)
 TRITON_FIXTURES = frozenset({"triton", "triton_home", "triton_run"})
+
+
+# the test that ends `make demo` (the `demo` fixture) with Ctrl-C: the last of those that read it
+DEMO_ENDS = "test_ctrl_c_ends_the_demo_and_its_engine"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -55,6 +59,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.engine)
         if TRITON_FIXTURES & names:
             item.add_marker(pytest.mark.triton)
+    # the tests on `make demo` run one after another, where the first of them stands, the one that ends it last: its
+    # engine and page stay up from the first to the last, and nothing else runs beside them meanwhile
+    on_demo = [item for item in items if "demo" in getattr(item, "fixturenames", ())]
+    if on_demo:
+        block = [i for i in on_demo if i.name != DEMO_ENDS] + [i for i in on_demo if i.name == DEMO_ENDS]
+        taken = {id(i) for i in on_demo}
+        at = items.index(on_demo[0])
+        rest = [i for i in items if id(i) not in taken]
+        before = sum(1 for i in items[:at] if id(i) not in taken)
+        items[:] = rest[:before] + block + rest[before:]
 
 
 _current = {"engine": False, "triton": False, "nodeid": ""}
@@ -155,6 +169,34 @@ def engine(engine_home):
     yield state
     left = _stop_engine(engine_home, state)
     assert not left, f"engine down left processes behind: {left}"
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory):
+    """`make demo` to its page, as the README has it: the engine up, the load and its sampling run, the default suite
+    (`record --scenario default`, the run tests/test_cancels_engine.py reads), the page (the engine stays up for the
+    page's record form). Ended with Ctrl-C by tests/test_readme_commands_engine.py (DEMO_ENDS), the last of the
+    tests on it (pytest_collection_modifyitems keeps them together)."""
+    from tests.test_readme_commands_engine import DEMO_DEADLINE_S, ctrl_c, start_make, wait_page
+
+    folder = tmp_path_factory.mktemp("demo")
+    home, runs = folder / "home", folder / "runs"
+    port, page_port = free_port(), free_port()
+    env = {"CANCELWATCH_HOME": str(home), "CANCELWATCH_STORE_DIR": str(runs)}
+    proc, lines = start_make("demo", {"PORT": str(port), "DASHBOARD_PORT": str(page_port),
+                                      "STORE": str(runs / "cancelwatch.db")}, env)
+    t0 = time.monotonic()
+    try:
+        m = lines.wait_for(r"dashboard: (http://127\.0\.0\.1:\d+/\S+)", proc, DEMO_DEADLINE_S, "make demo")
+        state = lifecycle.read_state(home, port)
+        assert state is not None, lines.text()[-3000:]
+        wait_page(page_port, proc, lines, "make demo")
+        print(f"make demo: page up after {time.monotonic() - t0:.0f} s")
+        yield {"proc": proc, "lines": lines, "url": m.group(1), "folder": folder, "home": home, "runs": runs,
+               "port": port, "page_port": page_port, "state": state, "env": env, "started": t0}
+    finally:
+        if proc.poll() is None:
+            ctrl_c(proc, lines)
 
 
 @pytest.fixture

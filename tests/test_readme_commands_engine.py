@@ -126,30 +126,7 @@ def alive(pid: int) -> bool:
 
 
 # --- make demo, then the commands that run on what it recorded --------------------------------------------
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    """`make demo` to its page: the engine up, the load and its sampling run, the default suite, the page
-    (the engine stays up for the page's record form). Ended with Ctrl-C by the last test of the module."""
-    folder = tmp_path_factory.mktemp("demo")
-    home, runs = folder / "home", folder / "runs"
-    port, page_port = free_port(), free_port()
-    env = {"CANCELWATCH_HOME": str(home), "CANCELWATCH_STORE_DIR": str(runs)}
-    proc, lines = start_make("demo", {"PORT": str(port), "DASHBOARD_PORT": str(page_port),
-                                      "STORE": str(runs / "cancelwatch.db")}, env)
-    t0 = time.monotonic()
-    try:
-        m = lines.wait_for(r"dashboard: (http://127\.0\.0\.1:\d+/\S+)", proc, DEMO_DEADLINE_S, "make demo")
-        state = read_state(home, port)
-        assert state is not None, lines.text()[-3000:]
-        wait_page(page_port, proc, lines, "make demo")
-        print(f"make demo: page up after {time.monotonic() - t0:.0f} s")
-        yield {"proc": proc, "lines": lines, "url": m.group(1), "folder": folder, "home": home, "runs": runs,
-               "port": port, "page_port": page_port, "state": state, "env": env}
-    finally:
-        if proc.poll() is None:
-            ctrl_c(proc, lines)
-
+# (the `demo` fixture is the session's, in tests/conftest.py: tests/test_cancels_engine.py reads its default suite)
 
 @pytest.mark.engine
 @pytest.mark.browser
