@@ -65,10 +65,9 @@ def pytest_collection_modifyitems(config, items):
     if on_demo:
         block = [i for i in on_demo if i.name != DEMO_ENDS] + [i for i in on_demo if i.name == DEMO_ENDS]
         taken = {id(i) for i in on_demo}
-        at = items.index(on_demo[0])
+        at = items.index(on_demo[0])  # no test before it reads the demo
         rest = [i for i in items if id(i) not in taken]
-        before = sum(1 for i in items[:at] if id(i) not in taken)
-        items[:] = rest[:before] + block + rest[before:]
+        items[:] = rest[:at] + block + rest[at:]
 
 
 _current = {"engine": False, "triton": False, "nodeid": ""}
@@ -193,7 +192,7 @@ def demo(tmp_path_factory):
         wait_page(page_port, proc, lines, "make demo")
         print(f"make demo: page up after {time.monotonic() - t0:.0f} s")
         yield {"proc": proc, "lines": lines, "url": m.group(1), "folder": folder, "home": home, "runs": runs,
-               "port": port, "page_port": page_port, "state": state, "env": env, "started": t0}
+               "port": port, "page_port": page_port, "state": state, "env": env}
     finally:
         if proc.poll() is None:
             ctrl_c(proc, lines)

@@ -1,6 +1,7 @@
 """Scripted cancels against the real embedded engine, the default suite as `make demo` records it: every built-in
-scenario releases, and the run records what it did on the way. Every built-in scenario through a proxy that never passes the disconnect on is a corpus
-run (tests/corpus/: proxy_log, proxy_default), each cancel known leaked by construction."""
+scenario releases, and the run records what it did on the way. Every built-in scenario through a proxy that never
+passes the disconnect on is a corpus run (tests/corpus/: proxy_log, proxy_default), each cancel known leaked by
+construction."""
 
 from __future__ import annotations
 
@@ -37,9 +38,7 @@ def default_run(demo, default_store):
     rep = cli("report", str(run_id), "--json", "--store", str(default_store))
     run = load_run(default_store, run_id)
     res = subprocess.CompletedProcess(["make", "demo"], rep.returncode, stdout=demo["lines"].text(), stderr="")
-    elapsed = (run.info["ended_wall_ns"] - run.info["started_wall_ns"]) / 1e9
-    print(f"default suite: {elapsed:.1f} s")
-    return res, json.loads(rep.stdout), run, elapsed, rep
+    return res, json.loads(rep.stdout), run, rep
 
 
 def by_scenario(doc, name):
@@ -124,7 +123,7 @@ def diagnose(doc, run) -> str:
 
 def test_every_builtin_scenario_is_released(default_run, demo):
 
-    res, doc, run, elapsed, rep = default_run
+    res, doc, run, rep = default_run
     odd = [c["request_id"] for c in assert_recorded(res, doc, run)]
     # the report is of this run, driven at the engine, and its sampling table counts the run's own scrapes
     assert doc["run_id"] == run.id and doc["target"] == demo["state"].url
@@ -172,7 +171,7 @@ def test_record_judges_each_cancel_live_on_its_window_as_the_report_judges_the_w
     from cancelwatch.analysis.watching import window_of
     from cancelwatch.runstore.reader import load_verdicts
 
-    res, doc, run, elapsed, rep = default_run
+    res, doc, run, rep = default_run
     live = usable(load_verdicts(default_store, run.id))
     ev = run.events
     last_end = ev[ev["kind"] == "scenario_end"]["t_s"].max()
@@ -190,7 +189,7 @@ def test_record_judges_each_cancel_live_on_its_window_as_the_report_judges_the_w
 
 
 def test_queued_cancel_drops_waiting_not_running_or_kv(default_run):
-    _, doc, run, _, _ = default_run
+    _, doc, run, _ = default_run
     (c,) = by_scenario(doc, "queued")
     assert c["phase_at_cancel"] == "queued"
     sched = scheduler_frame(run, "t0")
@@ -205,7 +204,7 @@ def test_queued_cancel_drops_waiting_not_running_or_kv(default_run):
 
 
 def test_decode_kv_drop_within_two_sample_periods(default_run):
-    _, doc, run, _, _ = default_run
+    _, doc, run, _ = default_run
     (c,) = by_scenario(doc, "decode")
     tp, ev = c["timepoints"], c["evidence"]
     period = 1 / run.info["settings"]["hz"]
@@ -223,7 +222,7 @@ def test_decode_kv_drop_within_two_sample_periods(default_run):
 
 
 def test_resubmit_shows_prefix_cache_hits_rising(default_run):
-    _, doc, run, _, _ = default_run
+    _, doc, run, _ = default_run
     (c,) = by_scenario(doc, "resubmit")
     hits = series_frame(run, "prefix_cache_hits_tokens_total").sort_values("t_s")
     ledger = run.ledger
@@ -236,7 +235,7 @@ def test_resubmit_shows_prefix_cache_hits_rising(default_run):
 
 
 def test_race_ledger_says_which_terminal_state_won(default_run):
-    _, doc, run, _, _ = default_run
+    _, doc, run, _ = default_run
     (c,) = by_scenario(doc, "race")
     row = run.ledger.set_index("request_id").loc[c["request_id"]]
     assert row["terminal_state"] in ("completed", "cancelled")
@@ -252,7 +251,7 @@ def test_default_suite_run_spans_its_scenarios_in_order(default_run):
     the other; the run (as the store has it) holds them all, and every cancel lies inside its scenario.
     The suite's wall time is printed for the closing note (a benchmark figure, <= 180 s, not a gate)."""
 
-    res, doc, run, elapsed, _ = default_run
+    res, doc, run, _ = default_run
     assert_recorded(res, doc, run)
     ev = run.events[run.events["kind"].isin(["scenario_start", "scenario_end"])]
     marks = [(kind, json.loads(data)["scenario"], json.loads(data)["repeat"])
@@ -292,7 +291,7 @@ def test_a_proxy_that_keeps_reading_leaks_and_direct_releases(proxy_and_direct_r
 
 def test_inproc_through_the_relay_app_is_released(default_run):
     """The default suite's inproc scenario: record started the relay app (AsyncLLM in process) itself."""
-    res, doc, run, _, _ = default_run
+    res, doc, run, _ = default_run
     (c,) = by_scenario(doc, "inproc")
     assert c["verdict"] == "released", c
     assert c["evidence"]["metrics_target"] == "relay"
@@ -309,7 +308,7 @@ def test_the_chunks_each_engines_clients_got_are_counted_as_the_ledger_has_them(
     """record counts the content chunks its clients read, per engine (client_chunks_total, source `clients`): the
     relay app's clients apart from the target's. By the run's end each count is the ledger's chunks of the requests
     sent to that engine, and it never goes back."""
-    _, _, run, _, _ = default_run
+    _, _, run, _ = default_run
     relay = {s.name for s in resolve("default") if s.via_relay}
     ledger = run.ledger
     to_relay = ledger["scenario"].isin(relay)

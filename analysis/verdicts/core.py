@@ -413,6 +413,9 @@ ASSUMPTIONS = {
 # no_traffic_beside_the_run
 TRAFFIC_RULES = frozenset({"other_traffic_logged", "other_traffic_counted", "released_beside_traffic",
                            "no_abort_beside_traffic"})
+# the rules, besides the count's readings, that read the engine's counters as the run's requests' alone (no log to
+# name another's request)
+NO_LOG_COUNT_RULES = frozenset({"gone_may_have_run_out", "ended_by_itself_after_stop"})
 
 
 def run_assumptions(verdicts: list, traffic_beyond: str | None = None) -> list[dict]:
@@ -459,8 +462,7 @@ def left_seen_at(v: CancelVerdict) -> float | None:
     return v.timepoints.get("left_scheduler")
 # the rules of a cancel that never reached the engine: its log names no abort of a request it ran on
 LOST_CANCEL_RULES = frozenset({"no_abort_ran_to_end", "no_abort_still_there", "no_abort_left_among_others",
-                               "ended_by_itself_after_stop",
-                               "no_abort_left_oldest_first"})
+                               "no_abort_left_oldest_first", "ended_by_itself_after_stop"})
 
 
 # ------------------------------------------------------------------------------------------ the ladder

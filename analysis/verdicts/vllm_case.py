@@ -14,7 +14,8 @@ import pandas as pd
 from cancelwatch.analysis.bounds import BEFORE_S, ENTER_S, LAG_S, PACE_MARGIN, READ_BACK_S
 from cancelwatch.analysis.evidence import Evidence
 from cancelwatch.analysis.verdicts.core import (
-    ASSUMED_LEFT_RULES, COUNT_READING_RULES, HORIZON_S, LOG_SLACK_S, NO_APP, NO_LOG, RACE_TOKENS, CancelVerdict,
+    ASSUMED_LEFT_RULES, COUNT_READING_RULES, HORIZON_S, LOG_SLACK_S, NO_APP, NO_LOG, NO_LOG_COUNT_RULES, RACE_TOKENS,
+    CancelVerdict,
     Case, engine_log_state, first_probe_s
 )
 from cancelwatch.analysis.verdicts.requests import Requests, in_between, sum_through, weighted_between
@@ -22,10 +23,6 @@ from cancelwatch.analysis.verdicts.vllm_frames import _Frame, _pool_blocks, _set
 from cancelwatch.analysis.verdicts.vllm_log import _EngineLog, _Gaps, _gaps_over, _log_holes, _outage_end
 from cancelwatch.runstore.reader import Run
 from cancelwatch.runstore.records import WATCHED_SCENARIO
-
-
-# the rules, besides the count's readings, that read the engine's counters as the run's requests' alone
-NO_LOG_COUNT_RULES = frozenset({"gone_may_have_run_out", "ended_by_itself_after_stop"})
 
 
 class _Baseline(NamedTuple):
