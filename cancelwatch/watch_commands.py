@@ -331,6 +331,7 @@ def watch(
             t.close()
         raise fail(str(exc)) from None
     finally:
+        judge.close()
         if server is not None:
             server.shutdown()
     said = ", ".join(f"{n} {k}" for k, n in sorted(judge.counts.items())) or "none judged"

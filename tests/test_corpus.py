@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from cancelwatch.analysis.facts import VERDICT_METRICS
 from cancelwatch.analysis.verdicts.core import COUNT_READING_RULES
 from tests.corpus.check import Judged, compare, counts, judge_corpus, table
 from tests.corpus.manifest import CONSTRUCTION, REVIEWED, TRUTHS, load_manifest
@@ -35,6 +36,14 @@ def test_every_corpus_run_is_judged_as_the_manifest_says(manifest, judged):
     print(f"corpus: {outcome.judged} cancels judged in {seconds:.1f} s")
     assert outcome.ok, "\n" + table(outcome) + "\n(python -m tests.corpus.check --bless keeps them, once read)"
     assert seconds < 60, f"the corpus check took {seconds:.0f} s: at most a minute"
+
+
+def test_the_series_the_verdicts_read_are_all_they_need(manifest, judged, tmp_path_factory):
+    """A window judged on its own (the live judge's, a long run's) reads only VERDICT_METRICS: every corpus cancel
+    judged on those series alone gets what it gets with every series the run recorded."""
+    narrow = judge_corpus(tmp_path_factory.mktemp("narrow"), manifest, metrics=VERDICT_METRICS)
+    assert len(narrow) == len(judged[0]) > 0
+    assert [dataclasses.astuple(j) for j in narrow] == [dataclasses.astuple(j) for j in judged[0]]
 
 
 def test_every_verdict_that_rests_on_the_count_carries_its_reading(judged):

@@ -264,6 +264,16 @@ def test_no_function_of_analysis_or_collectors_is_80_lines_long():
     assert long_ones == []
 
 
+VERDICT_FUNCTION_LINES = 60  # the rules read as the model and its causes: each step of a verdict has a name
+
+
+def test_no_function_of_the_verdict_rules_is_over_60_lines():
+    rules = sorted(ROOT.joinpath("analysis", "verdicts").rglob("*.py"))
+    long_ones = [f"{p.relative_to(ROOT)}:{name} ({n} lines)" for p in rules for n, name in function_lengths(p)
+                 if n > VERDICT_FUNCTION_LINES]
+    assert long_ones == []
+
+
 def test_a_nested_function_counts_on_its_own(tmp_path):
     body = "\n".join(f"    x{i} = {i}" for i in range(50))
     inner = "\n".join(f"        y{i} = {i}" for i in range(50))

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 import cancelwatch.analysis.long_runs as long_runs
-from cancelwatch.analysis.facts import VIEW_METRICS
+from cancelwatch.analysis.facts import VERDICT_METRICS, VIEW_METRICS
 from cancelwatch.analysis.long_runs import is_long, long_run_verdicts, stops
 from cancelwatch.analysis.summary import sampling_stats
 from cancelwatch.analysis.verdicts import judge_run
@@ -452,4 +452,4 @@ def test_the_notebooks_read_a_long_run_as_the_report_and_the_page_do(day, tmp_pa
     (got,) = review.open_runs(str(path), rid)
     assert "overview" in got.run.info
     assert [json.dumps(v.as_json(), sort_keys=True) for v in got.verdicts] == whole
-    assert len(read) >= 30 and set(read) == {VIEW_METRICS}
+    assert len(read) >= 30 and set(read) == {VERDICT_METRICS}

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from bench.synthetic import write_synthetic_run
-from cancelwatch.runstore.reader import load_run, load_window
+from cancelwatch.runstore.reader import WindowReader, load_run, load_window
 from cancelwatch.runstore.schema import NARROW_SAMPLE_INDEXES, samples_indexes
 
 
@@ -215,7 +215,8 @@ def test_a_store_with_the_narrow_series_index_gets_the_covering_one_when_written
 
 def write_while_reading_windows(path: str, n: int = 2500) -> None:
     """A recorder's writer taking scrapes and events at ~400 a second while a thread of the same process
-    reads windows of the run, as the watch's live judge does; prints what the store holds after."""
+    reads windows of the run on one connection held throughout, as the watch's live judge does; prints what the
+    store holds after, and what that connection read of the run's last second once the writer was done."""
     import threading
     import time
 
@@ -227,12 +228,13 @@ def write_while_reading_windows(path: str, n: int = 2500) -> None:
     rid = create_run(con, name="w", targets=[{"label": "t0", "url": "http://127.0.0.1:1"}], engine={}, settings={},
                      wall_ns=time.time_ns(), mono_ns=t0)
     writer, stop, errors = StoreWriter(con, rid), threading.Event(), []
+    windows = WindowReader(path)
 
     def judge():
         while not stop.is_set():
             now = (time.monotonic_ns() - t0) / 1e9
             try:
-                load_window(path, rid, max(0.0, now - 3.0), now)
+                windows(rid, max(0.0, now - 3.0), now)
             except Exception as exc:  # noqa: BLE001 - said below, with what was kept
                 errors.append(type(exc).__name__)
 
@@ -252,7 +254,11 @@ def write_while_reading_windows(path: str, n: int = 2500) -> None:
         errors.append(str(exc)[:120])
     con.close()
     run = load_run(path, rid)
+    end = float(run.scrapes["t_s"].max())
+    last = windows(rid, end - 1.0, end)  # the held connection reads what was written since it opened
+    windows.close()
     print(f"kept {len(run.events)} {len(run.scrapes)} of {n}; errors {errors[:3]}")
+    print(f"last second {len(last.scrapes)} of {int((run.scrapes['t_s'] >= end - 1.0).sum())}")
 
 
 def test_windows_read_in_the_recorders_own_process_lose_nothing_it_writes(tmp_path):
@@ -268,7 +274,10 @@ def test_windows_read_in_the_recorders_own_process_lose_nothing_it_writes(tmp_pa
     res = subprocess.run([sys.executable, "-c", "import sys; from tests.test_window import write_while_reading_windows "
                           "as w; w(sys.argv[1])", str(path)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.strip() == "kept 2500 2500 of 2500; errors []", res.stdout + res.stderr[-1000:]
+    kept, last = res.stdout.strip().splitlines()
+    assert kept == "kept 2500 2500 of 2500; errors []", res.stdout + res.stderr[-1000:]
+    seen, of = (int(x) for x in last.removeprefix("last second ").split(" of "))
+    assert seen == of > 0, last
 
 
 def test_a_store_too_big_to_index_at_once_keeps_its_narrow_series_index_and_reads_the_same(tmp_path, monkeypatch):
@@ -307,3 +316,37 @@ def test_a_store_copied_with_another_schemas_sample_indexes_holds_the_same_rows(
     names = indexes_of(copy)
     assert names == {"samples_run", "samples_scrape"}
     assert load_run(copy, "latest").samples.equals(load_run(store, "latest").samples)
+
+
+def test_a_window_reader_closed_while_it_reads_closes_its_connection_as_the_read_ends(store, monkeypatch):
+    """The live judge reads in a worker thread; the run it judges can end (Ctrl-C) while a read is under way. Its
+    connection is closed as that read ends, not under it, and later reads still answer."""
+    import threading
+
+    import cancelwatch.runstore.reader as reader
+
+    windows, real = WindowReader(store), reader.load_window
+    reading, go = threading.Event(), threading.Event()
+
+    def slow(*args, **kwargs):
+        run = real(*args, **kwargs)
+        reading.set()
+        go.wait(10)
+        return run
+
+    first = windows("latest", 40.0, 42.0)
+    held = windows.connection()
+    monkeypatch.setattr(reader, "load_window", slow)
+    got = []
+    t = threading.Thread(target=lambda: got.append(windows("latest", 40.0, 42.0)))
+    t.start()
+    assert reading.wait(10)
+    windows.close()
+    held.execute("SELECT 1").fetchall()  # still open under the read
+    go.set()
+    t.join(10)
+    assert len(got[0].scrapes) == len(first.scrapes) > 0
+    with pytest.raises(Exception, match="closed"):
+        held.execute("SELECT 1")
+    monkeypatch.setattr(reader, "load_window", real)
+    assert len(windows("latest", 40.0, 42.0).scrapes) == len(first.scrapes)

@@ -62,8 +62,8 @@ class LogIds:
         ledger = run.ledger
         self.known: set[str] = set(ledger["request_id"]) if not ledger.empty else set()
         # requests the client stopped: their line must be theirs alone, never one of a group's
-        self.stopped: set[str] = set(ledger.loc[ledger["cancel_mono_ns"].notna(), "request_id"]) \
-            if "cancel_mono_ns" in ledger.columns else set(self.known)
+        self.stopped: set[str] = set(self.known) if "cancel_mono_ns" not in ledger.columns else \
+            set(ledger["request_id"].to_numpy(dtype=object)[ledger["cancel_mono_ns"].notna().to_numpy()])
         # (target, the id the line names) -> ledger id, for lines matched by when they entered
         self.matched: dict[tuple[str | None, str | None], str] = {}
         self.grouped: set[str] = set()  # ledger ids matched as one of a group sent together (fillers)

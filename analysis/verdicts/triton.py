@@ -36,7 +36,7 @@ import numpy as np
 import pandas as pd
 
 from cancelwatch.analysis.bounds import LEDGER_LAG_S, NATURAL_END_SPREAD_S, RACE_S
-from cancelwatch.analysis.rows import frame_rows
+from cancelwatch.analysis.rows import frame_dicts, frame_rows
 from cancelwatch.analysis.series import scrape_spans
 from cancelwatch.analysis.verdicts.requests import Requests, Stays, requests_of, weighted_between
 from cancelwatch.analysis.evidence import Evidence
@@ -149,7 +149,7 @@ def judge_triton(run: Run, grace_s: float, metrics_target: str | None = None,
     if log_state == "read" and not slog.any:
         # a readable file with no line of the models (another log, or --log-info false) is no server log
         log_state = "read, but it holds no line of the models (a log of another server, or --log-info false)"
-    rows = {r["request_id"]: r for r in ledger.to_dict("records")}
+    rows = {r["request_id"]: r for r in frame_dicts(ledger)}
     by_scenario = ledger_by_scenario(ledger)
     scrape_times = np.sort(run.series("requests_waiting", target=target)["t_s"].to_numpy(dtype=float))
     stops = run.events_of("user_stop")

@@ -39,7 +39,7 @@ import numpy as np
 import pandas as pd
 
 from cancelwatch.analysis.bounds import JUDGE_PASSES, SURPLUS_HOLD_S
-from cancelwatch.analysis.rows import frame_rows
+from cancelwatch.analysis.rows import frame_dicts, frame_rows
 from cancelwatch.analysis.verdicts.core import (
     CancelVerdict, LOG_SLACK_S, NO_REQUESTS, SEEN_LEAVING, climb, judge, ledger_by_scenario, left_seen_at
 )
@@ -95,7 +95,7 @@ def _judge_all(run: Run, grace_s: float, frames: _RunFrames, only: set[str] | No
     judged = [stop for stop in frame_rows(stops)
               if only is None or stop.request_id in only or stop.request_id in frames.unaborted]
     stopped = ledger[ledger["request_id"].isin([stop.request_id for stop in judged])]
-    rows = {r["request_id"]: r for r in stopped.to_dict("records")}
+    rows = {r["request_id"]: r for r in frame_dicts(stopped)}
     scenario_of = dict(zip(ledger["request_id"], ledger["scenario"])) if "scenario" in ledger else {}
     by_scenario = ledger_by_scenario(ledger)
     out = []
@@ -293,14 +293,9 @@ def released(c: VllmCase) -> CancelVerdict | None:
     """The first refreshed sample from the abort on where the count is reconciled to the end of the grace
     and KV usage fell (for a request that held KV): released when within the grace."""
     sched, ev, t_ref = c.sched, c.ev, c.t_ref
-    times, kv_before = sched["t_s"], c.baseline.kv_before
+    times = sched["t_s"]
     after = np.nonzero(times >= t_ref)[0]
-    # a request the gauges counted at the stop held KV there, and must give it back; one they never
-    # counted (the engine was mid-step when it came and went) shows its release by the count alone
-    needs_kv_drop = (c.phase in ("prefill", "decode", "in_flight") and not math.isnan(kv_before) and not c.ahead
-                     and not c.waiting_at_stop and not c.kv_waived)
-    ev.kv_drop_waived = c.kv_waived
-    below = sched["kv"] < kv_before if not math.isnan(kv_before) else np.zeros(len(times), dtype=bool)
+    needs_kv_drop, below, waivers = _kv_given_back(c)
     drop = after[below[after]]
     ev.kv_drop_s = float(times[drop[0]]) if len(drop) else None
     # another request's end after the engine's last step is not in its gauges yet (VllmCase.ended_unseen); a
@@ -326,10 +321,6 @@ def released(c: VllmCase) -> CancelVerdict | None:
         # request log: lost requests queued and new ones not yet counted, a count at the ledger's read as a
         # release)
         count_ok &= sched["count"] <= bound - c.others_entering + 1e-9
-    # a request that held KV must give it back: the probe taking blocks does not excuse a KV usage
-    # that never fell, only what shows its blocks went back all the same
-    waivers = {"taken_in_its_place": c.taken_in_its_place(kv_before),
-               "blocks_of_the_running": c.blocks_of_the_running, "seat_taken": c.seat_taken} if needs_kv_drop else {}
     kv_ok = np.logical_or.reduce([below, *waivers.values()]) if needs_kv_drop else np.ones(len(times), dtype=bool)
     hits = after[(count_ok & kv_ok & c.moved)[after]]
     if not len(hits):
@@ -356,6 +347,22 @@ def released(c: VllmCase) -> CancelVerdict | None:
     if ran_out:
         return c.verdict("gone_may_have_run_out", after_s=float(times[left]) - c.t_stop, tokens=ran_out)
     return c.verdict("released")
+
+
+def _kv_given_back(c: VllmCase) -> tuple[bool, np.ndarray, dict[str, np.ndarray]]:
+    """Whether the request must show its KV given back, per sample whether KV usage is below its level at the
+    baseline, and what stands for that drop where it does not show (the waivers, each per sample). A request the
+    gauges counted at the stop held KV there, and must give it back; one they never counted (the engine was mid-step
+    when it came and went) shows its release by the count alone. The probe taking blocks does not excuse a KV usage
+    that never fell, only what shows its blocks went back all the same."""
+    kv_before, times = c.baseline.kv_before, c.sched["t_s"]
+    needs = (c.phase in ("prefill", "decode", "in_flight") and not math.isnan(kv_before) and not c.ahead
+             and not c.waiting_at_stop and not c.kv_waived)
+    c.ev.kv_drop_waived = c.kv_waived
+    below = c.sched["kv"] < kv_before if not math.isnan(kv_before) else np.zeros(len(times), dtype=bool)
+    waivers = {"taken_in_its_place": c.taken_in_its_place(kv_before),
+               "blocks_of_the_running": c.blocks_of_the_running, "seat_taken": c.seat_taken} if needs else {}
+    return needs, below, waivers
 
 
 def _note_release(c: VllmCase, left: int, bound: float, samples: int) -> None:

@@ -57,7 +57,8 @@ def corpus_stores(folder: Path, manifest: dict | None = None) -> list[tuple[str,
     return [(name, unpack(entry, folder), entry) for name, entry in manifest["runs"].items()]
 
 
-def judge_store(name: str, store: Path, entry: dict, judge=None) -> list[Judged]:
+def judge_store(name: str, store: Path, entry: dict, judge=None, metrics=None) -> list[Judged]:
+    """Each cancel of the corpus run's store judged (`metrics`: the run read with those series alone)."""
     from cancelwatch.analysis.evidence import count_reading_text
     from cancelwatch.analysis.verdicts import judge_run
     from cancelwatch.runstore.reader import load_run
@@ -65,7 +66,7 @@ def judge_store(name: str, store: Path, entry: dict, judge=None) -> list[Judged]
     judge = judge or judge_run
     out = []
     for run_id in entry["runs"]:
-        for v in judge(load_run(store, int(run_id))):
+        for v in judge(load_run(store, int(run_id), metrics=metrics)):
             fields = tuple((k, getattr(v.evidence, k)) for k in KEY_FIELDS if getattr(v.evidence, k) not in (None, 0, []))
             rests_on = v.evidence.why or count_reading_text(v.evidence.count_reading) or v.sources_text()
             out.append(Judged(name, run_id, v.request_id, v.verdict, v.rule, rests_on, fields,
@@ -73,10 +74,10 @@ def judge_store(name: str, store: Path, entry: dict, judge=None) -> list[Judged]
     return out
 
 
-def judge_corpus(folder: Path, manifest: dict | None = None) -> list[Judged]:
+def judge_corpus(folder: Path, manifest: dict | None = None, metrics=None) -> list[Judged]:
     out: list[Judged] = []
     for name, store, entry in corpus_stores(folder, manifest):
-        out += judge_store(name, store, entry)
+        out += judge_store(name, store, entry, metrics=metrics)
     return out
 
 
