@@ -133,6 +133,15 @@ def _count_ghosts(judge: LiveJudge, ledger, scheduler, metrics: WatchMetrics | N
         metrics.ghost_age.set(judge.ghosts.oldest_age_s(judge.now_s()))
 
 
+async def _judged_until_done(loop, judge: LiveJudge):
+    """The watch's loop, its judge closed as it ends: before the writer closes the store (a reader still open then
+    keeps SQLite from folding its log into the store, and the run would be left in the -wal file beside it)."""
+    try:
+        return await loop
+    finally:
+        judge.close()
+
+
 async def _watch_loop(tap, ledger, writer, judge: LiveJudge, stop: threading.Event, deadline_ns: int | None,
                       metrics: WatchMetrics | None, scheduler) -> None:
     """Pass the tap's events through the ledger into the run; judge each cancel as its grace ends. At the
@@ -321,7 +330,7 @@ def watch(
         judge.start(writer.run_id, sampler.t0_mono_ns, writer.committed_through_ns, writer.put_verdicts)
         deadline = time.monotonic_ns() + int(seconds * 1e9) if seconds else None
         scheduler = scheduler_reader(sampler, targets[0].label, family.scheduler_source)
-        return _watch_loop(tap, ledger, writer, judge, stop, deadline, metrics, scheduler)
+        return _judged_until_done(_watch_loop(tap, ledger, writer, judge, stop, deadline, metrics, scheduler), judge)
 
     try:
         result = record(settings, sources, facts, driver_factory=driver)

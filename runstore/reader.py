@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 import threading
 from contextlib import closing, contextmanager, nullcontext
@@ -272,11 +273,32 @@ def _arrow(path: Path, sql: str, params: tuple) -> pa.Table:
 def _frame(con: sqlite3.Connection, sql: str, params: tuple) -> pd.DataFrame:
     """A query's rows as a frame: what pd.read_sql_query gives (its from_records, floats coerced), without its
     pass over every column for dates, a third of a live judge's read of a window's events, gaps and ledger. Text
-    is pandas' str held as Python strings, not Arrow's: the rules slice these few-row frames and turn them into
-    rows a dozen times a cancel, each at twice the cost on Arrow's."""
+    is pandas' str held as Python strings (TEXT), not Arrow's: the rules slice these few-row frames and turn them
+    into rows a dozen times a cancel, each at twice the cost on Arrow's."""
     cur = con.execute(sql, params)
-    with pd.option_context("mode.string_storage", "python"):
-        return pd.DataFrame.from_records(cur.fetchall(), columns=[d[0] for d in cur.description], coerce_float=True)
+    names, rows = [d[0] for d in cur.description], cur.fetchall()
+    if not rows:  # from_records' empty frame (every column objects) at half its cost: a window's gaps mostly
+        return pd.DataFrame({name: np.array([], dtype=object) for name in names})
+    return pd.DataFrame(dict(zip(names, map(_column, zip(*rows)))), copy=False)
+
+
+TEXT = pd.StringDtype("python", na_value=np.nan)  # pandas' str (a missing value NaN), held as Python strings
+_NONE = type(None)
+
+
+def _column(values: tuple) -> np.ndarray | pd.api.extensions.ExtensionArray:
+    """One column of a query's rows, typed as from_records types SQLite's values (coerce_float): text as TEXT,
+    whole numbers as int64, numbers with a missing one as float64 (NaN), anything else as objects. Not through
+    pandas' own inference, which makes Arrow's str, nor its global option for the storage (a thread's frame would
+    change another's)."""
+    kinds = set(map(type, values))
+    if str in kinds and kinds <= {str, _NONE}:
+        return pd.array(values, dtype=TEXT)
+    if kinds == {int}:
+        return np.array(values, dtype=np.int64)
+    if kinds <= {int, float, _NONE} and kinds - {_NONE}:
+        return np.array([math.nan if v is None else v for v in values], dtype=float)
+    return np.array(values, dtype=object)
 
 
 def _window_rows(con: sqlite3.Connection, sql: str, params: tuple, columns: int, dtype=np.int64) -> np.ndarray:
@@ -552,7 +574,8 @@ def load_window(path: str | Path, run: str | int, t_from_s: float, t_to_s: float
     before the stretch may still be in the engine, and its log lines say whether), plus `extra_ledger` (rows
     a live recorder holds that the store has not got yet). `held_through_s`: how far the store held every
     source's reads when it was read (Run.events_span ends there). What a watch judges one cancel by, as its
-    grace ends: the read is bounded by the stretch, not the run. `metrics`: only these series (as load_run).
+    grace ends: the read is bounded by the stretch, not the run. `metrics`: only these series (as load_run), and
+    the scrapes of their sources only (a whole run's read keeps every source's).
     `log_offsets_s`: per engine log whose clock is off the run's (a container logging in UTC beside a recorder in
     another zone), (its target, the lowest and the highest seconds its lines are to be moved by: analysis
     log_clock.log_offsets): its lines of the stretch are read where their stamps put them (Run.log_offsets_read).
@@ -572,21 +595,22 @@ class WindowReader:
     """load_window for a caller that reads one store's windows one after another (a long run's cancels judged one
     by one, a watch's live judge), on one connection: opening the store and reading its schema cost more than
     half a millisecond a window, a twentieth of judging a cancel. Called from one thread at a time, any one (the
-    live judge reads in a worker thread). close() when done (a `with` block does); a read under way then closes
-    it as it ends."""
+    live judge reads in a worker thread). close() when done (a `with` block does), before the store's writer
+    closes: SQLite folds the log into the store only as its last connection closes. A read under way ends first;
+    a read after close() opens and closes a connection of its own."""
 
     def __init__(self, path: str | Path):
         self.path = path
         self._con: sqlite3.Connection | None = None
-        self._lock = threading.Lock()
-        self._closing = False
+        self._lock = threading.Lock()  # one read at a time, and close() between reads
+        self._closed = False
 
     def __call__(self, run: str | int, t_from_s: float, t_to_s: float, **kwargs) -> Run:
         with self._lock:
             try:
                 return load_window(self.path, run, t_from_s, t_to_s, via=self, **kwargs)
             finally:
-                if self._closing:
+                if self._closed:
                     self._shut()
 
     def connection(self) -> sqlite3.Connection:
@@ -596,13 +620,9 @@ class WindowReader:
         return self._con
 
     def close(self) -> None:
-        if self._lock.acquire(blocking=False):
-            try:
-                self._shut()
-            finally:
-                self._lock.release()
-        else:  # a read under way (the live judge's thread, as its run is cancelled): it closes it as it ends
-            self._closing = True
+        with self._lock:
+            self._closed = True
+            self._shut()
 
     def _shut(self) -> None:
         if self._con is not None:

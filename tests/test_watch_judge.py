@@ -285,3 +285,37 @@ def test_records_window_reaches_its_scenarios_end_and_a_fault_in_judging_it_is_s
     said = capsys.readouterr().err
     assert "record: 1 cancel(s) could not be judged (IndexError)" in said
     assert len(windows) <= MAX_TRIES  # tried again a few times at most, then left to the report
+
+
+def test_the_watchs_judge_lets_go_of_the_store_before_its_writer_closes_it(tmp_path):
+    """The live judge holds one connection to the store from window to window. The watch closes it as its loop
+    ends, before the recorder's writer closes the store: SQLite folds its log into the store only as the last
+    connection closes, and a reader still open then left the run in the -wal file beside the store (a copy of the
+    .db alone held no run)."""
+    from cancelwatch.runstore.records import Sample
+    from cancelwatch.watch_commands import _judged_until_done
+
+    path = tmp_path / "s.db"
+    con = open_store(path)
+    t0 = time.monotonic_ns()
+    rid = create_run(con, name="w", targets=[{"label": "t0", "url": "http://127.0.0.1:1"}], engine={}, settings={},
+                     wall_ns=time.time_ns(), mono_ns=t0)
+    writer = StoreWriter(con, rid)
+    judge = LiveJudge(path, 1.0)
+    judge.start(rid, t0, writer.committed_through_ns)
+    marks = []
+    for i in range(300):
+        marks.append(time.monotonic_ns())
+        writer.put(ScrapeRecord("vllm", "t0", i, time.time_ns(), marks[-1], 1000, True,
+                                [Sample("vllm", "requests_running", 1.0, (), time.time_ns(), marks[-1])]))
+    deadline = time.monotonic() + 10  # every read committed (the mark stands at the one before the last)
+    while (writer.committed_through_ns() or 0) < marks[-2] and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+    async def watch_loop():  # a window read in a worker thread, as LiveJudge._judge reads it
+        return len((await asyncio.to_thread(judge.windows, rid, 0.0, judge.now_s())).scrapes)
+
+    assert asyncio.run(_judged_until_done(watch_loop(), judge)) == 300
+    writer.close()
+    con.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.db"]

@@ -318,9 +318,10 @@ def test_a_store_copied_with_another_schemas_sample_indexes_holds_the_same_rows(
     assert load_run(copy, "latest").samples.equals(load_run(store, "latest").samples)
 
 
-def test_a_window_reader_closed_while_it_reads_closes_its_connection_as_the_read_ends(store, monkeypatch):
+def test_a_window_reader_closed_while_it_reads_closes_its_connection_once_the_read_ends(store, monkeypatch):
     """The live judge reads in a worker thread; the run it judges can end (Ctrl-C) while a read is under way. Its
-    connection is closed as that read ends, not under it, and later reads still answer."""
+    connection is closed once that read ends, not under it; a read after that holds no connection open (a held one
+    keeps SQLite from folding its log into the store as the writer closes)."""
     import threading
 
     import cancelwatch.runstore.reader as reader
@@ -338,15 +339,20 @@ def test_a_window_reader_closed_while_it_reads_closes_its_connection_as_the_read
     held = windows.connection()
     monkeypatch.setattr(reader, "load_window", slow)
     got = []
-    t = threading.Thread(target=lambda: got.append(windows("latest", 40.0, 42.0)))
-    t.start()
+    read = threading.Thread(target=lambda: got.append(windows("latest", 40.0, 42.0)))
+    read.start()
     assert reading.wait(10)
-    windows.close()
-    held.execute("SELECT 1").fetchall()  # still open under the read
+    closing = threading.Thread(target=windows.close)
+    closing.start()
+    closing.join(0.3)
+    assert closing.is_alive()  # waits for the read
+    held.execute("SELECT 1").fetchall()  # still open under it
     go.set()
-    t.join(10)
+    read.join(10)
+    closing.join(10)
     assert len(got[0].scrapes) == len(first.scrapes) > 0
     with pytest.raises(Exception, match="closed"):
         held.execute("SELECT 1")
     monkeypatch.setattr(reader, "load_window", real)
     assert len(windows("latest", 40.0, 42.0).scrapes) == len(first.scrapes)
+    assert windows._con is None
