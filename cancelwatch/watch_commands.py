@@ -340,7 +340,6 @@ def watch(
             t.close()
         raise fail(str(exc)) from None
     finally:
-        judge.close()
         if server is not None:
             server.shutdown()
     said = ", ".join(f"{n} {k}" for k, n in sorted(judge.counts.items())) or "none judged"

@@ -342,8 +342,9 @@ def _load_samples(con: sqlite3.Connection, path: Path, rid: int, only: list[str]
         series_id, scrape_id, value, at, pos = (a[known] for a in (series_id, scrape_id, value, at, pos))
 
     # by time, then scrape: the order every reader expects (the arrays put in it before the frame is made of them)
-    order = np.lexsort((scrape_id, scrapes["mono_ns"].to_numpy()[pos]))
-    at, pos, scrape_id, value = at[order], pos[order], scrape_id[order], value[order]
+    mono = scrapes["mono_ns"].to_numpy()[pos]
+    order = np.lexsort((scrape_id, mono))
+    at, pos, scrape_id, value, mono = at[order], pos[order], scrape_id[order], value[order], mono[order]
 
     def column(i: int) -> pd.Categorical:
         # categorical: a handful of distinct strings over millions of rows
@@ -357,7 +358,7 @@ def _load_samples(con: sqlite3.Connection, path: Path, rid: int, only: list[str]
         "labels": column(4),
         "value": value,
         "wall_ns": scrapes["wall_ns"].to_numpy()[pos],
-        "mono_ns": scrapes["mono_ns"].to_numpy()[pos],
+        "mono_ns": mono,
         "duration_ns": scrapes["duration_ns"].to_numpy()[pos],
         "scrape_id": scrape_id,
     })

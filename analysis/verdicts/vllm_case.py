@@ -15,8 +15,7 @@ from cancelwatch.analysis.bounds import BEFORE_S, ENTER_S, LAG_S, PACE_MARGIN, R
 from cancelwatch.analysis.evidence import Evidence
 from cancelwatch.analysis.verdicts.core import (
     ASSUMED_LEFT_RULES, COUNT_READING_RULES, HORIZON_S, LOG_SLACK_S, NO_APP, NO_LOG, NO_LOG_COUNT_RULES, RACE_TOKENS,
-    CancelVerdict,
-    Case, engine_log_state, first_probe_s
+    CancelVerdict, Case, engine_log_state, first_probe_s
 )
 from cancelwatch.analysis.verdicts.requests import Requests, in_between, sum_through, weighted_between
 from cancelwatch.analysis.verdicts.vllm_frames import _Frame, _pool_blocks, _settled
