@@ -9,10 +9,34 @@ from functools import lru_cache
 
 import pandas as pd
 
+from cancelwatch.runstore.reader import Run
+
 
 @lru_cache(maxsize=128)
 def _row_type(columns: tuple[str, ...]):
     return namedtuple("Row", columns, rename=True)
+
+
+def event_rows(run: Run, *kinds: str) -> list:
+    """frame_rows(run.events_of(*kinds)) (every event without kinds), made once an events frame (Run.memo): a cancel's
+    rules read the same few kinds' rows a dozen times. Shared: a caller does not change the list."""
+    def make() -> list:
+        every = run.memo("events", ("rows",), lambda: frame_rows(run.events))
+        return every if not kinds else [every[i] for i in run.event_positions(*kinds).tolist()]
+    return run.memo("events", ("rows", *kinds), make)
+
+
+def ledger_rows(run: Run) -> list:
+    """frame_rows(run.ledger), made once a ledger frame (Run.memo). Shared: a caller does not change the list."""
+    return run.memo("ledger", ("rows",), lambda: frame_rows(run.ledger))
+
+
+def ledger_dicts(run: Run, request_ids) -> dict[str, dict]:
+    """Request id -> its ledger row as a dict by column name (frame_dicts), of `request_ids` only (the last row of an
+    id, as a dict of every row keeps it)."""
+    names = run.memo("ledger", ("names",), lambda: [str(c) for c in run.ledger.columns])
+    wanted = set(request_ids)
+    return {row.request_id: dict(zip(names, row)) for row in ledger_rows(run) if row.request_id in wanted}
 
 
 def frame_rows(df: pd.DataFrame) -> list:

@@ -9,6 +9,7 @@ import threading
 from contextlib import closing, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import chain
 from pathlib import Path
 from typing import Iterable
 from urllib.parse import quote
@@ -146,9 +147,13 @@ def _indices(col: pd.Series) -> dict:
     """Each value's row positions, ascending (col.groupby(col).indices, missing values left out), through the
     column's codes: a groupby's set-up costs more than a live judge's window's whole read of it."""
     if isinstance(col.dtype, pd.CategoricalDtype):
-        codes, names = col.cat.codes.to_numpy(), col.cat.categories
-    else:
-        codes, names = pd.factorize(col)
+        return _grouped(col.cat.codes.to_numpy(), col.cat.categories.tolist())
+    codes, names = pd.factorize(col)
+    return _grouped(codes, names.tolist())
+
+
+def _grouped(codes: np.ndarray, names: list) -> dict:
+    """Each name's row positions, ascending, from each row's code (an index into `names`; -1: none)."""
     order = np.argsort(codes, kind="stable")
     cuts = np.searchsorted(codes[order], np.arange(len(names) + 1))
     return {names[i]: order[cuts[i]:cuts[i + 1]] for i in range(len(names)) if cuts[i + 1] > cuts[i]}
@@ -171,27 +176,45 @@ class Run:
     # a window's (target, lowest, highest offset) of each engine log whose lines it read where their stamps put them
     # (load_window): that log's lines cover the whole span, not the span less its offset
     log_offsets_read: tuple = ()
-    # (the samples frame, key -> a value made from it): what is read again and again from the samples, made once
-    # (derived): each metric's rows, a column's codes, a page's traces
-    _derived: tuple[pd.DataFrame, dict] | None = field(default=None, init=False, repr=False, compare=False)
-    # (the events frame, kind -> row positions): the rules pick events by kind a dozen times a cancel, and a
-    # compare over a string column costs half a millisecond each on a watch's window
-    _events_by_kind: tuple[pd.DataFrame, dict, dict] | None = field(default=None, init=False, repr=False, compare=False)
+    # frame name -> (that frame, key -> a value made from it): what is read again and again from a frame, made once
+    # (memo): each metric's rows, a column's codes, a page's traces; the events by kind, their rows
+    _memos: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def memo(self, frame: str, key: tuple, make):
+        """`make()`, made once while the run's `frame` ("samples", "events", "ledger") is this frame (again only if
+        it is replaced): a page's figures each read the same traces, a cancel's rules the same events. Shared: a
+        caller does not change what it gets."""
+        held = self._memos.get(frame)
+        now = getattr(self, frame)
+        if held is None or held[0] is not now:
+            held = self._memos[frame] = (now, {})
+        if key not in held[1]:
+            held[1][key] = make()
+        return held[1][key]
+
+    def event_positions(self, *kinds: str) -> np.ndarray:
+        """The positions of the events of these kinds, ascending (the events' order)."""
+        def make() -> np.ndarray:
+            # the rules pick events by kind a dozen times a cancel, and a compare over a string column costs half a
+            # millisecond each on a watch's window: the kinds indexed once a frame
+            index = self.memo("events", ("by kind",), self._kinds)
+            rows = [index[k] for k in kinds if k in index]
+            if not rows:
+                return np.array([], dtype=np.intp)
+            return rows[0] if len(rows) == 1 else np.sort(np.concatenate(rows))
+        return self.memo("events", ("positions", *kinds), make)
+
+    def _kinds(self) -> dict[str, np.ndarray]:
+        return {str(k): v for k, v in _indices(self.events["kind"]).items()} if len(self.events) else {}
 
     def events_of(self, *kinds: str) -> pd.DataFrame:
         """The events of these kinds, in the events' order (ev[ev["kind"].isin(kinds)], indexed once a frame). Shared:
         a caller that changes it copies it first."""
-        ev = self.events
-        cached = self._events_by_kind
-        if cached is None or cached[0] is not ev:  # again only if events is replaced
-            index = _indices(ev["kind"]) if len(ev) else {}
-            cached = self._events_by_kind = (ev, {str(k): v for k, v in index.items()}, {(): ev.iloc[:0]})
-        if kinds not in cached[2]:  # a frame's slice costs a tenth of a millisecond: each is taken once
-            rows = [cached[1][k] for k in kinds if k in cached[1]]
+        def make() -> pd.DataFrame:  # a frame's slice costs a tenth of a millisecond: each is taken once
+            at = self.event_positions(*kinds)
             # none of these kinds (a window without a log's gap, an app's answer): the one empty slice
-            cached[2][kinds] = cached[2][()] if not rows else \
-                ev.take(rows[0] if len(rows) == 1 else np.sort(np.concatenate(rows)))
-        return cached[2][kinds]
+            return self.memo("events", ("none",), lambda: self.events.iloc[:0]) if not len(at) else self.events.take(at)
+        return self.memo("events", ("of", *kinds), make)
 
     def _metric_rows(self, metric: str) -> np.ndarray:
         # a mask over millions of samples per call cost more than the figures built from them: grouped once
@@ -204,15 +227,9 @@ class Run:
         return len(self._metric_rows(metric)) > 0
 
     def derived(self, key: tuple, make):
-        """`make()`, made once while the samples are this frame (again only if samples is replaced): a page's
-        figures each read the same traces (the memory's, three times). Shared: a caller does not change what it
-        gets."""
-        cached = self._derived
-        if cached is None or cached[0] is not self.samples:
-            cached = self._derived = (self.samples, {})
-        if key not in cached[1]:
-            cached[1][key] = make()
-        return cached[1][key]
+        """memo of the samples: `make()`, made once while the samples are this frame (a page's figures each read the
+        same traces, the memory's three times). Shared: a caller does not change what it gets."""
+        return self.memo("samples", key, make)
 
     def series_arrays(self, metric: str, columns: tuple[str, ...], target: str | None = None) -> list[np.ndarray]:
         """Those columns of one metric's samples as arrays, in the samples' order, of one target when given: what
@@ -270,16 +287,28 @@ def _arrow(path: Path, sql: str, params: tuple) -> pa.Table:
         con.close()
 
 
-def _frame(con: sqlite3.Connection, sql: str, params: tuple) -> pd.DataFrame:
+def _frame(con: sqlite3.Connection, sql: str, params: tuple, t0: int | None = None,
+           times: dict[str, str] | None = None) -> pd.DataFrame:
     """A query's rows as a frame: what pd.read_sql_query gives (its from_records, floats coerced), without its
     pass over every column for dates, a third of a live judge's read of a window's events, gaps and ledger. Text
     is pandas' str held as Python strings (TEXT), not Arrow's: the rules slice these few-row frames and turn them
-    into rows a dozen times a cancel, each at twice the cost on Arrow's."""
+    into rows a dozen times a cancel, each at twice the cost on Arrow's. `times`: column -> the column of its
+    instants in s since `t0` (_since), made with the frame: a column set on a made frame costs more than its rows."""
     cur = con.execute(sql, params)
     names, rows = [d[0] for d in cur.description], cur.fetchall()
     if not rows:  # from_records' empty frame (every column objects) at half its cost: a window's gaps mostly
-        return pd.DataFrame({name: np.array([], dtype=object) for name in names})
-    return pd.DataFrame(dict(zip(names, map(_column, zip(*rows)))), copy=False)
+        cols = {name: np.array([], dtype=object) for name in names}
+    else:
+        cols = dict(zip(names, map(_column, zip(*rows))))
+    for col, name in (times or {}).items():
+        cols[name] = _since(cols[col], t0)
+    return pd.DataFrame(cols, copy=False)
+
+
+def _since(mono_ns: np.ndarray, t0: int) -> np.ndarray:
+    """Instants (monotonic ns) as s since the run started (`t0`), in numpy: a Series' arithmetic costs more than a
+    window's rows."""
+    return (mono_ns - t0) / 1e9
 
 
 TEXT = pd.StringDtype("python", na_value=np.nan)  # pandas' str (a missing value NaN), held as Python strings
@@ -308,20 +337,26 @@ def _window_rows(con: sqlite3.Connection, sql: str, params: tuple, columns: int,
     store and its WAL (sqlite.org/howtocorrupt.html, 2.2.1). Seen under a watch: rows the writer had committed
     were gone, then "database disk image is malformed", once a bus error (tests/test_window.py). A window is a
     few thousand rows: tuples cost little there, and one array less than a table or a frame per column."""
-    return np.array(con.execute(sql, params).fetchall(), dtype=dtype).reshape(-1, columns)
+    rows = con.execute(sql, params).fetchall()
+    try:  # the values one after another: half the cost of numpy finding the tuples' shape first
+        return np.fromiter(chain.from_iterable(rows), dtype=dtype, count=len(rows) * columns).reshape(-1, columns)
+    except TypeError:  # a NULL (a NaN is stored as one): NaN, as np.array makes it
+        return np.array(rows, dtype=dtype).reshape(-1, columns)
 
 
 def _load_samples(con: sqlite3.Connection, path: Path, rid: int, only: list[str] | None,
-                  scrapes: pd.DataFrame, window: bool = False) -> pd.DataFrame:
+                  scrapes: pd.DataFrame, window: bool = False, t0: int = 0) -> tuple[pd.DataFrame, dict]:
     """Samples joined to their series and scrape in numpy: SQLite hands over three numbers a row
-    (the joined strings would cost more than the numbers). `window`: `scrapes` are one stretch's (_window_sql)."""
+    (the joined strings would cost more than the numbers). `window`: `scrapes` are one stretch's (_window_sql).
+    t_s: s since `t0`, the run's start. And what Run.derived would make of the frame from its columns, made from the
+    arrays it was made of (_seeds)."""
     where, params = "run_id = ?", [rid]
     if only is not None:
         where += f" AND metric IN ({', '.join('?' for _ in only)})"
         params += only
     series = con.execute(f"SELECT id, source, target, metric, labels FROM series WHERE {where}", params).fetchall()
     if not series:
-        return _no_samples()
+        return _no_samples(t0), {}
     series_ids = np.array([row[0] for row in series], dtype=np.int64)
     ids = ", ".join(str(int(i)) for i in series_ids)
     if not window:  # through the series ids: the series index (schema.py) then reads only those samples
@@ -329,7 +364,11 @@ def _load_samples(con: sqlite3.Connection, path: Path, rid: int, only: list[str]
         series_id = tbl.column("series_id").to_numpy()
         scrape_id = tbl.column("scrape_id").to_numpy()
         value = tbl.column("value").to_numpy(zero_copy_only=False).astype(float)
-    else:  # a window's rows as one float array (ids are exact in a double up to 2**53)
+    elif _packs(series_ids, scrapes):  # a window's rows as one float array, a row's ids packed in one number
+        rows = _window_rows(con, *_window_sql(con, rid, series, scrapes, ids, _PACKED_VALUES), 2, float)
+        key, value = rows[:, 0].astype(np.int64), rows[:, 1]
+        series_id, scrape_id = key & (2**_SERIES_BITS - 1), key >> _SERIES_BITS
+    else:  # ids too large to pack (ids are exact in a double up to 2**53)
         rows = _window_rows(con, *_window_sql(con, rid, series, scrapes, ids), 3, float)
         series_id, scrape_id, value = rows[:, 0].astype(np.int64), rows[:, 1].astype(np.int64), rows[:, 2]
     at = _positions(series_ids, series_id)
@@ -346,26 +385,43 @@ def _load_samples(con: sqlite3.Connection, path: Path, rid: int, only: list[str]
     order = np.lexsort((scrape_id, mono))
     at, pos, scrape_id, value, mono = at[order], pos[order], scrape_id[order], value[order], mono[order]
 
-    def column(i: int) -> pd.Categorical:
-        # categorical: a handful of distinct strings over millions of rows
-        codes, uniques = pd.factorize(np.array([row[i] for row in series], dtype=object))
-        return _categorical(codes[at], uniques)
+    # categorical: a handful of distinct strings over millions of rows
+    texts = {name: pd.factorize(np.array([row[i] for row in series], dtype=object))
+             for i, name in enumerate(("source", "target", "metric", "labels"), start=1)}
+    cols = {name: _categorical(codes[at], uniques) for name, (codes, uniques) in texts.items()}
+    cols.update({"value": value, "wall_ns": scrapes["wall_ns"].to_numpy()[pos], "mono_ns": mono,
+                 "duration_ns": scrapes["duration_ns"].to_numpy()[pos], "scrape_id": scrape_id,
+                 "t_s": _since(mono, t0)})
+    return pd.DataFrame(cols), _seeds({name: (codes[at], uniques) for name, (codes, uniques) in texts.items()})
 
-    return pd.DataFrame({
-        "source": column(1),
-        "target": column(2),
-        "metric": column(3),
-        "labels": column(4),
-        "value": value,
-        "wall_ns": scrapes["wall_ns"].to_numpy()[pos],
-        "mono_ns": mono,
-        "duration_ns": scrapes["duration_ns"].to_numpy()[pos],
-        "scrape_id": scrape_id,
-    })
+
+def _seeds(texts: dict) -> dict:
+    """Run.derived's entries for a samples frame whose text columns are `texts` (name -> each row's code, the names):
+    each metric's rows and each text column's codes, as Run._metric_rows and Run._column_codes make them from the
+    frame. Made here from the arrays at hand, they cost a live judge's window a seventh of a millisecond less. Not the
+    numbers: a caller may change a value in place before it judges (tests/test_kv_blocks.py does), never a name."""
+    seeds = {("column", name): (codes, np.append(uniques.astype(object), np.nan).astype(object))
+             for name, (codes, uniques) in texts.items()}
+    codes, uniques = texts["metric"]
+    seeds[("rows by metric",)] = _grouped(codes, uniques.tolist())
+    return seeds
 
 
 # what a read of samples takes of each (whole run or window): three numbers a row
 _SAMPLE_VALUES = "SELECT series_id, scrape_id, CAST(value AS REAL) AS value FROM samples"
+# a window's: its two ids as one number, the scrape's above _SERIES_BITS, where both fit in a double's 53 bits (_packs):
+# a number fewer a row is a quarter less of sqlite3's Python objects, most of a window's read
+_SERIES_BITS = 21
+_PACKED_VALUES = (f"SELECT (scrape_id << {_SERIES_BITS}) | series_id AS key, CAST(value AS REAL) AS value "
+                  "FROM samples")
+
+
+def _packs(series_ids: np.ndarray, scrapes: pd.DataFrame) -> bool:
+    """Whether a window's samples' ids can be read packed (_PACKED_VALUES): its samples' ids are its series' and its
+    scrapes' (_window_sql reads no other scrape's)."""
+    return (len(series_ids) > 0 and len(scrapes) > 0 and 0 <= int(series_ids.min())
+            and int(series_ids.max()) < 2**_SERIES_BITS and 0 <= int(scrapes["id"].min())
+            and int(scrapes["id"].max()) < 2**(53 - _SERIES_BITS))
 # a window read by series and scrape range (_window_sql) sends one branch per (source, target): past this many (a
 # fleet imported from Prometheus, a target each replica), by scrape as before (SQLite takes at most 500 branches)
 MAX_WINDOW_BRANCHES = 64
@@ -376,18 +432,19 @@ MAX_SPAN_RATIO = 4
 
 
 def _window_sql(con: sqlite3.Connection, rid: int, series: list[tuple], scrapes: pd.DataFrame,
-                ids: str) -> tuple[str, tuple]:
+                ids: str, values: str = _SAMPLE_VALUES) -> tuple[str, tuple]:
     """The query of a window's samples, its cost the window's length, not the run's. Through the covering series
     index (schema.py): each source's series between its first and last scrape of the window, read from the index
     alone. A sample's series names its scrape's source and target (the writers key it so); a source's ids rise with
     its scrapes, and any other of its scrapes in that range is not in `scrapes` (_load_samples leaves its samples
     out). An hour's window at 20 Hz with 55 other series a scrape: 8 -> 3 ms. Else (a store that keeps samples_run,
     more sources than MAX_WINDOW_BRANCHES, ids out of time order): the window's scrapes by id, each sample looked up
-    in the table ("+" keeps the planner off the series index, which would read every sample of those series)."""
+    in the table ("+" keeps the planner off the series index, which would read every sample of those series).
+    `values`: what a row reads (_SAMPLE_VALUES, or _PACKED_VALUES)."""
     scrape = scrapes["id"].to_numpy(dtype=np.int64)
 
     def by_scrape() -> tuple[str, tuple]:
-        return (f"{_SAMPLE_VALUES} WHERE run_id = ? AND scrape_id IN ({', '.join(map(str, scrape.tolist()))}) "
+        return (f"{values} WHERE run_id = ? AND scrape_id IN ({', '.join(map(str, scrape.tolist()))}) "
                 f"AND +series_id IN ({ids})", (rid,))
 
     if not len(scrapes) or "samples_series" not in samples_indexes(con):
@@ -407,13 +464,13 @@ def _window_sql(con: sqlite3.Connection, rid: int, series: list[tuple], scrapes:
         if mine:
             if last - first + 1 > MAX_SPAN_RATIO * len(scrapes):
                 return by_scrape()
-            branches.append(f"{_SAMPLE_VALUES} WHERE series_id IN ({', '.join(mine)}) AND run_id = ? "
+            branches.append(f"{values} WHERE series_id IN ({', '.join(mine)}) AND run_id = ? "
                             "AND scrape_id BETWEEN ? AND ?")
             params += [rid, first, last]
     if len(branches) > MAX_WINDOW_BRANCHES:
         return by_scrape()
     if not branches:  # no series of the window's sources: no samples
-        return f"{_SAMPLE_VALUES} WHERE 0", ()
+        return f"{values} WHERE 0", ()
     return " UNION ALL ".join(branches), tuple(params)
 
 
@@ -451,17 +508,25 @@ _SCRAPE_COLUMNS = ["id", "source", "target", "tick", "wall_ns", "mono_ns", "dura
 _SCRAPE_NUMBERS = [c for c in _SCRAPE_COLUMNS if c not in ("source", "target")]
 
 
-def _no_samples() -> pd.DataFrame:
-    return pd.DataFrame({c: pd.Series(dtype=object if c in ("source", "target", "metric", "labels") else float)
-                         for c in SAMPLE_COLUMNS})
+def _no_samples(t0: int | None = None) -> pd.DataFrame:
+    """No samples (with t_s where a run's start, `t0`, is given)."""
+    out = pd.DataFrame({c: pd.Series(dtype=object if c in ("source", "target", "metric", "labels") else float)
+                        for c in SAMPLE_COLUMNS})
+    if t0 is not None:
+        out["t_s"] = _since(out["mono_ns"].to_numpy(), t0)
+    return out
 
 
-def _no_scrapes() -> pd.DataFrame:
-    return pd.DataFrame({c: pd.Series(dtype=object if c in ("source", "target") else np.int64) for c in _SCRAPE_COLUMNS})
+def _no_scrapes(t0: int | None = None) -> pd.DataFrame:
+    """No scrapes (with t_s where a run's start, `t0`, is given)."""
+    out = pd.DataFrame({c: pd.Series(dtype=object if c in ("source", "target") else np.int64) for c in _SCRAPE_COLUMNS})
+    if t0 is not None:
+        out["t_s"] = _since(out["mono_ns"].to_numpy(), t0)
+    return out
 
 
 def _load_scrapes(con: sqlite3.Connection, path: Path, rid: int, within: tuple[int, int] | None = None,
-                  only: list[str] | None = None) -> pd.DataFrame:
+                  only: list[str] | None = None, t0: int = 0) -> pd.DataFrame:
     """Read per (source, target) as numbers: a string per row would be half the cost. `within`: only those
     started in [lo, hi] monotonic ns (the index on (run, source, target, mono_ns) finds them), of the sources of
     the series `only` where given (a live judge's window reads the engine's, not the GPU's: a third of the rows)."""
@@ -472,7 +537,7 @@ def _load_scrapes(con: sqlite3.Connection, path: Path, rid: int, within: tuple[i
     pairs = con.execute(f"SELECT DISTINCT source, target FROM {'series' if within is not None else 'scrapes'} "
                         f"WHERE run_id = ?{named}", (rid, *(only if named else ()))).fetchall()
     if not pairs:
-        return _no_scrapes()
+        return _no_scrapes(t0)
     parts = []
     for source, target in pairs:
         sql = (f"SELECT {', '.join(_SCRAPE_NUMBERS)} FROM scrapes WHERE run_id = ? AND source = ? AND target = ?{span}",
@@ -491,7 +556,8 @@ def _load_scrapes(con: sqlite3.Connection, path: Path, rid: int, within: tuple[i
     for i, col in ((0, "source"), (1, "target")):
         codes, uniques = pd.factorize(np.array([p[i] for p in pairs], dtype=object))
         out[col] = _categorical(codes[pair], uniques)
-    return pd.DataFrame({c: out[c] for c in _SCRAPE_COLUMNS})
+    out["t_s"] = _since(out["mono_ns"], t0)
+    return pd.DataFrame({c: out[c] for c in (*_SCRAPE_COLUMNS, "t_s")})
 
 
 def load_run(path: str | Path, run: str | int = "latest", metrics: Iterable[str] | None = None) -> Run:
@@ -549,21 +615,22 @@ def _load_run(path: str | Path, run: str | int, only: list[str] | None,
                                  (back, hi, *(x for branch in logs for x in branch))),
                       "ledger": (" AND (sent_mono_ns IS NULL OR sent_mono_ns <= ?) "
                                  "AND (closed_mono_ns IS NULL OR closed_mono_ns >= ?)", (hi, back))}
-        scrapes = _load_scrapes(con, path, rid, span, only)
+        scrapes = _load_scrapes(con, path, rid, span, only, t0=t0)
         gaps = _frame(con, "SELECT source, target, kind, start_wall_ns, start_mono_ns, end_mono_ns, ticks, detail "
-                      f"FROM gaps WHERE run_id = ?{within['gaps'][0]} ORDER BY start_mono_ns", (rid, *within["gaps"][1]))
+                      f"FROM gaps WHERE run_id = ?{within['gaps'][0]} ORDER BY start_mono_ns",
+                      (rid, *within["gaps"][1]), t0, {"start_mono_ns": "t_s", "end_mono_ns": "end_t_s"})
         events = _frame(con, "SELECT request_id, kind, wall_ns, mono_ns, data FROM events "
-                        f"WHERE (run_id = ?{within['events'][0] or ')'} ORDER BY mono_ns", (rid, *within["events"][1]))
+                        f"WHERE (run_id = ?{within['events'][0] or ')'} ORDER BY mono_ns", (rid, *within["events"][1]),
+                        t0, {"mono_ns": "t_s"})
         ledger = _frame(con, f"SELECT * FROM ledger WHERE run_id = ?{within['ledger'][0]}", (rid, *within["ledger"][1]))
-        samples = _load_samples(con, path, rid, only, scrapes, window=span is not None)
+        samples, seeds = _load_samples(con, path, rid, only, scrapes, window=span is not None, t0=t0)
     ledger = _with_rows(ledger, extra_ledger, rid)
-    for df, col in ((samples, "mono_ns"), (scrapes, "mono_ns"), (gaps, "start_mono_ns"), (events, "mono_ns")):
-        df["t_s"] = (df[col].to_numpy() - t0) / 1e9  # in numpy: a Series' arithmetic costs more than a window's rows
-    if not gaps.empty:
-        gaps["end_t_s"] = (gaps["end_mono_ns"].to_numpy() - t0) / 1e9
     events_span = None if window is None else (window[0] - window[2], window[1])
-    return Run(id=rid, info=info, samples=samples, scrapes=scrapes, gaps=gaps, events=events, ledger=ledger,
-               events_span=events_span, log_offsets_read=log_offsets_s)
+    out = Run(id=rid, info=info, samples=samples, scrapes=scrapes, gaps=gaps, events=events, ledger=ledger,
+              events_span=events_span, log_offsets_read=log_offsets_s)
+    for key, value in seeds.items():
+        out.derived(key, lambda value=value: value)
+    return out
 
 
 def load_window(path: str | Path, run: str | int, t_from_s: float, t_to_s: float,

@@ -6,6 +6,7 @@ an abort explains or one that does not last."""
 import numpy as np
 import pandas as pd
 
+from cancelwatch.analysis.rows import frame_rows
 from cancelwatch.analysis.verdicts import LOST_CANCEL_RULES
 from cancelwatch.analysis.verdicts.engine_done import engine_done_at, tokens_per_s
 
@@ -32,7 +33,7 @@ def sched(until_s: float, running) -> dict[str, np.ndarray]:
 
 
 def done(ledger_rows, s, aborts=(), gone_at=None):
-    return engine_done_at(pd.DataFrame(ledger_rows), T0, s, 1 / HZ, gone_at or {}, {}, np.array(aborts, float), 0.05)
+    return engine_done_at(frame_rows(pd.DataFrame(ledger_rows)), T0, s, 1 / HZ, gone_at or {}, {}, np.array(aborts, float), 0.05)
 
 
 # the neighbour: in the engine from 0.2 s to 3.0 s (280 tokens), its client reading until 9 s; the target

@@ -156,8 +156,8 @@ def test_a_run_read_while_it_grows_holds_only_samples_of_scrapes_it_read(tmp_pat
     real = reader._load_scrapes
     written_between = []
 
-    def scrapes_then_more(con_, path, rid_, within=None, only=None):
-        out = real(con_, path, rid_, within, only)
+    def scrapes_then_more(con_, path, rid_, within=None, only=None, **kw):
+        out = real(con_, path, rid_, within, only, **kw)
         for i in range(len(out), len(out) + 3):  # the recorder writes on while the reader is between reads
             writer.put(scrape(i))
         time.sleep(0.3)

@@ -84,7 +84,7 @@ def changed(run):
     copied deep."""
     out = copy.copy(run)
     out.info = copy.deepcopy(run.info)
-    out._derived = None
+    out._memos = {}
     return out
 
 

@@ -137,6 +137,42 @@ def test_a_store_with_the_narrow_series_index_reads_a_window_by_its_scrapes(tmp_
     assert part.samples.equals(load_window(written, "latest", 20.0, 26.0).samples)
 
 
+def test_a_windows_samples_read_with_their_ids_packed_or_apart_are_the_same(tmp_path, monkeypatch):
+    """A window reads a sample's two ids as one number where both fit a double's 53 bits (_PACKED_VALUES), else as
+    two: the same samples either way, with a value stored as NULL (a NaN) read as NaN, and as the whole run holds."""
+    import numpy as np
+
+    import cancelwatch.runstore.reader as reader
+    from bench.synthetic import T0_NS, WALL0_NS
+    from cancelwatch.runstore.writer import create_run, finish_run, open_store, write_scrape_block
+
+    path = tmp_path / "nan.db"
+    con = open_store(path)
+    rid = create_run(con, name="nan", targets=[{"label": "t0", "url": "x", "family": "vllm"}], engine={},
+                     settings={}, wall_ns=WALL0_NS, mono_ns=T0_NS)
+    n = 200
+    mono = T0_NS + np.arange(n, dtype=np.int64) * 50_000_000
+    kv = np.linspace(0.0, 0.9, n)
+    kv[::7] = np.nan
+    with con:
+        write_scrape_block(con, rid, "vllm", "t0", series={("requests_running", ()): np.arange(n) % 5,
+                                                            ("kv_cache_usage_ratio", ()): kv},
+                           ticks=np.arange(n), wall_ns=mono - T0_NS + WALL0_NS, mono_ns=mono, duration_ns=1000)
+    finish_run(con, rid, "completed", {})
+    con.close()
+    sent = []
+    real = reader._window_rows
+    monkeypatch.setattr(reader, "_window_rows", lambda con, q, params, *a: sent.append(q) or real(con, q, params, *a))
+    packed = load_window(path, "latest", 2.0, 6.0).samples
+    assert "<<" in sent[-1] and packed["value"].isna().any() and len(packed) == 2 * 81
+    monkeypatch.setattr(reader, "_SERIES_BITS", 0)  # no series id fits: each id read apart
+    apart = load_window(path, "latest", 2.0, 6.0).samples
+    assert "<<" not in sent[-1]
+    pd.testing.assert_frame_equal(packed, apart)
+    strings = {c: object for c in ("source", "target", "metric", "labels")}
+    pd.testing.assert_frame_equal(packed.astype(strings), _whole_in(path, 2.0, 6.0).astype(strings))
+
+
 def _whole_in(path, lo: float, hi: float) -> pd.DataFrame:
     whole = load_run(path, "latest").samples
     return whole[(whole["t_s"] >= lo) & (whole["t_s"] <= hi)].reset_index(drop=True)

@@ -30,7 +30,6 @@ import numpy as np
 import pandas as pd
 
 from cancelwatch.analysis.bounds import AMBIGUOUS_S, PERSIST_PERIODS, PERSIST_S
-from cancelwatch.analysis.rows import frame_rows
 
 
 
@@ -44,9 +43,9 @@ class _Row:
     tokens: float  # tokens per sequence the engine had to make (inf: unknown)
 
 
-def _rows(ledger: pd.DataFrame, t0_ns: int, gone_at: dict[str, float], added_at: dict[str, float]) -> list[_Row]:
+def _rows(ledger: list, t0_ns: int, gone_at: dict[str, float], added_at: dict[str, float]) -> list[_Row]:
     rows = []
-    for r in frame_rows(ledger):
+    for r in ledger:
         if pd.isna(r.sent_mono_ns):
             continue
         t_in = max((r.sent_mono_ns - t0_ns) / 1e9, added_at.get(r.request_id, -math.inf))
@@ -106,13 +105,14 @@ def solo_tokens_per_s(times: np.ndarray, running: np.ndarray, waiting: np.ndarra
     return best if best and best > 0 else None
 
 
-def engine_done_at(ledger: pd.DataFrame, t0_ns: int, sched: dict[str, np.ndarray], period_s: float,
+def engine_done_at(ledger: list, t0_ns: int, sched: dict[str, np.ndarray], period_s: float,
                    gone_at: dict[str, float], added_at: dict[str, float], abort_times: np.ndarray,
                    abort_slack_s: float) -> dict[str, float]:
     """Request id -> the sample from which the engine no longer held a request its client completed
     later: the server's count fell there with no abort line within `abort_slack_s` of the fall, and
-    stayed below the ledger's. `gone_at`, `added_at`: the ledger's ends of cancelled requests and the
-    log's admissions, as ledger_inflight reads them; `abort_times`: every abort line of the target."""
+    stayed below the ledger's. `ledger`: its rows (analysis.rows.frame_rows). `gone_at`, `added_at`: the
+    ledger's ends of cancelled requests and the log's admissions, as ledger_inflight reads them; `abort_times`:
+    every abort line of the target."""
     times, count = sched["t_s"], sched["count"]
     rate = tokens_per_s(times, count - np.nan_to_num(sched["waiting"]), sched["gen_tokens"])
     rows = _rows(ledger, t0_ns, gone_at, added_at)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from cancelwatch.analysis.rows import frame_rows
+from cancelwatch.analysis.rows import event_rows, ledger_rows
 from cancelwatch.analysis.verdicts.core import LOG_SLACK_S
 from cancelwatch.analysis.verdicts.log_ids import AddedLine, LogIds
 from cancelwatch.runstore.reader import Run
@@ -78,15 +78,15 @@ def log_evidence(run: Run) -> tuple[dict[str | None, LogClock], LogIds]:
     ev, ledger = run.events, run.ledger
     if ev.empty or ledger.empty:
         return {}, LogIds(run, [])
-    added = run.events_of("engine_added")
-    if added.empty:
+    added = event_rows(run, "engine_added")
+    if not added:
         return {}, LogIds(run, [])
     t0 = run.info["started_mono_ns"]
     bounds: dict[str, tuple[float, float]] = {}  # ledger id -> (send, first token), s since the start
     # where a line is looked for: a request stopped before its first token (queued) was added, if at all,
     # before its client closed it
     windows: dict[str, tuple[float, float]] = {}
-    for row in frame_rows(ledger):
+    for row in ledger_rows(run):
         if pd.isna(row.sent_mono_ns):
             continue
         end = row.first_token_mono_ns if not pd.isna(row.first_token_mono_ns) else row.closed_mono_ns
@@ -96,7 +96,7 @@ def log_evidence(run: Run) -> tuple[dict[str | None, LogClock], LogIds]:
             bounds[row.request_id] = windows[row.request_id]
     lines = [AddedLine(data.get("target"), row.request_id, data.get("engine_request_id"), float(row.t_s),
                        float(data.get("resolution_s") or 0.001))
-             for row, data in ((r, json.loads(r.data)) for r in frame_rows(added))]
+             for row, data in ((r, json.loads(r.data)) for r in added)]
     targets = {line.target for line in lines}
 
     def clocks(ids: LogIds) -> dict[str | None, LogClock]:

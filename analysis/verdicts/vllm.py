@@ -39,7 +39,7 @@ import numpy as np
 import pandas as pd
 
 from cancelwatch.analysis.bounds import JUDGE_PASSES, SURPLUS_HOLD_S
-from cancelwatch.analysis.rows import frame_dicts, frame_rows
+from cancelwatch.analysis.rows import event_rows, ledger_dicts, ledger_rows
 from cancelwatch.analysis.verdicts.core import (
     CancelVerdict, LOG_SLACK_S, NO_REQUESTS, SEEN_LEAVING, climb, judge, ledger_by_scenario, left_seen_at
 )
@@ -48,7 +48,7 @@ from cancelwatch.analysis.verdicts.requests import in_between
 from cancelwatch.analysis.verdicts.reuse import queued_behind
 from cancelwatch.analysis.verdicts.vllm_case import VllmCase, _case, _three_without
 from cancelwatch.analysis.verdicts.vllm_frames import _RunFrames
-from cancelwatch.analysis.verdicts.vllm_log import NAMES_NO_REQUESTS, _app_answers, _events
+from cancelwatch.analysis.verdicts.vllm_log import NAMES_NO_REQUESTS, _app_answers
 from cancelwatch.runstore.reader import Run
 from cancelwatch.runstore.records import WATCHED_SCENARIO
 
@@ -62,7 +62,7 @@ def judge_vllm(run: Run, grace_s: float, metrics_target: str | None = None,
     (their leaving is what the others' frames read, below), and leave out the rest: a cancel the log or the relay
     saw aborted changes no other one's frame."""
     ledger = run.ledger
-    if ledger.empty or _events(run, "user_stop").empty:
+    if ledger.empty or not event_rows(run, "user_stop"):
         return []
     # a request whose cancel never reached the engine stays the ledger's until its scenario ends (or the engine is
     # idle): where its own verdict saw it leave, every other cancel is judged again with it gone then. Seen under
@@ -89,14 +89,12 @@ def _judge_all(run: Run, grace_s: float, frames: _RunFrames, only: set[str] | No
     stops, trace, englog, target_of, frame_for = (frames.stops, frames.trace, frames.englog, frames.target_of,
                                                   frames.frame)
     answers = _app_answers(run)
-    missed = {r.request_id: json.loads(r.data) for r in frame_rows(_events(run, "trigger_missed"))}
+    missed = {r.request_id: json.loads(r.data) for r in event_rows(run, "trigger_missed")}
 
     # the judged requests' rows as dicts (the rules read them by column name); every row's scenario
-    judged = [stop for stop in frame_rows(stops)
-              if only is None or stop.request_id in only or stop.request_id in frames.unaborted]
-    stopped = ledger[ledger["request_id"].isin([stop.request_id for stop in judged])]
-    rows = {r["request_id"]: r for r in frame_dicts(stopped)}
-    scenario_of = dict(zip(ledger["request_id"], ledger["scenario"])) if "scenario" in ledger else {}
+    judged = [stop for stop in stops if only is None or stop.request_id in only or stop.request_id in frames.unaborted]
+    rows = ledger_dicts(run, [stop.request_id for stop in judged])
+    scenario_of = {r.request_id: r.scenario for r in ledger_rows(run)} if "scenario" in ledger else {}
     by_scenario = ledger_by_scenario(ledger)
     out = []
     for stop in judged:

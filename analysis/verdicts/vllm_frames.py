@@ -13,12 +13,12 @@ import pandas as pd
 
 from cancelwatch.analysis.bounds import ENTER_S, LAG_S, SURPLUS_HOLD_S
 from cancelwatch.analysis.ghosts import EngineReading, Ghosts
-from cancelwatch.analysis.rows import frame_rows
+from cancelwatch.analysis.rows import event_rows
 from cancelwatch.analysis.series import scheduler_columns, scrape_spans
 from cancelwatch.analysis.verdicts.core import LOG_SLACK_S, engine_log_state
 from cancelwatch.analysis.verdicts.engine_done import solo_tokens_per_s
 from cancelwatch.analysis.verdicts.requests import Requests, quiet_instants, requests_of, weighted_between
-from cancelwatch.analysis.verdicts.vllm_log import _EngineLog, _Gaps, _events, _target_gaps, _trace_events
+from cancelwatch.analysis.verdicts.vllm_log import _EngineLog, _Gaps, _target_gaps, _trace_events
 from cancelwatch.runstore.reader import Run
 from cancelwatch.runstore.records import WATCHED_SCENARIO
 
@@ -132,15 +132,15 @@ def _gone_by_surplus(gone_at: dict[str, float], lost: dict[str, tuple[float, str
     return out, chosen
 
 
-def _gone_at(run: Run, stops: pd.DataFrame, englog: _EngineLog, trace: dict,
+def _gone_at(run: Run, stops: list, englog: _EngineLog, trace: dict,
              target_of) -> tuple[dict[str, float], frozenset[str]]:
     """Request id -> instant it left the engine as far as the evidence goes: the engine log's abort,
     else the relay's; where the log was read and shows no abort, the request may still be there. And the
     stopped requests with no abort at all (neither the log's nor the relay's)."""
     gone_at: dict[str, float] = {}
     unaborted = set()
-    ends = np.sort(_events(run, "scenario_end")["t_s"].to_numpy(dtype=float)) if not run.events.empty else np.array([])
-    for row in frame_rows(stops):
+    ends = np.sort(np.array([row.t_s for row in event_rows(run, "scenario_end")], dtype=float))
+    for row in stops:
         data = json.loads(row.data)
         target, cid = target_of(data), data.get("cancel_id")
         t_log = englog.abort_after(target, row.request_id, float(row.t_s))
@@ -169,14 +169,14 @@ class _RunFrames:
         self.run, self.t0 = run, run.info["started_mono_ns"]
         self.targets = [t["label"] for t in run.info.get("targets", [])]
         self.default_target = metrics_target or (self.targets[0] if self.targets else None)
-        self.stops = _events(run, "user_stop")
+        self.stops = event_rows(run, "user_stop")  # the stops' rows, in the events' order
         self.trace = _trace_events(run)
         self.englog = _EngineLog(run, set(run.ledger["request_id"]) if not run.ledger.empty else set())
         self.reqs = requests_of(run.ledger, self.t0)
         self.quiet_s = quiet_instants(self.reqs)  # of the ledger alone: the same for every target and pass
         self.evidence_gone, self.unaborted = _gone_at(run, self.stops, self.englog, self.trace, self.target_of)
         self.stopped = {s.request_id: (float(s.t_s), self.target_of(json.loads(s.data)))
-                        for s in frame_rows(self.stops)}
+                        for s in self.stops}
         self.evidence: dict = {}  # target -> _TargetEvidence
         self.told(seen_leaving or {})
 
@@ -235,7 +235,7 @@ class _RunFrames:
                                                          base.within)
             times = cols["t_s"]
             gone = _gone_by_idle(self.gone_at, self.stopped, target, cols, entered, within)
-            ends = {**gone, **englog.done_with(run, ledger, target, cols, gone, added)} if len(times) else gone
+            ends = {**gone, **englog.done_with(run, target, cols, gone, added)} if len(times) else gone
             assumed: dict[str, float] = {}
             lost = {rid: self.stopped[rid] for rid in self.unaborted
                     if rid in gone and rid in entered and rid in self.stopped and self.stopped[rid][1] == target}
@@ -248,7 +248,7 @@ class _RunFrames:
                                                    max(SURPLUS_HOLD_S, within + LAG_S))
                 if capped != gone:
                     gone = capped
-                    ends = {**gone, **englog.done_with(run, ledger, target, cols, gone, added)}
+                    ends = {**gone, **englog.done_with(run, target, cols, gone, added)}
             inflight = ledger_inflight(ledger, self.t0, times, ends, added, not_entered, self.reqs) if len(times) \
                 else np.array([])
             self.frames[target] = _Frame(cols, inflight, base.solo, ends, not_entered, gone, assumed, self.reqs,

@@ -10,7 +10,7 @@ from collections import Counter
 import numpy as np
 import pandas as pd
 
-from cancelwatch.analysis.rows import frame_rows
+from cancelwatch.analysis.rows import event_rows, ledger_rows
 from cancelwatch.analysis.series import sample_period
 from cancelwatch.analysis.verdicts.core import LOG_SLACK_S, engine_log_state
 from cancelwatch.analysis.verdicts.engine_done import engine_done_at
@@ -101,12 +101,11 @@ class _EngineLog:
         if ev.empty:
             return
         t0 = run.info["started_mono_ns"]
-        for row in frame_rows(run.events_of("engine_log_gap")):
+        for row in event_rows(run, "engine_log_gap"):
             data = json.loads(row.data)
             self.losses.append((data.get("target"), (float(data.get("from_mono_ns") or t0) - t0) / 1e9,
                                 float(row.t_s), data.get("why")))
-        logged = run.events_of("engine_added", "engine_aborted")
-        for row in frame_rows(logged):
+        for row in event_rows(run, "engine_added", "engine_aborted"):
             data = json.loads(row.data)
             target = data.get("target")
             rid = self.ids.of(target, row.request_id, data.get("engine_request_id"))
@@ -179,7 +178,7 @@ class _EngineLog:
     def foreign_between(self, target: str | None, lo: float, hi: float) -> int:
         return sum(1 for x in self.foreign.get(target, []) if lo <= x <= hi)
 
-    def done_with(self, run: Run, ledger: pd.DataFrame, target: str | None, sched: dict[str, np.ndarray],
+    def done_with(self, run: Run, target: str | None, sched: dict[str, np.ndarray],
                   gone_at: dict[str, float], added: dict[str, float]) -> dict[str, float]:
         """Completed requests the engine was done with before their client closed them (engine_done.py):
         only where this log names every request of the target."""
@@ -188,7 +187,7 @@ class _EngineLog:
         aborts = [(x, rid) for (tgt, rid), xs in self.aborted.items() if tgt == target for x in xs]
         slack = max([LOG_SLACK_S] + [self.resolution_of(target, rid) for _, rid in aborts])
         self.ended_early[target] = engine_done_at(
-            ledger, run.info["started_mono_ns"], sched, sample_period(run, sched["t_s"]), gone_at, added,
+            ledger_rows(run), run.info["started_mono_ns"], sched, sample_period(run, sched["t_s"]), gone_at, added,
             np.array([x for x, _ in aborts], dtype=float), slack)
         return self.ended_early[target]
 
@@ -197,9 +196,7 @@ def _trace_events(run: Run) -> dict[tuple[str, str], tuple[float, str]]:
     """(kind, cancel id) -> (first instant, source) of the driver's trace events. Events of runs
     recorded before sources were written carry none: on HTTP paths those were the client's own stamps."""
     trace: dict[tuple[str, str], tuple[float, str]] = {}
-    for row in frame_rows(run.events):
-        if row.kind not in ("app_received", "engine_abort", "client_closed"):
-            continue
+    for row in event_rows(run, "app_received", "engine_abort", "client_closed"):
         data = json.loads(row.data)
         source = data.get("source") or ("relay" if data.get("mode") == "explicit" else "client")
         if row.kind != "client_closed" and source == "client":
