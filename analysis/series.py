@@ -141,9 +141,9 @@ def scrape_spans(run: Run, target: str | None, times: np.ndarray, source: str) -
     # in arrays: a frame's masks and a reindex cost a millisecond, and a watch judges every cancel on a window
     mine = sc["ok"].to_numpy() == 1
     if "source" in sc:
-        mine &= sc["source"].to_numpy(dtype=object) == source
+        mine &= _equals(sc["source"], source)
     if target is not None:
-        mine &= sc["target"].to_numpy(dtype=object) == target
+        mine &= _equals(sc["target"], target)
     at = np.round(sc["t_s"].to_numpy(float)[mine], 6)
     took = sc["duration_ns"].to_numpy(float)[mine] / 1e9
     if not len(at):
@@ -154,3 +154,12 @@ def scrape_spans(run: Run, target: str | None, times: np.ndarray, source: str) -
     # of a repeated instant the last row's, as a dict built in row order keeps it (the stable sort keeps row order)
     i = np.clip(np.searchsorted(at, want, side="right") - 1, 0, None)
     return np.nan_to_num(np.where(at[i] == want, took[i], 0.0), nan=0.0)
+
+
+def _equals(col: pd.Series, value) -> np.ndarray:
+    """col == value, as a bool array; a categorical (the reader's sources and targets) by its codes: its values as
+    Python objects cost more than a window's few hundred scrapes."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        names = col.cat.categories
+        return col.cat.codes.to_numpy() == (names.get_loc(value) if value in names else -2)
+    return col.to_numpy(dtype=object) == value

@@ -205,7 +205,16 @@ class Run:
         return self.memo("events", ("positions", *kinds), make)
 
     def _kinds(self) -> dict[str, np.ndarray]:
-        return {str(k): v for k, v in _indices(self.events["kind"]).items()} if len(self.events) else {}
+        """Each kind's event positions, ascending (missing kinds left out): in Python, a window's few dozen events
+        cost a fifth of a factorize (a day's hundred thousand, a few milliseconds once)."""
+        if not len(self.events):
+            return {}
+        kinds = self.events["kind"].to_numpy(dtype=object)
+        index: dict[str, list[int]] = {}
+        for i, (kind, missing) in enumerate(zip(kinds.tolist(), pd.isna(kinds).tolist())):
+            if not missing:
+                index.setdefault(str(kind), []).append(i)
+        return {kind: np.array(at, dtype=np.intp) for kind, at in index.items()}
 
     def events_of(self, *kinds: str) -> pd.DataFrame:
         """The events of these kinds, in the events' order (ev[ev["kind"].isin(kinds)], indexed once a frame). Shared:
