@@ -36,7 +36,7 @@ import numpy as np
 import pandas as pd
 
 from cancelwatch.analysis.bounds import LEDGER_LAG_S, NATURAL_END_SPREAD_S, RACE_S
-from cancelwatch.analysis.rows import frame_dicts, frame_rows
+from cancelwatch.analysis.rows import event_rows, frame_dicts
 from cancelwatch.analysis.series import scrape_spans
 from cancelwatch.analysis.verdicts.requests import Requests, Stays, requests_of, weighted_between
 from cancelwatch.analysis.evidence import Evidence
@@ -94,7 +94,7 @@ class _ServerLog:
         ev = run.events
         if ev.empty:
             return
-        for row in frame_rows(run.events_of("engine_added", "engine_aborted", "engine_finished")):
+        for row in event_rows(run, "engine_added", "engine_aborted", "engine_finished"):
             key = (row.kind, row.request_id)
             data = json.loads(row.data)
             self.at.setdefault(key, []).append(float(row.t_s))
@@ -152,23 +152,22 @@ def judge_triton(run: Run, grace_s: float, metrics_target: str | None = None,
     rows = {r["request_id"]: r for r in frame_dicts(ledger)}
     by_scenario = ledger_by_scenario(ledger)
     scrape_times = np.sort(run.series("requests_waiting", target=target)["t_s"].to_numpy(dtype=float))
-    stops = run.events_of("user_stop")
-    missed = {r.request_id: json.loads(r.data) for r in frame_rows(run.events_of("trigger_missed"))}
-    datas = [json.loads(d) for d in stops["data"]]
-    sent = [(r.request_id, json.loads(r.data).get("model"), float(r.t_s))
-            for r in frame_rows(run.events_of("request_sent"))]
+    stops = event_rows(run, "user_stop")
+    missed = {r.request_id: json.loads(r.data) for r in event_rows(run, "trigger_missed")}
+    datas = [json.loads(stop.data) for stop in stops]
+    sent = [(r.request_id, json.loads(r.data).get("model"), float(r.t_s)) for r in event_rows(run, "request_sent")]
     models = {rid: model for rid, model, _ in sent}
     # requests the run sent with no ledger row (a run cut off before its scenario's rows were written): their model,
     # and when their client let them go at the soonest: their stop, else their send
     unrowed = {rid: (model, t) for rid, model, t in sent if rid not in rows}
     unrowed.update({stop.request_id: (data.get("model"), float(stop.t_s))
-                    for stop, data in zip(frame_rows(stops), datas) if stop.request_id not in rows})
+                    for stop, data in zip(stops, datas) if stop.request_id not in rows})
     spans = {r: (row.get("sent_mono_ns"), row.get("closed_mono_ns")) for r, row in rows.items()}
     reqs = requests_of(ledger, t0)
     row_models = np.array([models.get(rid) for rid in reqs.ids], dtype=object)
     seen_leaving: dict[str, float] = {}
     out = []
-    for stop, data in zip(frame_rows(stops), datas):
+    for stop, data in zip(stops, datas):
         case = _case(run, slog, rows, by_scenario.get(data.get("scenario"), NO_REQUESTS), scrape_times, data=data,
                      rid=stop.request_id, t_stop=float(stop.t_s), t0=t0, target=target, grace_s=grace_s,
                      log_state=log_state, missed=missed.get(stop.request_id),
@@ -704,7 +703,7 @@ def server_request_counts(run: Run) -> list[dict]:
     if ev.empty:
         return []
     sent: dict[str, int] = {}
-    for row in frame_rows(run.events_of("request_sent")):
+    for row in event_rows(run, "request_sent"):
         model = json.loads(row.data).get("model")
         sent[model] = sent.get(model, 0) + 1
     targets = [t["label"] for t in run.info.get("targets", [])]
