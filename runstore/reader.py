@@ -182,8 +182,8 @@ class Run:
 
     def memo(self, frame: str, key: tuple, make):
         """`make()`, made once while the run's `frame` ("samples", "events", "ledger") is this frame (again only if
-        it is replaced): a page's figures each read the same traces, a cancel's rules the same events. Shared: a
-        caller does not change what it gets."""
+        it is replaced, or forgotten): a page's figures each read the same traces, a cancel's rules the same events.
+        Shared: a caller does not change what it gets. A frame changed in place is not seen: forget() it."""
         held = self._memos.get(frame)
         now = getattr(self, frame)
         if held is None or held[0] is not now:
@@ -191,6 +191,11 @@ class Run:
         if key not in held[1]:
             held[1][key] = make()
         return held[1][key]
+
+    def forget(self, *frames: str) -> None:
+        """Drop what memo made of these frames: they are read again as they are now (changed in place since)."""
+        for frame in frames:
+            self._memos.pop(frame, None)
 
     def event_positions(self, *kinds: str) -> np.ndarray:
         """The positions of the events of these kinds, ascending (the events' order)."""
@@ -347,18 +352,17 @@ def _window_rows(con: sqlite3.Connection, sql: str, params: tuple, columns: int,
     were gone, then "database disk image is malformed", once a bus error (tests/test_window.py). A window is a
     few thousand rows: tuples cost little there, and one array less than a table or a frame per column."""
     rows = con.execute(sql, params).fetchall()
-    try:  # the values one after another: half the cost of numpy finding the tuples' shape first
-        return np.fromiter(chain.from_iterable(rows), dtype=dtype, count=len(rows) * columns).reshape(-1, columns)
-    except TypeError:  # a NULL (a NaN is stored as one): NaN, as np.array makes it
-        return np.array(rows, dtype=dtype).reshape(-1, columns)
+    # the values one after another: half the cost of np.array finding the tuples' shape first; a NULL (a NaN is
+    # stored as one) is NaN in a float array, as np.array makes it
+    return np.fromiter(chain.from_iterable(rows), dtype=dtype, count=len(rows) * columns).reshape(-1, columns)
 
 
 def _load_samples(con: sqlite3.Connection, path: Path, rid: int, only: list[str] | None,
                   scrapes: pd.DataFrame, window: bool = False, t0: int = 0) -> tuple[pd.DataFrame, dict]:
     """Samples joined to their series and scrape in numpy: SQLite hands over three numbers a row
     (the joined strings would cost more than the numbers). `window`: `scrapes` are one stretch's (_window_sql).
-    t_s: s since `t0`, the run's start. And what Run.derived would make of the frame from its columns, made from the
-    arrays it was made of (_seeds)."""
+    t_s: s since `t0`, the run's start. And for a window, what Run.derived would make of the frame from its text
+    columns, made from the arrays it was made of (_seeds)."""
     where, params = "run_id = ?", [rid]
     if only is not None:
         where += f" AND metric IN ({', '.join('?' for _ in only)})"
@@ -401,14 +405,17 @@ def _load_samples(con: sqlite3.Connection, path: Path, rid: int, only: list[str]
     cols.update({"value": value, "wall_ns": scrapes["wall_ns"].to_numpy()[pos], "mono_ns": mono,
                  "duration_ns": scrapes["duration_ns"].to_numpy()[pos], "scrape_id": scrape_id,
                  "t_s": _since(mono, t0)})
-    return pd.DataFrame(cols), _seeds({name: (codes[at], uniques) for name, (codes, uniques) in texts.items()})
+    # a whole run's are made as they are read: it may never read them (a summary, an export), and they hold 32 bytes a
+    # sample (over 100 MB for an hour of a vLLM scrape at 20 Hz)
+    seeds = _seeds({name: (codes[at], uniques) for name, (codes, uniques) in texts.items()}) if window else {}
+    return pd.DataFrame(cols, copy=False), seeds
 
 
 def _seeds(texts: dict) -> dict:
     """Run.derived's entries for a samples frame whose text columns are `texts` (name -> each row's code, the names):
     each metric's rows and each text column's codes, as Run._metric_rows and Run._column_codes make them from the
     frame. Made here from the arrays at hand, they cost a live judge's window a seventh of a millisecond less. Not the
-    numbers: a caller may change a value in place before it judges (tests/test_kv_blocks.py does), never a name."""
+    numbers: a caller may change a value in place before it judges (tests/test_kv_blocks.py does a whole run's)."""
     seeds = {("column", name): (codes, np.append(uniques.astype(object), np.nan).astype(object))
              for name, (codes, uniques) in texts.items()}
     codes, uniques = texts["metric"]
@@ -566,7 +573,7 @@ def _load_scrapes(con: sqlite3.Connection, path: Path, rid: int, within: tuple[i
         codes, uniques = pd.factorize(np.array([p[i] for p in pairs], dtype=object))
         out[col] = _categorical(codes[pair], uniques)
     out["t_s"] = _since(out["mono_ns"], t0)
-    return pd.DataFrame({c: out[c] for c in (*_SCRAPE_COLUMNS, "t_s")})
+    return pd.DataFrame({c: out[c] for c in (*_SCRAPE_COLUMNS, "t_s")}, copy=False)
 
 
 def load_run(path: str | Path, run: str | int = "latest", metrics: Iterable[str] | None = None) -> Run:

@@ -458,6 +458,30 @@ def test_a_target_still_waiting_at_its_stop_owes_no_kv_back():
     assert v.verdict == "inconclusive" and v.evidence.rule == "kv_did_not_fall", v
 
 
+def test_a_ledger_changed_in_place_between_two_judgements_is_read_as_it_is_now():
+    # the rules make the ledger's and the events' rows once a judgement (Run.memo): a notebook that judges, changes
+    # the ledger in place and judges again gets what a run changed before its first judgement gets
+    def waiting(t):
+        return 1.0 if t < 2.05 else 0.0
+
+    def changed(run):
+        for rid, sent, first in (("tg", 0.05, 0.3), ("nb", 0.5, 0.8)):
+            run.ledger.loc[run.ledger["request_id"] == rid, ["sent_mono_ns", "first_token_mono_ns"]] = [
+                T0 + int(sent * 1e9), T0 + int(first * 1e9)]
+        return run
+
+    def built():
+        return build_run(lambda t: 2.0 if t < 2.05 else 1.0, lambda t: 0.4, steady_gen, waiting=waiting,
+                         engine_log=[("engine_added", "tg", 0.05), ("engine_added", "nb", 0.5),
+                                     ("engine_aborted", "tg", 2.01)])
+
+    run = built()
+    (before,) = judge_run(run)
+    (after,) = judge_run(changed(run))
+    (fresh,) = judge_run(changed(built()))
+    assert after.evidence.rule == fresh.evidence.rule == "kv_did_not_fall" != before.evidence.rule, (before, after)
+
+
 def test_an_n2_request_waiting_is_two_of_the_waiting_sequences():
     # the target runs; the neighbour, an n=2 request sent after it, waits with both its sequences (W=2):
     # the target is not among the waiting, and its KV must come back (it does not: KV stays)

@@ -173,6 +173,17 @@ def test_a_windows_samples_read_with_their_ids_packed_or_apart_are_the_same(tmp_
     pd.testing.assert_frame_equal(packed.astype(strings), _whole_in(path, 2.0, 6.0).astype(strings))
 
 
+def test_a_whole_runs_samples_changed_in_place_before_they_are_read_are_read_as_they_are_now(store):
+    """A window hands the rules its samples' codes as it reads them (the reader has them at hand); a whole run leaves
+    them to be made when read (a summary or an export never reads them, and they cost memory a sample), so a run
+    changed in place before it is read is read as it is."""
+    run = load_run(store, "latest")
+    run.samples.loc[run.samples["metric"] == "requests_running", "metric"] = "requests_waiting"
+    assert not run.has_metric("requests_running") and run.has_metric("requests_waiting")
+    window = load_window(store, "latest", 40.0, 47.5)
+    assert window.has_metric("requests_running")
+
+
 def _whole_in(path, lo: float, hi: float) -> pd.DataFrame:
     whole = load_run(path, "latest").samples
     return whole[(whole["t_s"] >= lo) & (whole["t_s"] <= hi)].reset_index(drop=True)

@@ -87,6 +87,9 @@ def judge_run(run: Run, grace_s: float | None = None, metrics_target: str | None
     its verdicts rest on (vLLM: the cancels with no abort, whose leaving the ledger's count beside them reads)."""
     grace_s = run_grace_s(run) if grace_s is None else grace_s
     family = FAMILIES[family_of(run)]
+    # the events and the ledger as they are now: a notebook or a test may change one in place between two judgements
+    # (what the rules make of them once a judgement, Run.memo, is made again; a window is judged once)
+    run.forget("events", "ledger")
     verdicts = family.judge(run, grace_s, metrics_target, only)
     if only is not None:
         verdicts = [v for v in verdicts if v.request_id in only]
