@@ -12,6 +12,10 @@ MIN_SAMPLES = 5  # fewer scheduler samples in a run than this: nothing is judged
 # how far past the abort a request that did not leave in the grace is followed (its tokens made for nobody, where
 # it left); a cancel's stretch of the run ends here
 HORIZON_S = 60.0
+# a cancel's stretch of the run starts this long before its stop: the engine as the user pressed stop (the count, the
+# ledger's count and KV usage the rules read the release against), and where the checks of its evidence start (a
+# restart, a hole in the engine log, a preemption, requests the log names and the ledger does not)
+BASELINE_S = 1.0
 # a stop this close to the end (tokens) is a race the completion may win: neither outcome is a lost cancel
 RACE_TOKENS = 8
 
@@ -74,7 +78,7 @@ LEDGER_LAG_S = 0.1
 NATURAL_END_SPREAD_S = 0.15
 
 # ------------------------------------------------------------------------------------------ a window's judging
-# the window starts this long before the stop: the baseline the rules read (1 s), and before it the hold over
+# the window starts this long before the stop: the baseline the rules read (BASELINE_S), and before it the hold over
 # which the count's surplus says which lost requests (stopped, no abort known) the engine still holds
 # (SURPLUS_HOLD_S): a window that starts later keeps them all at the baseline, where the whole run has let them go
 BEFORE_S = 4.0

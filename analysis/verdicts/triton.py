@@ -35,7 +35,7 @@ from functools import cached_property
 import numpy as np
 import pandas as pd
 
-from cancelwatch.analysis.bounds import LEDGER_LAG_S, NATURAL_END_SPREAD_S, RACE_S
+from cancelwatch.analysis.bounds import BASELINE_S, LEDGER_LAG_S, NATURAL_END_SPREAD_S, RACE_S
 from cancelwatch.analysis.rows import event_rows, frame_dicts
 from cancelwatch.analysis.series import scrape_spans
 from cancelwatch.analysis.verdicts.requests import Requests, Stays, requests_of, weighted_between
@@ -464,7 +464,7 @@ def _case(run: Run, slog: _ServerLog, rows: dict, same: dict, scrape_times: np.n
                "engine_abort": (None, "no cancel in the server log" if has_log else "no server log"),
                "left_scheduler": (None, "not seen in the samples"),
                "reusable": ("client", None) if t_probe is not None else (None, "no probe got a first response")}
-    window = (scrape_times >= t_stop - 1.0) & (scrape_times <= t_stop + grace_s)
+    window = (scrape_times >= t_stop - BASELINE_S) & (scrape_times <= t_stop + grace_s)
     ev = Evidence(grace_s=grace_s, metrics_target=target, samples_in_window=int(window.sum()), engine_log=log_state)
     ev.model, ev.server_phase, ev.expected = model, phase if has_log else None, data.get("expect")
     series = {"active": model_series(run, "model_active_requests", target, model=model),

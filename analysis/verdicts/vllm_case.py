@@ -11,7 +11,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from cancelwatch.analysis.bounds import BEFORE_S, ENTER_S, LAG_S, PACE_MARGIN, READ_BACK_S
+from cancelwatch.analysis.bounds import BASELINE_S, BEFORE_S, ENTER_S, LAG_S, PACE_MARGIN, READ_BACK_S
 from cancelwatch.analysis.evidence import Evidence
 from cancelwatch.analysis.verdicts.core import (
     ASSUMED_LEFT_RULES, COUNT_READING_RULES, HORIZON_S, LOG_SLACK_S, NO_APP, NO_LOG, NO_LOG_COUNT_RULES, RACE_TOKENS,
@@ -93,9 +93,9 @@ class VllmCase(Case):
 
     @cached_property
     def baseline(self) -> _Baseline:
-        """The second before the stop, read once (every verdict reports it: `verdict`)."""
+        """The stretch before the stop (BASELINE_S), read once (every verdict reports it: `verdict`)."""
         times = self.sched["t_s"]
-        before = (times >= self.t_stop - 1.0) & (times < self.t_stop)
+        before = (times >= self.t_stop - BASELINE_S) & (times < self.t_stop)
         count_before = float(self.sched["count"][before][-1]) if before.any() else None
         ledger_before = float(self.inflight[before][-1]) if before.any() else None
         kv_before = float(self.sched["kv"][before][-1]) if before.any() else math.nan
@@ -337,7 +337,7 @@ class VllmCase(Case):
         cache gave it part of its prompt while another request of the ledger ran beside it (the shared
         blocks stay held by that one, and what this one gives back can be less than the others take)."""
         times, pre = self.sched["t_s"], self.sched["preemptions"]
-        win = (times >= self.t_stop - 1.0) & (times <= self.t_end) & ~np.isnan(pre)
+        win = (times >= self.t_stop - BASELINE_S) & (times <= self.t_end) & ~np.isnan(pre)
         if win.sum() >= 2 and pre[win][-1] > pre[win][0]:
             return "preempted"
         before = self.baseline.before
@@ -350,19 +350,19 @@ class VllmCase(Case):
     def foreign_logged(self) -> int | None:
         """Requests the engine's log names that the ledger does not know, entering in the window; None without
         a log."""
-        return self.englog.foreign_between(self.target, self.t_stop - 1.0, self.t_end) if self.has_log else None
+        return self.englog.foreign_between(self.target, self.t_stop - BASELINE_S, self.t_end) if self.has_log else None
 
     def foreign_traffic(self) -> tuple[int | None, int]:
         over = self.sched["count"] > self.inflight + self.ended_unseen + 0.5
         return self.foreign_logged, int((over & self.baseline.before).sum())
 
     def restart(self) -> str | None:
-        return _restart_in(self.gaps, self.sched, self.t_stop - 1.0, self.t_end, self.sched["scrape_s"])
+        return _restart_in(self.gaps, self.sched, self.t_stop - BASELINE_S, self.t_end, self.sched["scrape_s"])
 
     def log_gap(self) -> str | None:
         if not self.has_log:
             return None
-        holes = _log_holes(self.gaps, self.englog, self.target, self.t_stop - 1.0, self.t_end)
+        holes = _log_holes(self.gaps, self.englog, self.target, self.t_stop - BASELINE_S, self.t_end)
         return holes[0] if holes else None
 
     def log_clock_off(self) -> dict | None:
@@ -1030,11 +1030,11 @@ def _case(run: Run, frame: _Frame, englog: _EngineLog, trace: dict, same: dict, 
     t_ref = _release_from(t_abort, (lrow["closed_mono_ns"] - t0) / 1e9 if completed and lrow is not None else None,
                           has_log, t_closed, t_stop)
     # each cancel looks at its own stretch of the run: an hour at 20 Hz is 72,000 samples a series
-    lo = int(np.searchsorted(cols_all["t_s"], t_stop - 1.0, side="left"))
+    lo = int(np.searchsorted(cols_all["t_s"], t_stop - BASELINE_S, side="left"))
     t_end = max(t_ref, t_stop) + grace_s
     # past the horizon only where a scrape outage covers the window: the first sample after it is what
     # shows an engine restart (a slow engine takes longer than the horizon to come back)
-    horizon = max(max(t_ref, t_stop) + HORIZON_S, _outage_end(frame.gaps, t_stop - 1.0, t_end) + 1.0)
+    horizon = max(max(t_ref, t_stop) + HORIZON_S, _outage_end(frame.gaps, t_stop - BASELINE_S, t_end) + 1.0)
     hi = int(np.searchsorted(cols_all["t_s"], horizon, side="right"))
     sched = {c: a[lo:hi] for c, a in cols_all.items()}
     inflight = inflight_all[lo:hi]
@@ -1044,7 +1044,7 @@ def _case(run: Run, frame: _Frame, englog: _EngineLog, trace: dict, same: dict, 
         n = 1 if pd.isna(lrow.get("n")) else int(lrow["n"])
         inflight = inflight + n * ((sched["t_s"] >= (lrow["sent_mono_ns"] - t0) / 1e9) & (sched["t_s"] < t_stop))
     hits_at_admission = _admission_hits(cols_all, englog.added.get((target, rid)), lrow, t0, t_stop)
-    window = (sched["t_s"] >= t_stop - 1.0) & (sched["t_s"] <= t_end)
+    window = (sched["t_s"] >= t_stop - BASELINE_S) & (sched["t_s"] <= t_end)
     ev = Evidence(grace_s=grace_s, metrics_target=target, samples_in_window=int(window.sum()), engine_log=log_state)
     tp = {"user_stop": t_stop, "app_received": t_app,
           "engine_abort": None if t_abort is None else max(t_abort, t_stop), "left_scheduler": None,
