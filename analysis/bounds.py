@@ -7,6 +7,10 @@ Seconds unless named otherwise; instants are on the run's clock (s since it star
 from __future__ import annotations
 
 # ------------------------------------------------------------------------------------------ the run's reading
+# the counts the rules compare (the engine's gauges and own ends, the ledger's requests and sequences, their stays'
+# sums) are whole requests: one is above another when it is more by over half a request, and equal within half of one
+# (a float's rounding, a sum of weights, never a fraction of a request)
+WHOLE = 0.5
 GRACE_S = 2.0  # how long after the abort (else the stop) a release is looked for, unless the run says otherwise
 MIN_SAMPLES = 5  # fewer scheduler samples in a run than this: nothing is judged on them
 # how far past the abort a request that did not leave in the grace is followed (its tokens made for nobody, where

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from cancelwatch.analysis.bounds import AMBIGUOUS_S, PERSIST_PERIODS, PERSIST_S
+from cancelwatch.analysis.bounds import AMBIGUOUS_S, PERSIST_PERIODS, PERSIST_S, WHOLE
 
 
 
@@ -139,7 +139,7 @@ def engine_done_at(ledger: list, t0_ns: int, sched: dict[str, np.ndarray], perio
     # the falls of the count, between consecutive readings, found at once, and each read on its own stretch (the
     # readings are in order): an hour's run holds 70 000 readings
     at_valid = times[valid]
-    for k in np.flatnonzero(count[valid[:-1]] - count[valid[1:]] >= 0.5) + 1:
+    for k in np.flatnonzero(count[valid[:-1]] - count[valid[1:]] >= WHOLE) + 1:
         i, h = valid[k], valid[k - 1]
         fell = count[h] - count[i]
         if len(abort_times) and np.any((abort_times > times[h] - abort_slack_s) & (abort_times <= times[i] + abort_slack_s)):
@@ -158,7 +158,7 @@ def engine_done_at(ledger: list, t0_ns: int, sched: dict[str, np.ndarray], perio
         # a request that waited ran later than its admission says: which would finish first is unknown
         span = slice(np.searchsorted(times, min(r.t_in for r in there), side="left"),
                      np.searchsorted(times, times[i], side="right"))
-        if np.nan_to_num(sched["waiting"][span]).max(initial=0.0) >= 0.5:
+        if np.nan_to_num(sched["waiting"][span]).max(initial=0.0) >= WHOLE:
             continue
         for r in _which_left(there, short, rate):
             done[r.rid] = float(times[i])

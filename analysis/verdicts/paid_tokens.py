@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from cancelwatch.analysis.bounds import WHOLE
+
 ATTRIBUTED = "attributed"
 AT_MOST = "at_most"
 
@@ -32,7 +34,7 @@ def tokens_after_left(times: np.ndarray, count: np.ndarray, gen: np.ndarray, oth
     if len(span) < 2:
         return None, None
     counts = count[span]
-    alone = not np.isnan(counts).any() and (counts <= n + 1e-9).all() and (others[span] <= 1e-9).all()
+    alone = not np.isnan(counts).any() and (counts <= n + WHOLE).all() and (others[span] <= WHOLE).all()
     if not alone:  # a bound: from the last sample at or before the start, which no token after it escapes
         before = np.nonzero(ok & (times <= t_from))[0]
         if len(before):

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from cancelwatch.analysis.bounds import FULL_STEPS
+from cancelwatch.analysis.bounds import FULL_STEPS, WHOLE
 from cancelwatch.analysis.verdicts.core import CancelVerdict
 from cancelwatch.analysis.verdicts.vllm_case import VllmCase
 
@@ -57,7 +57,7 @@ def queued_behind(c: VllmCase, v: CancelVerdict) -> None:
     # send on: a request takes a moment to reach the engine's queue through the hops, and the samples before it
     # did show none waiting
     with np.errstate(invalid="ignore"):
-        waiting = c.sched["waiting"][: i_in + 1] >= 0.5
+        waiting = c.sched["waiting"][: i_in + 1] >= WHOLE
     first = int(np.searchsorted(times, sent, side="left"))
     gaps = np.nonzero(~waiting[first:])[0]
     start = first + (int(gaps[-1]) + 1 if len(gaps) else 0)

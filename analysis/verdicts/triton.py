@@ -35,7 +35,7 @@ from functools import cached_property
 import numpy as np
 import pandas as pd
 
-from cancelwatch.analysis.bounds import BASELINE_S, LEDGER_LAG_S, NATURAL_END_SPREAD_S, RACE_S
+from cancelwatch.analysis.bounds import BASELINE_S, LEDGER_LAG_S, NATURAL_END_SPREAD_S, RACE_S, WHOLE
 from cancelwatch.analysis.rows import event_rows, frame_dicts
 from cancelwatch.analysis.series import scrape_spans
 from cancelwatch.analysis.verdicts.requests import Requests, Stays, requests_of, weighted_between
@@ -299,7 +299,7 @@ class TritonCase(Case):
         if not len(later):
             return True
         _, d_max = self.ledger_stays.change(t_act[i], t_act[i] + spans[i], t_act[later], t_act[later] + spans[later])
-        return bool(np.all(v_act[later] - v_act[i] <= d_max + 0.5))
+        return bool(np.all(v_act[later] - v_act[i] <= d_max + WHOLE))
 
     @cached_property
     def baseline(self) -> tuple[float, float, float] | None:
@@ -404,7 +404,7 @@ class TritonCase(Case):
         others = self.others(t_act)
         if others is None:
             return None
-        return _first(t_act, sel & (v_act <= others + 0.5))
+        return _first(t_act, sel & (v_act <= others + WHOLE))
 
     def buffer_kept(self, t_left: float) -> float | None:
         """Bytes the model's buffer gauge still held beyond its other requests' share, from `t_left` (the
@@ -563,7 +563,7 @@ def dropped_in_queue(c: TritonCase) -> CancelVerdict | None:
         t_dropped = float(t_canc[proven[0]])
     else:
         base = int(np.searchsorted(t_canc, c.t_stop, side="left")) - 1
-        rose = np.nonzero(in_grace & (drops > drops[base] + 0.5))[0]
+        rose = np.nonzero(in_grace & (drops > drops[base] + WHOLE))[0]
         if len(rose):
             # the others that keep it open: let go since the last reading before the stop where every drop was
             # theirs and every one of them dropped (none since can have been dropped before it)
@@ -584,7 +584,7 @@ def dropped_in_queue(c: TritonCase) -> CancelVerdict | None:
     t_left = None
     if pend_before is not None:
         sel = (t_pend >= c.t_stop) & (t_pend <= c.t_stop + c.grace_s)
-        t_left = _first(t_pend, sel & (v_pend < pend_before - 0.5))
+        t_left = _first(t_pend, sel & (v_pend < pend_before - WHOLE))
     c.tp["left_scheduler"] = t_left if t_left is not None else t_dropped
     c.ev.release_ms = round(max(0.0, c.tp["left_scheduler"] - t_dropped) * 1000, 1)
     return c.verdict("dropped_in_queue")
@@ -621,8 +621,8 @@ def _fell_before_its_end(c: TritonCase, t_act: np.ndarray, v_act: np.ndarray, bo
     sel = (t_act >= t_stop) & (t_act <= t_stop + c.grace_s)
     # a reading with the request out, and none after it in the stretch with it surely in: one reading can miss a
     # request between the core's queue and the model's count (dequeued before the model counts it)
-    surely_in = np.nonzero((v_act > most + 0.5) & (t_act > t_stop) & (t_act < until))[0]
-    out = np.nonzero(sel & (v_act <= fewest + 0.5))[0]
+    surely_in = np.nonzero((v_act > most + WHOLE) & (t_act > t_stop) & (t_act < until))[0]
+    out = np.nonzero(sel & (v_act <= fewest + WHOLE))[0]
     out = out[out > surely_in[-1]] if len(surely_in) else out
     out = [i for i in out if c.stays_out(int(i), until)]
     answered = t_act + c.counted_spans if c.natural_from_send else t_act
@@ -653,7 +653,7 @@ def _counted_after(c: TritonCase, t_act: np.ndarray, v_act: np.ndarray, bounds: 
         return c.verdict("gauge_within_others")
     if own_end:
         # the request was surely counted up to its natural end (or the end of the grace), then seen gone
-        gone = np.nonzero((t_act >= natural - RACE_S) & (v_act <= fewest + 0.5))[0]
+        gone = np.nonzero((t_act >= natural - RACE_S) & (v_act <= fewest + WHOLE))[0]
         t_end = float(t_act[gone[0]]) if len(gone) else None
         if t_end is not None:
             c.tp["left_scheduler"] = t_end
@@ -715,5 +715,5 @@ def server_request_counts(run: Run) -> list[dict]:
             _, v = model_series(run, metric, target, model=model)
             counted += float(v[-1] - v[0]) if len(v) >= 2 else 0.0
         out.append({"model": model, "sent": sent[model], "server_counted": int(round(counted)),
-                    "ok": counted <= sent[model] + 1e-9})
+                    "ok": counted <= sent[model] + WHOLE})
     return out

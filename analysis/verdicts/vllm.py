@@ -38,7 +38,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from cancelwatch.analysis.bounds import JUDGE_PASSES, SURPLUS_HOLD_S
+from cancelwatch.analysis.bounds import JUDGE_PASSES, SURPLUS_HOLD_S, WHOLE
 from cancelwatch.analysis.rows import event_rows, ledger_dicts, ledger_rows
 from cancelwatch.analysis.verdicts.core import (
     CancelVerdict, LOG_SLACK_S, NO_REQUESTS, SEEN_LEAVING, climb, judge, ledger_by_scenario, left_seen_at
@@ -180,7 +180,7 @@ def entered_after_stop(c: VllmCase) -> CancelVerdict | None:
     if c.run.ledger["request_id"].astype(str).str.startswith(f"{c.rid}~").any():
         return None  # the client sent this id again (the watch's `id~xxxxxx` row): the line may be the other's
     times, t_in = c.sched["t_s"], firsts[0]
-    still_all = c.sched["count"] > c.without + 1e-9
+    still_all = c.sched["count"] > c.without + WHOLE
     # a sample with another request entering shows nothing of this one leaving (VllmCase.entering)
     after = np.nonzero((times >= t_in) & ~np.isnan(c.sched["count"]) & (still_all | ~c.entering))[0]
     still = still_all[after]
@@ -199,10 +199,10 @@ def entered_after_stop(c: VllmCase) -> CancelVerdict | None:
 def left_on_its_own_or_stayed(c: VllmCase) -> CancelVerdict:
     """No abort: when the request left the engine after the stop, by the samples that count it."""
     times, without = c.sched["t_s"], c.without
-    still_all = c.sched["count"] > without + 1e-9
+    still_all = c.sched["count"] > without + WHOLE
     # a count at the ledger's with other stopped requests beside it (VllmCase.stopped_beside) shows one of them
     # gone, not that this one is: gone for sure only where it is lower than the ledger's without any of them
-    which = ~still_all & (c.sched["count"] > without - np.minimum(c.stopped_beside, without) + 1e-9)
+    which = ~still_all & (c.sched["count"] > without - np.minimum(c.stopped_beside, without) + WHOLE)
     # a sample with another request entering shows nothing of this one leaving (VllmCase.entering): read as
     # gone there, a request sent after the stop and not yet counted made one that ran on read as gone
     refreshed_after = np.nonzero((times >= c.t_stop) & c.moved & (still_all | ~c.entering) & ~which)[0]
@@ -303,7 +303,7 @@ def released(c: VllmCase) -> CancelVerdict | None:
     # which of them a fall took out is not this one's evidence
     lost_beside = c.stopped_beside if c.t_abort is None else 0.0
     bound = c.without - lost_beside + c.ended_unseen - c.ended_unread_most
-    count_ok_all = sched["count"] <= bound + 1e-9
+    count_ok_all = sched["count"] <= bound + WHOLE
     grace_end = int(np.searchsorted(times, t_ref + c.grace_s, side="right"))
     # the count must stay reconciled to the end of the grace: a probe sent right after the abort
     # can stand in for a request that never left until the server counts the probe too. Reconciled at a sample only
@@ -318,7 +318,7 @@ def released(c: VllmCase) -> CancelVerdict | None:
         # counted yet, and the room it leaves not this one's (seen through a proxy that passed no cancel on, no
         # request log: lost requests queued and new ones not yet counted, a count at the ledger's read as a
         # release)
-        count_ok &= sched["count"] <= bound - c.others_entering + 1e-9
+        count_ok &= sched["count"] <= bound - c.others_entering + WHOLE
     kv_ok = np.logical_or.reduce([below, *waivers.values()]) if needs_kv_drop else np.ones(len(times), dtype=bool)
     hits = after[(count_ok & kv_ok & c.moved)[after]]
     if not len(hits):
@@ -337,7 +337,7 @@ def released(c: VllmCase) -> CancelVerdict | None:
             return c.verdict("ended_by_itself_after_stop", **ended)
     if not below[left] and needs_kv_drop:
         ev.kv_drop_waived = next(name for name, shown in waivers.items() if shown[left])
-    if not below[left] and c.others_unseen[left] - c.others_entering[left] > 0.5:
+    if not below[left] and c.others_unseen[left] - c.others_entering[left] > WHOLE:
         # the count read as the others' holds requests none of whose tokens had reached a client, past ENTER_S + LAG_S
         # from their send, and KV usage says nothing: a hop holding one of them longer leaves its room to this one
         c.assumed.add("counted_once_sent")
@@ -427,7 +427,7 @@ def held(c: VllmCase) -> CancelVerdict:
         # where the engine ran ahead of the ledger before the stop, one of those ends may be this one's own: the
         # request the count was short of (seen built: its end, before its stop, read as the lost one's leaving)
         mine = c.n if c.ahead else 0
-        if ends is None or ends < len(assumed) + mine - 1e-9:
+        if ends is None or ends < len(assumed) + mine - WHOLE:
             return c.verdict("counted_beside_lost", others=len(assumed))
         return c.verdict("still_counted_oldest_first", others=len(assumed))
     return c.verdict("still_counted_generating" if stepping else "gauges_stale")
@@ -463,7 +463,7 @@ def beside_traffic(c: VllmCase) -> CancelVerdict | None:
         return c.verdict("other_traffic_logged", requests=c.foreign_logged)
     times, sched = c.sched["t_s"], c.sched
     window = (times >= c.t_abort) & (times <= c.t_abort + c.grace_s) & c.moved
-    hits = np.nonzero(window & ~c.entering & ~_may_stand_in(c) & (sched["count"] <= c.without + 1e-9))[0]
+    hits = np.nonzero(window & ~c.entering & ~_may_stand_in(c) & (sched["count"] <= c.without + WHOLE))[0]
     if not len(hits):
         return c.verdict("other_traffic_logged", requests=c.foreign_logged)
     left = int(hits[0])

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from cancelwatch.analysis.bounds import BASELINE_S, BEFORE_S, ENTER_S, LAG_S, PACE_MARGIN, READ_BACK_S
+from cancelwatch.analysis.bounds import BASELINE_S, BEFORE_S, ENTER_S, LAG_S, PACE_MARGIN, READ_BACK_S, WHOLE
 from cancelwatch.analysis.evidence import Evidence
 from cancelwatch.analysis.verdicts.core import (
     ASSUMED_LEFT_RULES, COUNT_READING_RULES, HORIZON_S, LOG_SLACK_S, NO_APP, NO_LOG, NO_LOG_COUNT_RULES, RACE_TOKENS,
@@ -110,12 +110,12 @@ class VllmCase(Case):
             # may stand in its place
             this = rows.ids == self.rid
             entering = float(rows.seqs[~this & self.entering_rows[:, b] & (rows.first <= self.t_end)].sum())
-            unsure = entering > 0.5 and count_before >= ledger_before - entering - 1e-9
+            unsure = entering > WHOLE and count_before >= ledger_before - entering - WHOLE
             maybe_uncounted = bool((rows.counted[this, b] & (rows.first[this] > self.sched["t_s"][b])).any()) \
                 or self.rid in self.not_entered
             not_yet_counted = unsure and not maybe_uncounted and self.ends_unread is not None \
-                and self.ends_unread[b] < 0.5
-            ahead = count_before < ledger_before - 1e-9 and not not_yet_counted
+                and self.ends_unread[b] < WHOLE
+            ahead = count_before < ledger_before - WHOLE and not not_yet_counted
         return _Baseline(before, count_before, ledger_before, kv_before, ahead)
 
     @property
@@ -257,7 +257,7 @@ class VllmCase(Case):
         served: with W sequences waiting there, the last W sequences to enter the engine by then (an n>1 request
         is n of them) were the waiting ones; the oldest of them is the next let in."""
         t_b, w = float(self.sched["t_s"][i]), float(self.sched["waiting"][i])
-        if math.isnan(w) or w < 0.5:
+        if math.isnan(w) or w < WHOLE:
             return []
         r, logged = self.reqs, ~np.isnan(self.added_s)
         # not sent, or (the log names this target's requests) another target's, is in none
@@ -268,7 +268,7 @@ class VllmCase(Case):
             inside = np.nonzero(keep & (t_in <= t_b) & (t_b < t_out))[0]  # in the engine at that sample
         newest, seqs = [], 0.0
         for _, k in sorted(((float(t_in[k]), int(k)) for k in inside), reverse=True):
-            if seqs >= w - 0.5:
+            if seqs >= w - WHOLE:
                 break
             newest.append(k)
             seqs += float(r.seqs[k])
@@ -308,7 +308,7 @@ class VllmCase(Case):
         i_in = int(np.searchsorted(times, self.t_ref, side="right")) - 1
         if self.t_abort is None or not isinstance(seats, int) or i_in < 0:
             return out
-        if not sched["count"][i_in] - sched["waiting"][i_in] >= seats - 0.5:
+        if not sched["count"][i_in] - sched["waiting"][i_in] >= seats - WHOLE:
             return out
         waiters = self.waiters_at(i_in)
         r = self.reqs
@@ -353,7 +353,7 @@ class VllmCase(Case):
         return self.englog.foreign_between(self.target, self.t_stop - BASELINE_S, self.t_end) if self.has_log else None
 
     def foreign_traffic(self) -> tuple[int | None, int]:
-        over = self.sched["count"] > self.inflight + self.ended_unseen + 0.5
+        over = self.sched["count"] > self.inflight + self.ended_unseen + WHOLE
         return self.foreign_logged, int((over & self.baseline.before).sum())
 
     def restart(self) -> str | None:
@@ -478,15 +478,15 @@ class VllmCase(Case):
         return np.isin(self.reqs.ids, list(self.not_entered)) if self.not_entered else np.zeros(len(self.reqs.ids), bool)
 
     def _count_surely(self, unseen: np.ndarray, ledger: np.ndarray) -> np.ndarray:
-        exact = (np.abs(self.sched["count"] - (ledger - unseen)) < 1e-9) & (self.finished_unseen < 0.5)
+        exact = (np.abs(self.sched["count"] - (ledger - unseen)) < WHOLE) & (self.finished_unseen < WHOLE)
         if self.ends_unread is None:
             # a sure one the engine had ended (a slow reader) may leave room in the count for another: with none
             # unseen, the count is the ledger's whole (as before vLLM said why its requests ended); with some,
             # that room is theirs or this one's, and nothing says which
-            return exact & (unseen < 0.5)
+            return exact & (unseen < WHOLE)
         # the ends as of the sample, not of the gauges (an end counted before the engine drops its request only
         # makes the count less sure): room one of them left is this one's as much as any other's
-        return exact & (self.ended_unread_most < 0.5)
+        return exact & (self.ended_unread_most < WHOLE)
 
     @cached_property
     def count_surely(self) -> np.ndarray:
@@ -537,7 +537,7 @@ class VllmCase(Case):
         neighbour's blocks going back read as this one's; at half the sampling rate, the probe's end then left
         the same room at the sample that was to bear it out). True where the count needs no such allowance."""
         # over the bound less that allowance: reconciled, if at all, only by those ends
-        allowed = (self.ended_unseen > 0.5) & (self.sched["count"] > bound - self.ended_unseen + 1e-9) & count_ok
+        allowed = (self.ended_unseen > WHOLE) & (self.sched["count"] > bound - self.ended_unseen + WHOLE) & count_ok
         out = np.ones(len(allowed), dtype=bool)
         for i in np.nonzero(allowed)[0]:
             k = self.past_unseen_ends(int(i), allowed)
@@ -692,7 +692,7 @@ class VllmCase(Case):
     def entering(self) -> np.ndarray:
         """Per sample of the stretch: another request of the ledger may not be counted by the gauges yet
         (entering_rows): a count at the ledger's there could hold this one in its place."""
-        return self.others_entering > 0.5
+        return self.others_entering > WHOLE
 
     @cached_property
     def entries(self) -> list[float]:
@@ -799,7 +799,7 @@ class VllmCase(Case):
         if (entering & (r.scenario == WATCHED_SCENARIO)).any():
             return None
         ends, held, more = float(fin[i] - fin[b]), float(count[b]), float(r.seqs[entering].sum())
-        if ends < 0.5 or abs(ends - (held + more)) > 1e-9:
+        if ends < WHOLE or abs(ends - (held + more)) > WHOLE:
             return None  # some left otherwise (an abort), or the run did not see every request
         if (unseen & ~entering).any():
             self.assumed.add("counted_once_sent")
@@ -874,7 +874,7 @@ class VllmCase(Case):
         value, i, k = (float(excess[at_end]) if len(excess) else None), None, None
         if len(excess):
             i = int(np.nonzero(in_grace)[0][at_end])
-            allowed = (all_excess <= 0) & (self.ended_unseen > 0.5) & (sched["count"] > self.without + 1e-9)
+            allowed = (all_excess <= 0) & (self.ended_unseen > WHOLE) & (sched["count"] > self.without + WHOLE)
             k = self.past_unseen_ends(i, allowed)
             if k is not None:
                 value = float(all_excess[k])
@@ -947,7 +947,7 @@ class VllmCase(Case):
         if not gen[at][-1] > gen[at][0]:
             return "the engine's token counter did not rise across the grace", None
         for i, t, k, f, e, s, a in zip(at, times[at], count[at], inflight[at], ending, starting, arriving):
-            if k - a < f - e - s - 0.5:
+            if k - a < f - e - s - WHOLE:
                 late = f", {a} sent while its scrape was being answered" if a else ""
                 return ((f"{t - self.t_stop:.2f} s after the stop the server counted {k:g} request(s){late} where "
                          f"the ledger had {f:g} open"), self._reading_near(i, f - e - s + a))

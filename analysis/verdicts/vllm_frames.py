@@ -11,7 +11,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from cancelwatch.analysis.bounds import ENTER_S, LAG_S, SURPLUS_HOLD_S
+from cancelwatch.analysis.bounds import ENTER_S, LAG_S, SURPLUS_HOLD_S, WHOLE
 from cancelwatch.analysis.ghosts import EngineReading, Ghosts
 from cancelwatch.analysis.rows import event_rows
 from cancelwatch.analysis.series import scheduler_columns, scrape_spans
@@ -374,7 +374,7 @@ def ends_beyond_the_run(run: Run) -> str | None:
         return None
     ended = float(np.clip(np.diff(fin), 0.0, None).sum())
     could = float(requests_of(ledger, run.info["started_mono_ns"]).seqs.sum()) + float(count[0])
-    if ended <= could + 1e-9:
+    if ended <= could + WHOLE:
         return None
     return (f"the engine ended {ended:.0f} request(s) by themselves (vllm:request_success_total: stop, length), more "
             f"than the {could:.0f} the run sent or found in the engine when it began")
